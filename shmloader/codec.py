@@ -1,0 +1,470 @@
+"""The codec: a batch <-> (small metadata, payload layout). Pure: no I/O.
+
+``encode`` walks a collated batch once, refuses anything it cannot carry
+(before a byte is written anywhere), lays every array-like leaf out at an
+aligned offset of one flat payload and describes the rest as metadata.
+``write_payload`` copies the leaves into any writable byte buffer (a shared
+memory slot, a receive tensor); ``decode`` rebuilds the batch with every
+tensor a *view* into a given buffer. The same metadata and layout serve the
+shared-memory ring and the ``torch.distributed`` path, so the transports take
+the codec's output as a value and never look inside a batch.
+
+Metadata wire format (UTF-8 JSON, never pickle)::
+
+    {"v": 1,                        format version, checked first
+     "n": 4096,                     payload bytes (end of the last leaf)
+     "L": [[kind, dtype, shape, offset, nbytes], ...],   leaf table
+     "t": <node>}                   the batch tree
+
+    node := null | true | false | <int> | <float> | "<str>"   python leaves
+          | ["L", [node...]]                list
+          | ["T", [node...]]                tuple
+          | ["D", [[node, node]...]]        dict (insertion order kept)
+          | ["N", "mod:Qual", [node...]]    namedtuple
+          | ["C", "mod:Qual", [[field, node]...]]   dataclass
+          | ["@", leaf_index]               array-like leaf (aliases share an index)
+
+    leaf kinds: "t" torch tensor, "a" numpy array, "s" numpy scalar,
+                "b" bytes, "p" pickled object (only with allow_pickle)
+
+Payload layout: leaves in first-seen order, each at an offset aligned to
+``ALIGN`` bytes, contiguous, native byte order. Offsets are what the ring and
+the broadcast share::
+
+    0        64                 4160          4224
+    |leaf 0  |pad|leaf 1 ........|pad|leaf 2 ..|
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import math
+import pickle
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import ProtocolError, UnsupportedBatchError
+
+FORMAT_VERSION = 1
+ALIGN = 64
+#: Refuse trees deeper than this on decode (a hostile or corrupt message must
+#: not exhaust the stack).
+MAX_DEPTH = 64
+MAX_META_BYTES = 64 << 20
+
+
+def _torch_dtype_table() -> dict[str, torch.dtype]:
+    table: dict[str, torch.dtype] = {}
+    for name in dir(torch):
+        d = getattr(torch, name)
+        if not isinstance(d, torch.dtype):
+            continue
+        key = str(d).removeprefix("torch.")
+        if key.startswith(("qint", "quint")):
+            continue  # quantized tensors carry scales: not plain bytes
+        try:
+            if d.itemsize < 1:
+                continue  # sub-byte dtypes have no byte-addressable layout
+        except (AttributeError, RuntimeError):
+            continue
+        table[key] = d
+    return table
+
+
+_TORCH_DTYPES = _torch_dtype_table()
+_NUMPY_KINDS = set("biufcMmSU?")  # no object, void/structured
+_PY_LEAVES = (type(None), bool, int, float, str)
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One array-like leaf in the payload: where it lives and how to view it."""
+
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """What ``encode`` returns: metadata bytes plus the sources to copy.
+
+    ``meta`` is what travels (ZeroMQ, broadcast); ``leaves`` and ``nbytes`` are
+    the layout; ``sources[i]`` is the object whose bytes go at
+    ``leaves[i].offset``.
+    """
+
+    meta: bytes
+    nbytes: int
+    leaves: tuple[Leaf, ...]
+    sources: tuple[Any, ...]
+
+
+def align(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+# --------------------------------------------------------------------- encode
+
+
+class _Encoder:
+    def __init__(self, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.leaves: list[Leaf] = []
+        self.sources: list[Any] = []
+        self.seen: dict[int, int] = {}  # id(obj) -> leaf index, for aliases
+        self.keep: list[Any] = []  # keep ids stable while encoding
+        self.offset = 0
+
+    def leaf(self, obj: Any, kind: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> list:
+        index = self.seen.get(id(obj))
+        if index is None:
+            index = len(self.leaves)
+            self.seen[id(obj)] = index
+            self.keep.append(obj)
+            offset = align(self.offset)
+            self.leaves.append(Leaf(kind, dtype, shape, offset, nbytes))
+            self.sources.append(obj)
+            self.offset = offset + nbytes
+        return ["@", index]
+
+    def node(self, obj: Any, path: str) -> Any:
+        t = type(obj)
+        if t in _PY_LEAVES:
+            if t is float and not math.isfinite(obj):
+                return ["F", repr(obj)]  # JSON has no inf/nan
+            return obj
+        if t is torch.Tensor or isinstance(obj, torch.Tensor):
+            return self.tensor(obj, path)
+        if isinstance(obj, np.ndarray):
+            return self.ndarray(obj, path, "a")
+        if isinstance(obj, np.generic):
+            return self.ndarray(np.asarray(obj), path, "s")
+        if t is bytes:
+            return self.leaf(obj, "b", "uint8", (len(obj),), len(obj))
+        if t is list:
+            return ["L", [self.node(v, f"{path}[{i}]") for i, v in enumerate(obj)]]
+        if t is tuple:
+            return ["T", [self.node(v, f"{path}[{i}]") for i, v in enumerate(obj)]]
+        if t is dict:
+            return [
+                "D",
+                [[self.key(k, path), self.node(v, f"{path}[{k!r}]")] for k, v in obj.items()],
+            ]
+        if isinstance(obj, tuple) and hasattr(t, "_fields"):
+            items = [self.node(getattr(obj, f), f"{path}.{f}") for f in t._fields]
+            return ["N", _type_name(t), items]
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            fields = [
+                [f.name, self.node(getattr(obj, f.name), f"{path}.{f.name}")]
+                for f in dataclasses.fields(obj)
+            ]
+            return ["C", _type_name(t), fields]
+        if self.allow_pickle:
+            try:
+                blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:
+                raise UnsupportedBatchError(path, obj, f"pickling failed: {exc}") from exc
+            return self.leaf(blob, "p", "uint8", (len(blob),), len(blob))
+        raise UnsupportedBatchError(path, obj)
+
+    def key(self, key: Any, path: str) -> Any:
+        if type(key) in _PY_LEAVES or type(key) is tuple:
+            return self.node(key, f"{path} (a key)")
+        raise UnsupportedBatchError(
+            f"{path} (a key {key!r})", key, "dict keys must be str/int/float/bool/None/tuple"
+        )
+
+    def tensor(self, t: torch.Tensor, path: str) -> list:
+        if type(t) is not torch.Tensor:
+            raise UnsupportedBatchError(
+                path, t, "tensor subclasses are not carried; pass a plain tensor"
+            )
+        if t.device.type != "cpu":
+            raise UnsupportedBatchError(
+                path,
+                t,
+                f"a tensor on {t.device}; keep batches on the CPU and move them after delivery",
+            )
+        if t.layout != torch.strided:
+            raise UnsupportedBatchError(path, t, f"layout {t.layout}; densify it (t.to_dense())")
+        name = str(t.dtype).removeprefix("torch.")
+        if name not in _TORCH_DTYPES:
+            raise UnsupportedBatchError(path, t, f"dtype {t.dtype} has no plain byte layout")
+        if t.requires_grad:
+            raise UnsupportedBatchError(path, t, "requires_grad=True; detach() it in collate")
+        return self.leaf(t, "t", name, tuple(t.shape), t.numel() * t.element_size())
+
+    def ndarray(self, a: np.ndarray, path: str, kind: str) -> list:
+        if a.dtype.kind not in _NUMPY_KINDS or a.dtype.fields is not None:
+            raise UnsupportedBatchError(path, a, f"numpy dtype {a.dtype} is not a plain value type")
+        return self.leaf(a, kind, a.dtype.str, tuple(a.shape), a.nbytes)
+
+
+def _type_name(t: type) -> str:
+    return f"{t.__module__}:{t.__qualname__}"
+
+
+def encode(batch: Any, *, allow_pickle: bool = False) -> Encoded:
+    """Describe ``batch``: metadata bytes, payload layout and the sources to copy.
+
+    Raises :class:`UnsupportedBatchError` naming the path of the first leaf it
+    cannot carry; nothing has been written anywhere when it does.
+    """
+    enc = _Encoder(allow_pickle)
+    tree = enc.node(batch, "batch")
+    table = [[lf.kind, lf.dtype, list(lf.shape), lf.offset, lf.nbytes] for lf in enc.leaves]
+    meta = json.dumps(
+        {"v": FORMAT_VERSION, "n": enc.offset, "L": table, "t": tree},
+        separators=(",", ":"),
+        ensure_ascii=False,
+        allow_nan=False,
+    ).encode()
+    return Encoded(meta, enc.offset, tuple(enc.leaves), tuple(enc.sources))
+
+
+def write_payload(encoded: Encoded, dest: np.ndarray) -> None:
+    """Copy every leaf of ``encoded`` into ``dest`` (a writable uint8 array).
+
+    One pass per leaf, straight from the source's memory into ``dest``: a
+    non-contiguous tensor is gathered by ``copy_`` without an intermediate
+    contiguous copy.
+    """
+    if dest.dtype != np.uint8 or dest.ndim != 1:
+        raise TypeError(f"dest must be a 1-D uint8 array, got {dest.dtype} with shape {dest.shape}")
+    if dest.nbytes < encoded.nbytes:
+        raise ValueError(f"dest holds {dest.nbytes} bytes; the payload needs {encoded.nbytes}")
+    for leaf, src in zip(encoded.leaves, encoded.sources, strict=True):
+        if leaf.nbytes == 0:
+            continue
+        window = dest[leaf.offset : leaf.offset + leaf.nbytes]
+        if leaf.kind == "t":
+            out = torch.from_numpy(window).view(_TORCH_DTYPES[leaf.dtype]).view(leaf.shape)
+            out.copy_(src.resolve_conj().resolve_neg())
+        elif leaf.kind in ("a", "s"):
+            np.copyto(window.view(src.dtype).reshape(src.shape), src, casting="no")
+        else:  # bytes, pickle
+            window[:] = np.frombuffer(src, dtype=np.uint8)
+
+
+# --------------------------------------------------------------------- decode
+
+
+def parse_meta(
+    meta: bytes | memoryview, payload_size: int | None = None
+) -> tuple[dict, list[Leaf]]:
+    """Validate metadata; return the document and its leaf table.
+
+    Checks the version, every field's type, that each leaf's ``nbytes`` is
+    exactly its shape times its item size, and (when ``payload_size`` is
+    given) that every leaf lies inside the payload. Raises
+    :class:`ProtocolError` on anything else: corrupt metadata never reaches a
+    memory access.
+    """
+    if len(meta) > MAX_META_BYTES:
+        raise ProtocolError(f"metadata of {len(meta)} bytes exceeds {MAX_META_BYTES}")
+    try:
+        doc = json.loads(bytes(meta))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ProtocolError(f"metadata is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("v") != FORMAT_VERSION:
+        version = doc.get("v") if isinstance(doc, dict) else None
+        raise ProtocolError(
+            f"metadata format version {version!r}; this build reads {FORMAT_VERSION}"
+        )
+    n, table = doc.get("n"), doc.get("L")
+    if not _is_int(n) or n < 0 or not isinstance(table, list):
+        raise ProtocolError("metadata lacks a valid payload size or leaf table")
+    if payload_size is not None and n > payload_size:
+        raise ProtocolError(f"metadata says {n} payload bytes; the buffer holds {payload_size}")
+    leaves = [_parse_leaf(entry, n) for entry in table]
+    return doc, leaves
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int
+
+
+def _parse_leaf(entry: Any, payload_size: int) -> Leaf:
+    if not (isinstance(entry, list) and len(entry) == 5):
+        raise ProtocolError(f"bad leaf entry {entry!r:.80}")
+    kind, dtype, shape, offset, nbytes = entry
+    if kind not in ("t", "a", "s", "b", "p") or not isinstance(dtype, str):
+        raise ProtocolError(f"bad leaf kind/dtype {kind!r}/{dtype!r:.40}")
+    if not (
+        isinstance(shape, list) and len(shape) <= 64 and all(_is_int(d) and d >= 0 for d in shape)
+    ):
+        raise ProtocolError(f"bad leaf shape {shape!r:.80}")
+    if not (_is_int(offset) and _is_int(nbytes) and offset >= 0 and nbytes >= 0):
+        raise ProtocolError(f"bad leaf offset/nbytes {offset!r}/{nbytes!r}")
+    if offset + nbytes > payload_size:
+        raise ProtocolError(
+            f"leaf [{offset}, {offset + nbytes}) lies outside the {payload_size}-byte payload"
+        )
+    itemsize = _itemsize(kind, dtype)
+    if math.prod(shape) * itemsize != nbytes:
+        raise ProtocolError(f"leaf nbytes {nbytes} != shape {shape} x itemsize {itemsize}")
+    return Leaf(kind, dtype, tuple(shape), offset, nbytes)
+
+
+def _itemsize(kind: str, dtype: str) -> int:
+    if kind == "t":
+        d = _TORCH_DTYPES.get(dtype)
+        if d is None:
+            raise ProtocolError(f"unknown torch dtype {dtype!r:.40}")
+        return d.itemsize
+    if kind in ("a", "s"):
+        try:
+            d = np.dtype(dtype)
+        except TypeError:
+            raise ProtocolError(f"unknown numpy dtype {dtype!r:.40}") from None
+        if d.kind not in _NUMPY_KINDS or d.fields is not None:
+            raise ProtocolError(f"numpy dtype {dtype!r:.40} is not a plain value type")
+        return d.itemsize
+    if dtype != "uint8":
+        raise ProtocolError(f"bytes leaf with dtype {dtype!r:.40}")
+    return 1
+
+
+class _Decoder:
+    def __init__(self, leaves: list[Leaf], payload: np.ndarray, allow_pickle: bool) -> None:
+        self.leaves = leaves
+        self.payload = payload
+        self.allow_pickle = allow_pickle
+        self.built: dict[int, Any] = {}
+
+    def leaf(self, index: Any) -> Any:
+        if not _is_int(index) or not 0 <= index < len(self.leaves):
+            raise ProtocolError(f"leaf reference {index!r:.40} out of range")
+        if index in self.built:
+            return self.built[index]
+        lf = self.leaves[index]
+        window = self.payload[lf.offset : lf.offset + lf.nbytes]
+        if lf.kind == "t":
+            obj = torch.from_numpy(window).view(_TORCH_DTYPES[lf.dtype]).view(lf.shape)
+        elif lf.kind == "a":
+            obj = window.view(np.dtype(lf.dtype)).reshape(lf.shape)
+        elif lf.kind == "s":
+            obj = window.view(np.dtype(lf.dtype)).reshape(lf.shape)[()].copy()
+        elif lf.kind == "b":
+            obj = window.tobytes()
+        else:
+            if not self.allow_pickle:
+                raise ProtocolError(
+                    "batch holds a pickled leaf but allow_pickle is off on this rank"
+                )
+            obj = pickle.loads(window.tobytes())
+        self.built[index] = obj
+        return obj
+
+    def node(self, node: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise ProtocolError(f"batch tree deeper than {MAX_DEPTH}")
+        if node is None or type(node) in (bool, int, float, str):
+            return node
+        if not (isinstance(node, list) and node and isinstance(node[0], str)):
+            raise ProtocolError(f"bad tree node {node!r:.80}")
+        tag, args = node[0], node[1:]
+        try:
+            if tag == "@":
+                (index,) = args
+                return self.leaf(index)
+            if tag == "L":
+                (items,) = args
+                return [self.node(v, depth + 1) for v in _list(items)]
+            if tag == "T":
+                (items,) = args
+                return tuple(self.node(v, depth + 1) for v in _list(items))
+            if tag == "D":
+                (items,) = args
+                return {self.node(k, depth + 1): self.node(v, depth + 1) for k, v in _pairs(items)}
+            if tag == "F":
+                (text,) = args
+                if text not in ("inf", "-inf", "nan"):
+                    raise ProtocolError(f"bad float {text!r:.20}")
+                return float(text)
+            if tag == "N":
+                name, items = args
+                cls = _resolve(name, "namedtuple")
+                return cls(*(self.node(v, depth + 1) for v in _list(items)))
+            if tag == "C":
+                name, items = args
+                cls = _resolve(name, "dataclass")
+                obj = object.__new__(cls)
+                for field, value in _pairs(items):
+                    if not isinstance(field, str):
+                        raise ProtocolError(f"bad dataclass field {field!r:.40}")
+                    object.__setattr__(obj, field, self.node(value, depth + 1))
+                return obj
+        except (ValueError, TypeError) as exc:
+            raise ProtocolError(f"malformed {tag!r} node: {exc}") from None
+        raise ProtocolError(f"unknown tree tag {tag!r:.20}")
+
+
+def _list(items: Any) -> list:
+    if not isinstance(items, list):
+        raise ProtocolError(f"expected a list, got {type(items).__name__}")
+    return items
+
+
+def _pairs(items: Any) -> Iterator[tuple[Any, Any]]:
+    for pair in _list(items):
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise ProtocolError(f"expected a [key, value] pair, got {pair!r:.60}")
+        yield pair[0], pair[1]
+
+
+_RESOLVED: dict[str, type] = {}
+
+
+def _resolve(name: Any, what: str) -> type:
+    """Import a namedtuple/dataclass type named by the leader.
+
+    Only types that really are namedtuples/dataclasses are accepted; nothing is
+    called but the type's own constructor (namedtuple) or ``object.__new__``.
+    """
+    cls = _RESOLVED.get(name) if isinstance(name, str) else None
+    if cls is not None:
+        return cls
+    if not isinstance(name, str) or name.count(":") != 1:
+        raise ProtocolError(f"bad type name {name!r:.80}")
+    module_name, qualname = name.split(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise ProtocolError(
+            f"cannot import the {what} type {name} on this rank ({exc}); define it in an "
+            "importable module (not inside a function) so every rank can rebuild it"
+        ) from None
+    ok = isinstance(obj, type) and (
+        issubclass(obj, tuple) and hasattr(obj, "_fields")
+        if what == "namedtuple"
+        else dataclasses.is_dataclass(obj)
+    )
+    if not ok:
+        raise ProtocolError(f"{name} is not a {what}")
+    _RESOLVED[name] = obj
+    return obj
+
+
+def decode(meta: bytes | memoryview, payload: np.ndarray, *, allow_pickle: bool = False) -> Any:
+    """Rebuild the batch described by ``meta`` with tensors viewing ``payload``.
+
+    ``payload`` is a 1-D uint8 numpy array (a mapping of a ring slot, or a
+    received buffer). Tensors and arrays are views into it: no payload byte is
+    copied. Leaves that were one object on the leader are one object here.
+    """
+    if payload.dtype != np.uint8 or payload.ndim != 1:
+        raise TypeError(f"payload must be a 1-D uint8 array, got {payload.dtype} {payload.shape}")
+    doc, leaves = parse_meta(meta, payload.nbytes)
+    return _Decoder(leaves, payload, allow_pickle).node(doc.get("t"), 0)

@@ -1,0 +1,727 @@
+"""``ShmLoader``: orchestration only.
+
+Roles (see ``topology``): the *leader* runs the user's loader and publishes
+each batch once into its node's ring; a *node leader* receives each batch from
+the leader over the cross-node broadcast straight into its own ring and
+publishes it on its node; a *follower* maps what its node's writer published.
+With sharing off every rank is *local*: it builds and iterates its own loader,
+exactly as without shmloader.
+
+One batch, leader to a follower on another node::
+
+    leader                          node leader (node B)          follower (node B)
+    ------                          --------------------          -----------------
+    batch = next(loader)
+    enc = codec.encode(batch)
+    slot = ring.acquire(n)
+    codec.write_payload(enc, slot)
+    xnode.send(meta, slot) =======> xnode.receive_header()
+                                    slot' = ring.acquire(n)
+                                    xnode.receive_payload(slot')
+    hub.send(BATCH) -> local        hub.send(BATCH) --ZeroMQ--->  spoke receives BATCH
+    followers                                                     mmap slot' MAP_PRIVATE
+    yield batch (the original)      yield decode(private view)    yield codec.decode(view)
+                                                                  ... batch garbage ->
+                                    ring.release  <--RELEASE----  weakref.finalize
+
+NOTE [iteration numbers]
+    Every rank counts its own ``iter()`` calls; the writer stamps each message
+    with its count (``it``). All ranks of a group iterate in the same pattern
+    (same epochs, same early ``break``s), so equal counts mean the same
+    iteration. A reader drops (and releases) batches of an earlier iteration,
+    and ends its current iteration when a later one starts.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import functools
+import json
+import logging
+import os
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import codec, rng, wire
+from .channel import Hub, Peer, Spoke, socket_path
+from .config import Config
+from .errors import ConfigError, LeaderError, ProtocolError, ShmLoaderError
+from .ring import RingReader, RingWriter, Slot, new_token
+from .topology import GroupTopology, discover
+from .wire import Kind
+from .xnode import KIND_BATCH, KIND_END, KIND_ERROR, KIND_STOP, CrossNode
+
+log = logging.getLogger(__name__)
+
+_LENGTH_NONE = -1  # the leader's loader has no __len__
+_LENGTH_FAILED = -2  # make_loader raised on the leader
+
+
+class ShmLoader:
+    """Iterate one loader per SP group; every rank of ``group`` gets identical batches.
+
+    Args:
+        make_loader: zero-argument callable returning an iterable of batches,
+            usually a ``torch.utils.data.DataLoader``. With sharing on only the
+            group's leader calls it.
+        group: the ``torch.distributed`` process group whose ranks must receive
+            identical batches. ``None``, a group of size 1, or sharing off
+            (``SHMLOADER`` unset): every rank calls ``make_loader`` itself.
+        accumulation_steps: micro-batches per optimizer step (checkpoints
+            resume at optimizer-step boundaries).
+        config: a :class:`~shmloader.Config`; default ``Config.from_env()``.
+
+    Construction is collective over ``group`` when sharing is on: every rank
+    of the group must construct its ``ShmLoader`` at the same point.
+    """
+
+    def __init__(
+        self,
+        make_loader: Callable[[], Iterable[Any]],
+        group: dist.ProcessGroup | None = None,
+        *,
+        accumulation_steps: int = 1,
+        config: Config | None = None,
+    ) -> None:
+        if not callable(make_loader):
+            raise TypeError(f"make_loader must be a zero-argument callable, got {make_loader!r}")
+        if (
+            not isinstance(accumulation_steps, int)
+            or isinstance(accumulation_steps, bool)
+            or accumulation_steps < 1
+        ):
+            raise ConfigError("accumulation_steps", accumulation_steps, "an integer >= 1")
+        self.config = config if config is not None else Config.from_env()
+        self.accumulation_steps = accumulation_steps
+        self._epoch = 0
+        self._it = 0  # NOTE [iteration numbers]
+        self._seq = 0  # batches announced by this writer
+        self._delivered = 0  # batches handed to the user in the current iteration
+        self._closed = False
+        self._loader: Iterable[Any] | None = None
+        self._length: int | None = None
+        self._topo: GroupTopology | None = None
+        self._ring: RingWriter | None = None
+        self._hub: Hub | None = None
+        self._reader: RingReader | None = None
+        self._spoke: Spoke | None = None
+        self._xnode: CrossNode | None = None
+        self._own_groups: list[dist.ProcessGroup] = []
+        self._stats = collections.Counter()
+        self._warned_rng = False
+
+        sharing = (
+            self.config.enabled
+            and group is not None
+            and dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size(group) > 1
+        )
+        if not sharing:
+            self._role = "local"
+            self._loader = make_loader()
+            return
+        self._setup(make_loader, group)
+        self._finalizer = weakref.finalize(self, _close_quietly, self._closers())
+
+    # ------------------------------------------------------------------ set-up
+
+    def _setup(self, make_loader: Callable[[], Iterable[Any]], group: dist.ProcessGroup) -> None:
+        pg = self._exchange_group(group)
+        topo = discover(pg, new_token(), node_override=self.config.node)
+        self._topo = topo
+        self._role = topo.role()
+        error: BaseException | None = None
+        length = torch.tensor([_LENGTH_NONE], dtype=torch.int64)
+        if topo.is_leader:
+            try:
+                self._loader = make_loader()
+                with contextlib.suppress(TypeError):
+                    length[0] = len(self._loader)  # type: ignore[arg-type]
+            except BaseException as exc:
+                error, length[0] = exc, _LENGTH_FAILED
+        dist.broadcast(length, src=topo.leader, group=pg)
+        if error is not None:
+            raise error
+        if int(length[0]) == _LENGTH_FAILED:
+            raise LeaderError(
+                "Exception",
+                "make_loader() raised on the leader",
+                "see the leader's log",
+                leader_rank=topo.leader,
+            )
+        self._length = int(length[0])
+
+        if topo.is_writer:
+            self._ring = RingWriter(
+                topo.ring_token,
+                frozenset(topo.readers),
+                self._description(),
+                self_rank=None if topo.is_leader else topo.me,
+            )
+            self._hub = Hub(socket_path(self.config.runtime_dir, topo.ring_token, os.getpid()))
+            self._hello: set[int] = set()
+            self._acked = dict.fromkeys(topo.readers, 0)
+            self._gone: set[int] = set()
+            self._self_releases: collections.deque = collections.deque()
+        else:
+            writer = topo.fact(topo.writer)
+            self._reader = RingReader(topo.ring_token)
+            self._spoke = Spoke(
+                socket_path(self.config.runtime_dir, topo.ring_token, writer.pid), topo.me
+            )
+            self._releases: collections.deque = collections.deque()
+            self._stash: wire.Message | None = None
+            self._spoke.send(
+                wire.frames(
+                    Kind.HELLO, rank=topo.me, pid=os.getpid(), start=topo.fact(topo.me).start
+                )
+            )
+        if len(topo.nodes) > 1 and topo.me in topo.node_leaders:
+            xg = dist.new_group(
+                list(topo.node_leaders), backend="gloo", use_local_synchronization=True
+            )
+            self._own_groups.append(xg)
+            self._xnode = CrossNode(xg, topo.leader, topo.node_leaders)
+
+    def _exchange_group(self, group: dist.ProcessGroup) -> dist.ProcessGroup:
+        """A gloo group with the ranks of ``group`` for the CPU set-up exchange."""
+        if dist.get_backend(group) == "gloo":
+            return group
+        ranks = dist.get_process_group_ranks(group)
+        pg = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        self._own_groups.append(pg)
+        return pg
+
+    def _description(self) -> dict:
+        topo = self._topo
+        assert topo is not None
+        return {
+            "token": topo.ring_token,
+            "group": list(topo.ranks),
+            "leader": topo.leader,
+            "writer": topo.me,
+            "node": list(topo.node),
+            "pids": {str(f.rank): [f.pid, f.start] for f in topo.facts if f.rank in topo.node},
+            "world": dist.get_world_size(),
+        }
+
+    def _closers(self) -> list[Callable[[], None]]:
+        return [
+            c.close for c in (self._spoke, self._reader, self._hub, self._ring) if c is not None
+        ]
+
+    # ------------------------------------------------------------- public API
+
+    @property
+    def is_leader(self) -> bool:
+        """True on the rank that runs the loader (every rank when sharing is off)."""
+        return self._role in ("local", "leader")
+
+    @property
+    def role(self) -> str:
+        """``local``, ``leader``, ``node leader`` or ``follower``."""
+        return self._role
+
+    @property
+    def topology(self) -> GroupTopology | None:
+        return self._topo
+
+    def __len__(self) -> int:
+        if self._role == "local":
+            return len(self._loader)  # type: ignore[arg-type]
+        if self._length is None or self._length < 0:
+            raise TypeError(
+                "the leader's loader has no len() (an IterableDataset without __len__?)"
+            )
+        return self._length
+
+    def set_epoch(self, epoch: int) -> None:
+        """Record ``epoch`` and forward it to the leader's loader and sampler."""
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise ConfigError("epoch", epoch, "an integer >= 0")
+        self._epoch = epoch
+        if self._loader is not None:
+            _forward_set_epoch(self._loader, epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._closed:
+            raise ShmLoaderError("this ShmLoader is closed; make a new one")
+        self._it += 1
+        self._delivered = 0
+        if self._role == "local":
+            return self._local_iteration()
+        if self._role == "leader":
+            return self._leader_iteration(self._it)
+        if self._role == "node leader":
+            return self._relay_iteration(self._it)
+        return self._follower_iteration(self._it)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this rank: batches, bytes, times (ms), ring size."""
+        out: dict[str, Any] = {"role": self._role, "epoch": self._epoch, **self._stats}
+        if self._ring is not None:
+            out["ring_slots"] = len(self._ring.slots)
+            out["ring_bytes"] = self._ring.total_bytes
+        if self._xnode is not None:
+            out["cross_node_bytes_sent"] = self._xnode.bytes_sent
+        return out
+
+    def close(self) -> None:
+        """Release every resource. Idempotent; also runs at interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._spoke is not None:
+            with contextlib.suppress(Exception):
+                self._flush_releases()
+                self._spoke.send(wire.frames(Kind.BYE, rank=self._me))
+        if self._hub is not None:
+            with contextlib.suppress(Exception):
+                self._tell_readers(wire.frames(Kind.STOP, reason="the writer closed"))
+        if self._role != "local":
+            self._finalizer()
+        for g in self._own_groups:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(g)
+        self._own_groups.clear()
+        self._loader = None
+
+    def __enter__(self) -> ShmLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ iteration
+
+    @property
+    def _me(self) -> int:
+        assert self._topo is not None
+        return self._topo.me
+
+    def _local_iteration(self) -> Iterator[Any]:
+        for batch in self._loader:  # type: ignore[union-attr]
+            self._delivered += 1
+            yield batch
+
+    def _count(self, before: torch.Tensor) -> int:
+        n = rng.count_draws(before, rng.snapshot())
+        if n is None:
+            if not self._warned_rng:
+                self._warned_rng = True
+                log.warning(
+                    "shmloader: the leader's loader drew from the default torch generator in a way "
+                    "followers cannot mirror (e.g. torch.rand in a main-process collate_fn); "
+                    "followers' RNG will differ from sharing-off (NOTE [RNG mirroring])"
+                )
+            return 0
+        return n
+
+    def _leader_iteration(self, it: int) -> Iterator[Any]:
+        steps = 0
+        try:
+            before = rng.snapshot()
+            source = iter(self._loader)  # type: ignore[arg-type]
+            pending = self._count(before)
+            while True:
+                before = rng.snapshot()
+                try:
+                    batch = next(source)
+                except StopIteration:
+                    draws = pending + self._count(before)
+                    self._end(it, steps, draws)
+                    return
+                draws, pending = pending + self._count(before), 0
+                self._publish(it, batch, draws)
+                steps += 1
+                self._delivered += 1
+                yield batch
+        except GeneratorExit:
+            raise
+        except BaseException as exc:
+            self._fail(it, exc)
+            raise
+
+    def _publish(self, it: int, batch: Any, draws: int) -> None:
+        t0 = time.perf_counter_ns()
+        enc = codec.encode(batch, allow_pickle=self.config.allow_pickle)
+        self._await_readers()
+        slot = self._ring.acquire(enc.nbytes) if enc.nbytes else None  # type: ignore[union-attr]
+        if slot is not None:
+            codec.write_payload(enc, slot.payload)
+        t1 = time.perf_counter_ns()
+        if self._xnode is not None:
+            payload = slot.payload[: enc.nbytes] if slot is not None else None
+            self._xnode.send(KIND_BATCH, it, enc.meta, payload, draws=draws)
+        self._announce(it, enc.meta, enc.nbytes, slot, draws, t1 - t0)
+        self._stats["published"] += 1
+        self._stats["bytes_published"] += enc.nbytes
+        self._stats["publish_ms_total"] += (time.perf_counter_ns() - t0) / 1e6
+        self._stats["write_ms_last"] = (t1 - t0) / 1e6
+
+    def _announce(
+        self, it: int, meta: bytes, nbytes: int, slot: Slot | None, draws: int, ns: int
+    ) -> None:
+        """Tell this node's readers that batch ``seq`` is in ``slot``."""
+        ring = self._ring
+        assert ring is not None
+        seq = self._seq
+        self._seq += 1
+        if slot is not None:
+            ring.publish(slot, seq, nbytes, ns)
+        parts = wire.frames(
+            Kind.BATCH,
+            seq,
+            meta,
+            it=it,
+            slot=-1 if slot is None else slot.index,
+            gen=0 if slot is None else slot.gen,
+            seg="" if slot is None else slot.segment.name,
+            nbytes=nbytes,
+            draws=draws,
+        )
+        self._tell_readers(parts)
+
+    def _tell_readers(self, parts: list) -> None:
+        assert self._hub is not None and self._topo is not None
+        for rank in self._topo.readers:
+            if rank not in self._gone:
+                self._hub.send(rank, parts)
+
+    def _end(self, it: int, steps: int, draws: int) -> None:
+        if self._xnode is not None:
+            self._xnode.send(KIND_END, it, b"", draws=draws, steps=steps)
+        self._await_readers(window=False)
+        self._tell_readers(wire.frames(Kind.END, it=it, steps=steps, draws=draws))
+
+    def _fail(self, it: int, exc: BaseException) -> None:
+        """Tell every reader (and node leader) that this iteration failed."""
+        try:
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                body = {"reason": f"{type(exc).__name__} on the leader"}
+                if self._xnode is not None:
+                    self._xnode.send_json(KIND_STOP, it, body)
+                self._tell_readers(wire.frames(Kind.STOP, **body))
+                return
+            body = {
+                "it": it,
+                "type": type(exc).__qualname__,
+                "message": str(exc),
+                "traceback": "".join(traceback.format_exception(exc)),
+            }
+            if self._xnode is not None:
+                self._xnode.send_json(KIND_ERROR, it, body)
+            self._tell_readers(wire.frames(Kind.ERROR, **body))
+        except Exception as notify_error:  # the original error matters more
+            log.warning("shmloader: could not tell followers about %r: %s", exc, notify_error)
+
+    # -- writer bookkeeping --------------------------------------------------
+
+    def _handle(self, msg: wire.Message, rank: int | None) -> bool:
+        """Apply one reader message to the writer's state; never raises on bad input."""
+        ring = self._ring
+        assert ring is not None and self._topo is not None
+        if rank not in self._acked:
+            log.warning("shmloader: message from rank %s, which is not a reader here", rank)
+            return False
+        try:
+            if msg.kind == Kind.HELLO:
+                self._hello.add(rank)
+            elif msg.kind == Kind.ACK:
+                self._acked[rank] = max(self._acked[rank], msg.seq + 1)
+            elif msg.kind == Kind.RELEASE:
+                ring.release(rank, msg["slot"], msg["gen"])
+            elif msg.kind == Kind.ATTACHED:
+                ring.attached(rank, msg["seg"])
+            elif msg.kind == Kind.BYE:
+                self._gone.add(rank)
+                ring.drop_reader(rank)
+            else:
+                raise ProtocolError(f"{msg.kind.name} is not a reader's message")
+        except ProtocolError as exc:
+            log.warning("shmloader: dropped a message from rank %d: %s", rank, exc)
+        return False
+
+    def _pump(self) -> None:
+        """Apply every message already waiting, and our own releases (node leader)."""
+        assert self._hub is not None and self._ring is not None
+        while (got := self._hub.receive(0)) is not None:
+            self._handle(*got)
+        while self._self_releases:
+            index, gen = self._self_releases.popleft()
+            with contextlib.suppress(ProtocolError):
+                self._ring.release(self._me, index, gen)
+
+    def _await_readers(self, *, window: bool = True) -> None:
+        """Wait until every reader said HELLO and (``window``) none lags ``slots`` behind."""
+        self._pump()
+        topo, hub = self._topo, self._hub
+        assert topo is not None and hub is not None
+        slots = self.config.slots
+
+        def waiting() -> list[int]:
+            live = [r for r in topo.readers if r not in self._gone]
+            late = [r for r in live if r not in self._hello]
+            if late or not window:
+                return late
+            return [r for r in live if self._seq - self._acked[r] >= slots]
+
+        def handle(msg: wire.Message, rank: int | None) -> bool:
+            self._handle(msg, rank)
+            return not waiting()
+
+        if waiting():
+            t0 = time.perf_counter()
+            hub.wait(
+                handle,
+                lambda: [self._peer(r) for r in waiting()],
+                timeout=self.config.timeout,
+                doing=f"waiting for followers to take batch {self._seq}",
+            )
+            self._stats["wait_readers_ms_total"] += (time.perf_counter() - t0) * 1e3
+
+    def _peer(self, rank: int) -> Peer:
+        assert self._topo is not None
+        f = self._topo.fact(rank)
+        return Peer(rank, self._topo.role(rank), f.pid, f.start)
+
+    # -- node leader ---------------------------------------------------------
+
+    def _relay_iteration(self, it: int) -> Iterator[Any]:
+        xnode, ring = self._xnode, self._ring
+        assert xnode is not None and ring is not None
+        steps = 0
+        while True:
+            kind, _leader_it, nbytes, meta, draws, _steps = xnode.receive_header()
+            if kind == KIND_END:
+                self._await_readers(window=False)
+                self._tell_readers(wire.frames(Kind.END, it=it, steps=steps, draws=draws))
+                rng.mirror_draws(draws)
+                return
+            if kind in (KIND_ERROR, KIND_STOP):
+                body = _json_body(meta)
+                if kind == KIND_STOP:
+                    self._tell_readers(wire.frames(Kind.STOP, reason=str(body.get("reason", ""))))
+                    log.warning("shmloader: the leader stopped: %s", body.get("reason"))
+                    return
+                body["it"] = it
+                self._tell_readers(wire.frames(Kind.ERROR, **_error_fields(body)))
+                raise _leader_error(body, self._topo.leader if self._topo else None)
+            t0 = time.perf_counter_ns()
+            self._await_readers()
+            slot = ring.acquire(nbytes) if nbytes else None
+            if slot is not None:
+                xnode.receive_payload(slot.payload[:nbytes])
+            t1 = time.perf_counter_ns()
+            seq = self._seq
+            self._announce(it, meta, nbytes, slot, draws, t1 - t0)
+            if slot is not None:
+                view = slot.segment.map_private(nbytes)
+                item = (slot.index, slot.gen)
+                weakref.finalize(view, self._self_releases.append, item)
+                payload = np.frombuffer(view, dtype=np.uint8, count=nbytes)
+                del view
+            else:
+                payload = np.empty(0, np.uint8)
+            batch = codec.decode(meta, payload, allow_pickle=self.config.allow_pickle)
+            del payload
+            if self.config.copy:
+                batch = _owned_copy(batch)
+            rng.mirror_draws(draws)
+            steps += 1
+            self._delivered += 1
+            self._stats["received"] += 1
+            self._stats["receive_ms_total"] += (time.perf_counter_ns() - t0) / 1e6
+            self._stats["last_seq"] = seq
+            yield batch
+
+    # -- follower ------------------------------------------------------------
+
+    def _flush_releases(self) -> None:
+        spoke = self._spoke
+        assert spoke is not None
+        while self._releases:
+            index, gen, seq = self._releases.popleft()
+            spoke.send(wire.frames(Kind.RELEASE, seq, rank=self._me, slot=index, gen=gen))
+
+    def _next_event(self, it: int) -> wire.Message:
+        """The next message of iteration ``it`` (NOTE [iteration numbers])."""
+        spoke, topo = self._spoke, self._topo
+        assert spoke is not None and topo is not None
+        self._flush_releases()
+        if self._stash is not None:
+            msg, self._stash = self._stash, None
+            if self._current(msg, it):
+                return msg
+        found: list[wire.Message] = []
+
+        def handle(msg: wire.Message, _rank: int | None) -> bool:
+            if msg.kind == Kind.RETIRE:
+                self._reader.forget(msg["seg"])  # type: ignore[union-attr]
+                return False
+            if self._current(msg, it):
+                found.append(msg)
+                return True
+            return False
+
+        writer = topo.writer
+        peer = self._peer(writer)
+        t0 = time.perf_counter()
+        spoke.wait(
+            handle,
+            lambda: [peer],
+            timeout=self.config.timeout,
+            doing=f"waiting for batch {self._delivered} of iteration {it}",
+        )
+        self._stats["wait_ms_total"] += (time.perf_counter() - t0) * 1e3
+        return found[0]
+
+    def _current(self, msg: wire.Message, it: int) -> bool:
+        """Whether ``msg`` belongs to iteration ``it``; stale batches are released here."""
+        msg_it = msg.body.get("it", it)
+        if msg.kind == Kind.STOP or msg_it == it:
+            return True
+        if msg_it > it:  # the writer moved on: end ours, keep the message for the next
+            self._stash = msg
+            return True
+        if msg.kind == Kind.BATCH:  # an earlier iteration's batch we will never use
+            spoke = self._spoke
+            assert spoke is not None
+            spoke.send(wire.frames(Kind.ACK, msg.seq, rank=self._me))
+            if msg["slot"] >= 0:
+                self._attach(msg["seg"])
+                spoke.send(
+                    wire.frames(
+                        Kind.RELEASE, msg.seq, rank=self._me, slot=msg["slot"], gen=msg["gen"]
+                    )
+                )
+        return False
+
+    def _attach(self, seg: str) -> None:
+        assert self._reader is not None and self._spoke is not None
+        if self._reader.open(seg):
+            self._spoke.send(wire.frames(Kind.ATTACHED, rank=self._me, seg=seg))
+
+    def _follower_iteration(self, it: int) -> Iterator[Any]:
+        reader, spoke = self._reader, self._spoke
+        assert reader is not None and spoke is not None
+        while True:
+            msg = self._next_event(it)
+            if msg is self._stash:  # a later iteration started: ours is over
+                return
+            if msg.kind == Kind.END:
+                rng.mirror_draws(msg["draws"])
+                return
+            if msg.kind == Kind.STOP:
+                log.warning("shmloader: the leader stopped: %s", msg["reason"])
+                return
+            if msg.kind == Kind.ERROR:
+                raise _leader_error(msg.body, self._topo.leader if self._topo else None)
+            if msg.kind != Kind.BATCH:
+                log.warning("shmloader: unexpected %s from the writer; ignored", msg.kind.name)
+                continue
+            t0 = time.perf_counter_ns()
+            nbytes = msg["nbytes"]
+            spoke.send(wire.frames(Kind.ACK, msg.seq, rank=self._me))
+            if nbytes:
+                self._attach(msg["seg"])
+                item = (msg["slot"], msg["gen"], msg.seq)
+                payload = reader.view(
+                    msg["seg"], nbytes, functools.partial(self._releases.append, item)
+                )
+            else:
+                payload = np.empty(0, np.uint8)
+            batch = codec.decode(msg.blob, payload, allow_pickle=self.config.allow_pickle)
+            del payload
+            if self.config.copy:
+                batch = _owned_copy(batch)
+            rng.mirror_draws(msg["draws"])
+            self._delivered += 1
+            self._stats["received"] += 1
+            self._stats["receive_ms_total"] += (time.perf_counter_ns() - t0) / 1e6
+            self._stats["receive_ms_last"] = (time.perf_counter_ns() - t0) / 1e6
+            yield batch
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _forward_set_epoch(loader: object, epoch: int) -> None:
+    """Call ``set_epoch`` on the loader and on its sampler(s), once each."""
+    targets: list[object] = [loader]
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    targets += [sampler, batch_sampler, getattr(batch_sampler, "sampler", None)]
+    done: set[int] = set()
+    for target in targets:
+        fn = getattr(target, "set_epoch", None)
+        if target is not None and callable(fn) and id(target) not in done:
+            done.add(id(target))
+            fn(epoch)
+
+
+def _owned_copy(batch: Any) -> Any:
+    """Replace shared views by owned copies (``SHMLOADER_COPY=1``)."""
+    memo: dict[int, Any] = {}
+
+    def clone(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor | np.ndarray):
+            if id(obj) not in memo:
+                memo[id(obj)] = obj.clone() if isinstance(obj, torch.Tensor) else obj.copy()
+            return memo[id(obj)]
+        if isinstance(obj, list):
+            return [clone(v) for v in obj]
+        if type(obj) is tuple:
+            return tuple(clone(v) for v in obj)
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            return type(obj)(*(clone(v) for v in obj))
+        if isinstance(obj, dict):
+            return {k: clone(v) for k, v in obj.items()}
+        if hasattr(obj, "__dataclass_fields__") and not isinstance(obj, type):
+            new = copy.copy(obj)
+            for name in obj.__dataclass_fields__:
+                object.__setattr__(new, name, clone(getattr(obj, name)))
+            return new
+        return obj
+
+    return clone(batch)
+
+
+def _json_body(meta: bytes) -> dict:
+    try:
+        body = json.loads(meta)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        body = None
+    return (
+        body if isinstance(body, dict) else {"type": "ProtocolError", "message": repr(meta[:200])}
+    )
+
+
+def _error_fields(body: dict) -> dict:
+    return {
+        "it": int(body.get("it", 0)),
+        "type": str(body.get("type", "Exception")),
+        "message": str(body.get("message", "")),
+        "traceback": str(body.get("traceback", "")),
+    }
+
+
+def _leader_error(body: dict, leader: int | None) -> LeaderError:
+    f = _error_fields(body)
+    return LeaderError(f["type"], f["message"], f["traceback"], leader_rank=leader)
+
+
+def _close_quietly(closers: list[Callable[[], None]]) -> None:
+    for close in closers:
+        with contextlib.suppress(Exception):
+            close()

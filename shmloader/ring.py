@@ -1,0 +1,379 @@
+"""The shared-memory ring of one SP group on one node.
+
+The node's writer (the group leader, or on another node that node's leader)
+owns a ``RingWriter``: a control segment plus a growing list of slots, each
+slot its own data segment, touched once at creation and rewritten for every
+batch after that. Readers (the node's other ranks of the group) own a
+``RingReader``: open descriptors of the slot segments and one fresh
+copy-on-write mapping per delivered batch.
+
+Slot state machine (zero is invalid)::
+
+        create                 publish(seq)             last holder released
+    INVALID ----> FREE ------------------------> HELD ----------------------+
+                   ^  \\                                                    |
+                   |   \\ too small for the next batch: retire, recreate     |
+                   |    +--------------------------> RETIRED (unlinked)     |
+                   +--------------------------------------------------------+
+
+    FREE -> HELD      the writer copied a batch in and announced it
+    HELD -> FREE      every local holder sent RELEASE for (slot, gen)
+    FREE -> RETIRED   replaced by a bigger segment with gen + 1
+    any  -> RETIRED   close()
+
+NOTE [slot lifetime]
+    A reader maps the slot MAP_PRIVATE for each batch and drops the mapping
+    with the batch: its in-place writes stay its own, and it never sees a
+    later batch through an old private page. The slot is RELEASEd when the
+    mapping dies (``weakref.finalize`` on the mmap, i.e. when the last tensor
+    of that batch is garbage), so a batch never changes under a reader that
+    still holds any part of it. The writer therefore never rewrites a HELD
+    slot: it takes a FREE one or grows the ring by one slot. Growth is
+    bounded by the window rule in ``loader`` (a writer runs at most
+    ``slots`` batches ahead of its slowest reader) plus what readers
+    deliberately keep alive.
+
+NOTE [names in /dev/shm]
+    Data segments are unlinked as soon as every local reader has opened them
+    (ATTACHED), so a crash of anyone leaves no data segment named in
+    /dev/shm: the kernel frees the memory with the last descriptor. Only the
+    small control segment stays named for the life of the ring, so that
+    ``shmloader stat`` and ``gc`` can find the job; its header carries the
+    owner (pid, start time) for reaping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import logging
+import mmap
+import secrets
+import struct
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import ProtocolError, ShmCapacityError
+from .segment import (
+    HEADER_SIZE,
+    KIND_CONTROL,
+    KIND_DATA,
+    PAGE,
+    PREFIX,
+    Segment,
+    shm_free_bytes,
+    touch,
+)
+
+log = logging.getLogger(__name__)
+
+#: Headroom given to a new slot over the batch that made it: variable-size
+#: batches then rarely force a regrow.
+HEADROOM = 1.125
+#: Slot capacities are multiples of this.
+GRANULE = 64 << 10
+
+# Control segment counters, at offset 64 of the header page.
+_COUNTERS = struct.Struct("<QQQQQQQQ")
+COUNTER_FIELDS = (
+    "published",
+    "bytes_published",
+    "publish_ns_total",
+    "last_publish_unix_ns",
+    "slots",
+    "ring_bytes",
+    "readers",
+    "closed",
+)
+_COUNTERS_AT = 64
+_DESCR_LEN = struct.Struct("<I")
+CONTROL_CAPACITY = 4 * PAGE
+
+
+class SlotState(enum.IntEnum):
+    INVALID = 0
+    FREE = 1
+    HELD = 2
+    RETIRED = 3
+
+
+@dataclass(eq=False)
+class Slot:
+    index: int
+    gen: int
+    segment: Segment
+    mm: mmap.mmap
+    payload: np.ndarray
+    state: SlotState = SlotState.FREE
+    seq: int = -1
+    holders: set[int] = field(default_factory=set)
+    attached: set[int] = field(default_factory=set)
+
+    @property
+    def capacity(self) -> int:
+        return self.segment.capacity
+
+
+def new_token() -> str:
+    """A per-ring random token: 16 hex characters."""
+    return secrets.token_hex(8)
+
+
+def control_name(token: str) -> str:
+    return f"/{PREFIX}{token}-ctl"
+
+
+def slot_name(token: str, index: int, gen: int) -> str:
+    return f"/{PREFIX}{token}-{index}.{gen}"
+
+
+def slot_capacity_for(nbytes: int) -> int:
+    cap = max(int(nbytes * HEADROOM), GRANULE)
+    return (cap + GRANULE - 1) // GRANULE * GRANULE
+
+
+class RingWriter:
+    """The writer's side: owns the control segment and every slot.
+
+    ``readers`` are the ranks that map slots on this node; each must ATTACH a
+    new segment before its name is unlinked and RELEASE every batch it was
+    given. ``self_rank`` (a node leader) also holds every batch it publishes,
+    through its own private mapping. Not thread-safe: the loader drives it
+    from one thread.
+    """
+
+    def __init__(
+        self,
+        token: str,
+        readers: frozenset[int],
+        description: dict,
+        *,
+        self_rank: int | None = None,
+        admit: Callable[[int], None] | None = None,
+    ) -> None:
+        self.token = token
+        self.readers = frozenset(readers)
+        self.self_rank = self_rank
+        self.slots: list[Slot] = []
+        self._admit = admit
+        self._retired: dict[str, Slot] = {}
+        self._counters = dict.fromkeys(COUNTER_FIELDS, 0)
+        self._counters["readers"] = len(self.readers)
+        self.control = Segment.create(control_name(token), KIND_CONTROL, token, CONTROL_CAPACITY)
+        self._ctl = self.control.map_shared()
+        self.describe(description)
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _emergency_unlink, self._all_names)
+
+    # -- control segment -------------------------------------------------
+
+    def describe(self, description: dict) -> None:
+        """Write the JSON description (job, group, pids) read by ``shmloader stat``."""
+        blob = json.dumps(description, separators=(",", ":")).encode()
+        if len(blob) + _DESCR_LEN.size > CONTROL_CAPACITY:
+            blob = json.dumps({"truncated": True, "token": self.token}).encode()
+        self._ctl[HEADER_SIZE : HEADER_SIZE + _DESCR_LEN.size] = _DESCR_LEN.pack(len(blob))
+        start = HEADER_SIZE + _DESCR_LEN.size
+        self._ctl[start : start + len(blob)] = blob
+
+    def _store_counters(self) -> None:
+        c = self._counters
+        c["slots"] = sum(s.state != SlotState.RETIRED for s in self.slots)
+        c["ring_bytes"] = sum(s.capacity for s in self.slots if s.state != SlotState.RETIRED)
+        packed = _COUNTERS.pack(*(c[k] for k in COUNTER_FIELDS))
+        self._ctl[_COUNTERS_AT : _COUNTERS_AT + _COUNTERS.size] = packed
+
+    # -- slots -----------------------------------------------------------
+
+    def acquire(self, nbytes: int) -> Slot:
+        """A FREE slot that holds ``nbytes``: reuse, regrow a free one, or add one."""
+        best = None
+        for slot in self.slots:
+            fits = slot.state == SlotState.FREE and slot.capacity >= nbytes
+            if fits and (best is None or slot.capacity < best.capacity):
+                best = slot
+        if best is not None:
+            return best
+        for i, slot in enumerate(self.slots):
+            if slot.state == SlotState.FREE:  # too small: replace it with a bigger one
+                grown = self._create(i, slot.gen + 1, max(nbytes, int(slot.capacity * 1.5)))
+                self._retire(slot)
+                self.slots[i] = grown
+                return grown
+        slot = self._create(len(self.slots), 0, nbytes)
+        self.slots.append(slot)
+        return slot
+
+    def _create(self, index: int, gen: int, nbytes: int) -> Slot:
+        capacity = slot_capacity_for(nbytes)
+        free = shm_free_bytes()
+        if free is not None and free < capacity + HEADER_SIZE:
+            raise ShmCapacityError(
+                capacity + HEADER_SIZE, free, f"a ring slot for a {nbytes}-byte batch"
+            )
+        if self._admit is not None:
+            self._admit(capacity + HEADER_SIZE)
+        t0 = time.perf_counter()
+        segment = Segment.create(slot_name(self.token, index, gen), KIND_DATA, self.token, capacity)
+        try:
+            mm = segment.map_shared()
+            touch(mm)
+        except BaseException:
+            segment.unlink()
+            segment.close()
+            raise
+        payload = np.frombuffer(mm, dtype=np.uint8, count=capacity, offset=HEADER_SIZE)
+        log.debug(
+            "ring %s: slot %d.%d of %d bytes ready in %.1f ms",
+            self.token,
+            index,
+            gen,
+            capacity,
+            (time.perf_counter() - t0) * 1e3,
+        )
+        slot = Slot(index, gen, segment, mm, payload)
+        if not self.readers:
+            segment.unlink()  # nobody will attach: nothing needs the name
+        self._store_counters()
+        return slot
+
+    def publish(self, slot: Slot, seq: int, nbytes: int, publish_ns: int) -> None:
+        """Mark ``slot`` HELD by every reader for batch ``seq``."""
+        if slot.state != SlotState.FREE:
+            raise AssertionError(f"publishing into slot {slot.index} in state {slot.state.name}")
+        slot.seq = seq
+        slot.holders = set(self.readers)
+        if self.self_rank is not None:
+            slot.holders.add(self.self_rank)
+        slot.state = SlotState.HELD if slot.holders else SlotState.FREE
+        c = self._counters
+        c["published"] += 1
+        c["bytes_published"] += nbytes
+        c["publish_ns_total"] += publish_ns
+        c["last_publish_unix_ns"] = time.time_ns()
+        self._store_counters()
+
+    def release(self, rank: int, index: int, gen: int) -> None:
+        """``rank`` dropped the batch it had from slot ``index`` generation ``gen``."""
+        slot = self._slot(index, gen)
+        if slot is None or rank not in slot.holders:
+            raise ProtocolError(f"rank {rank} released slot {index}.{gen}, which it does not hold")
+        slot.holders.discard(rank)
+        if not slot.holders and slot.state == SlotState.HELD:
+            slot.state = SlotState.FREE
+
+    def attached(self, rank: int, name: str) -> None:
+        """``rank`` opened segment ``name``; unlink it once every reader has."""
+        for slot in self.slots:
+            if slot.segment.name == name:
+                slot.attached.add(rank)
+                if self.readers <= slot.attached:
+                    slot.segment.unlink()
+                return
+        if name not in self._retired:
+            raise ProtocolError(f"rank {rank} attached unknown segment {name}")
+
+    def drop_reader(self, rank: int) -> None:
+        """Forget ``rank``'s holds (it closed or died): its slots become FREE."""
+        for slot in self.slots:
+            slot.holders.discard(rank)
+            if not slot.holders and slot.state == SlotState.HELD:
+                slot.state = SlotState.FREE
+
+    def held_by(self) -> dict[int, int]:
+        """Ranks -> number of slots they still hold (for diagnostics)."""
+        out: dict[int, int] = {}
+        for slot in self.slots:
+            for rank in slot.holders:
+                out[rank] = out.get(rank, 0) + 1
+        return out
+
+    def _slot(self, index: int, gen: int) -> Slot | None:
+        if 0 <= index < len(self.slots) and self.slots[index].gen == gen:
+            return self.slots[index]
+        return None
+
+    def _retire(self, slot: Slot) -> None:
+        slot.state = SlotState.RETIRED
+        slot.payload = np.empty(0, np.uint8)
+        with contextlib.suppress(BufferError):
+            slot.mm.close()
+        slot.segment.unlink()
+        slot.segment.close()
+
+    def _all_names(self) -> list[str]:
+        names = [self.control.name] if self.control.linked else []
+        return names + [s.segment.name for s in self.slots if s.segment.linked]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.capacity for s in self.slots if s.state != SlotState.RETIRED)
+
+    def close(self) -> None:
+        """Unlink and unmap everything. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for slot in self.slots:
+            if slot.state != SlotState.RETIRED:
+                self._retire(slot)
+        self._counters["closed"] = 1
+        with contextlib.suppress(ValueError, BufferError):
+            self._store_counters()
+            self._ctl.close()
+        self.control.unlink()
+        self.control.close()
+        self._finalizer.detach()
+
+
+def _emergency_unlink(names: Callable[[], list[str]]) -> None:
+    """At interpreter exit (or if a writer is dropped unclosed): unlink names."""
+    from .segment import unlink_name
+
+    for name in names():
+        unlink_name(name)
+
+
+class RingReader:
+    """A reader's side: open slot segments, one private mapping per batch."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self.segments: dict[str, Segment] = {}
+
+    def open(self, name: str) -> bool:
+        """Open and validate ``name`` if not yet open; True when newly opened."""
+        if name in self.segments:
+            return False
+        if not name.startswith(f"/{PREFIX}{self.token}-"):
+            raise ProtocolError(f"segment {name} does not belong to ring {self.token}")
+        self.segments[name] = Segment.attach(name, kind=KIND_DATA, token=self.token)
+        return True
+
+    def view(self, name: str, nbytes: int, on_release: Callable[[], None]) -> np.ndarray:
+        """A private uint8 view of the first ``nbytes`` of slot ``name``.
+
+        ``on_release`` runs once when the last object referring to the mapping
+        is gone (NOTE [slot lifetime]); it must be thread-safe and cheap.
+        """
+        segment = self.segments.get(name)
+        if segment is None:
+            raise ProtocolError(f"segment {name} was never opened")
+        mm = segment.map_private(nbytes)
+        weakref.finalize(mm, on_release)
+        return np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+
+    def forget(self, name: str) -> None:
+        """Close the descriptor of a retired segment (live mappings stay valid)."""
+        segment = self.segments.pop(name, None)
+        if segment is not None:
+            segment.close()
+
+    def close(self) -> None:
+        for name in list(self.segments):
+            self.forget(name)

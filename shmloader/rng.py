@@ -1,0 +1,82 @@
+"""Keeping every rank's default CPU generator where sharing-off would leave it.
+
+NOTE [RNG mirroring]
+    Without shmloader every SP rank runs its own DataLoader, and PyTorch draws
+    from the rank's *default* CPU generator while doing so: one int64 base seed
+    each time an underlying iterator is created (first ``iter()``; again every
+    epoch unless workers are persistent), plus, with a ``RandomSampler`` that
+    has no generator of its own, one int64 seed per epoch for the shuffle.
+    With sharing on, followers create no iterator, so they must make the same
+    draws themselves (draw once, discard) and nothing else; otherwise every
+    later ``torch.rand`` in training (dropout, augmentation) shifts.
+
+    The leader does not guess how many draws happened: it snapshots the
+    default generator around each ``iter()`` and ``next()`` of its loader and
+    counts the int64 draws that turn the old state into the new one
+    (``count_draws``). The count travels with every BATCH and END message and
+    followers replay it (``mirror_draws``) before they hand the batch over.
+    ``will_consume_base_seed`` states PyTorch's rule for the base seed; its
+    truth-table test is what catches a PyTorch upgrade that changes the rule.
+
+    Not covered: randomness of other kinds that the leader's loader draws in
+    the main process (e.g. ``torch.rand`` inside a ``collate_fn`` run with
+    ``num_workers=0``). Such a draw is no whole number of int64 draws, so the
+    count comes back ``None``; the leader then warns once and followers cannot
+    mirror it. Draws inside worker processes never touch the main process's
+    generator and need no mirroring.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Give up counting after this many draws between two snapshots.
+MAX_COUNTED_DRAWS = 64
+
+
+def will_consume_base_seed(loader: object) -> bool:
+    """Whether the next ``iter(loader)`` draws a base seed from the default generator.
+
+    PyTorch's rule (``torch.utils.data.DataLoader.__iter__`` and
+    ``_BaseDataLoaderIter.__init__``): a new underlying iterator draws one
+    int64 from ``loader.generator``, the default generator when that is None.
+    A new iterator is made on every ``iter()``, except with persistent workers
+    (``num_workers > 0``), where it is made once and then only reset.
+    """
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        return False
+    if loader.generator is not None:
+        return False
+    if loader.persistent_workers and loader.num_workers > 0:
+        return getattr(loader, "_iterator", None) is None
+    return True
+
+
+def snapshot() -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def count_draws(before: torch.Tensor, after: torch.Tensor) -> int | None:
+    """How many int64 ``random_()`` draws turn ``before`` into ``after``.
+
+    ``None`` when no count up to ``MAX_COUNTED_DRAWS`` does (another kind of
+    draw happened).
+    """
+    if torch.equal(before, after):
+        return 0
+    g = torch.Generator()
+    g.set_state(before)
+    probe = torch.empty((), dtype=torch.int64)
+    for n in range(1, MAX_COUNTED_DRAWS + 1):
+        probe.random_(generator=g)
+        if torch.equal(g.get_state(), after):
+            return n
+    return None
+
+
+def mirror_draws(n: int) -> None:
+    """Make ``n`` int64 draws from the default generator and discard them."""
+    if n > 0:
+        probe = torch.empty((), dtype=torch.int64)
+        for _ in range(n):
+            probe.random_()

@@ -1,0 +1,230 @@
+"""Who is where: node identity, roles in an SP group, and the set-up exchange.
+
+Ranks share a node exactly when they can map the same ``/dev/shm``. Host
+names lie (two containers on one host with separate ``/dev/shm`` are two
+nodes), so identity is decided from facts the ranks exchange and then
+verified:
+
+1. every rank *claims* a node key: ``SHMLOADER_NODE`` (when set), the kernel's
+   boot id and the device and inode of ``/dev/shm``;
+2. every rank creates a small probe segment named with its own random token;
+3. after one all-gather of the claims, each rank tries to open the probes of
+   the ranks that claim its key; a second all-gather shares what each saw;
+4. a node is a set of ranks with the same claim that *mutually* saw each
+   other's probe. Ranks that claim a node but cannot see each other are split
+   apart, never merged.
+
+Roles in one group (``GroupTopology``)::
+
+    node A (the leader's)              node B                      node C
+    +-----------------------+         +---------------------+     +-------------+
+    | leader   (rank 0)     |  bcast  | node leader (rank 4)|     | node leader |
+    |   loads, writes ring  |========>|   receives into ring|====>|   (rank 8)  |
+    | followers (1, 2, 3)   |         | followers (5, 6, 7) |     | (no others) |
+    |   map slots over ZMQ  |         |   map slots         |     |             |
+    +-----------------------+         +---------------------+     +-------------+
+
+The leader is the group's lowest global rank; each other node's writer is its
+lowest rank. The payload crosses the network once per node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .errors import ProtocolError, TopologyMismatchError
+from .segment import KIND_PROBE, MY_START, PREFIX, SHM_DIR, Segment
+
+_LEN = struct.Struct("<q")
+
+
+@dataclass(frozen=True)
+class RankFacts:
+    """What one rank tells its group at set-up."""
+
+    rank: int
+    pid: int
+    start: int
+    host: str
+    claim: str
+    token: str
+
+    def to_json(self) -> dict:
+        return self.__dict__.copy()
+
+
+@dataclass(frozen=True)
+class GroupTopology:
+    """The roles of one SP group, as seen from ``me``.
+
+    ``nodes[0]`` is the leader's node; inside each node the first rank is the
+    node's writer (the leader itself on ``nodes[0]``).
+    """
+
+    me: int
+    ranks: tuple[int, ...]
+    nodes: tuple[tuple[int, ...], ...]
+    facts: tuple[RankFacts, ...]
+
+    @property
+    def leader(self) -> int:
+        return self.nodes[0][0]
+
+    @property
+    def is_leader(self) -> bool:
+        return self.me == self.leader
+
+    @property
+    def node(self) -> tuple[int, ...]:
+        return next(n for n in self.nodes if self.me in n)
+
+    @property
+    def writer(self) -> int:
+        """The rank that writes this rank's node ring."""
+        return self.node[0]
+
+    @property
+    def is_writer(self) -> bool:
+        return self.me == self.writer
+
+    @property
+    def node_leaders(self) -> tuple[int, ...]:
+        return tuple(n[0] for n in self.nodes)
+
+    @property
+    def readers(self) -> tuple[int, ...]:
+        """Ranks of this node that map slots of its ring (all but the writer)."""
+        return self.node[1:]
+
+    def fact(self, rank: int) -> RankFacts:
+        return next(f for f in self.facts if f.rank == rank)
+
+    @property
+    def ring_token(self) -> str:
+        """Token of this node's ring: the writer's random token."""
+        return self.fact(self.writer).token
+
+    def role(self, rank: int | None = None) -> str:
+        rank = self.me if rank is None else rank
+        if rank == self.leader:
+            return "leader"
+        if rank in self.node_leaders:
+            return "node leader"
+        return "follower"
+
+
+def node_claim(override: str | None) -> str:
+    """This rank's claimed node key (see the module docstring)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = socket.gethostname()
+    try:
+        st = os.stat(SHM_DIR)
+        shm = f"{st.st_dev:x}:{st.st_ino:x}"
+    except OSError:
+        shm = "noshm"
+    return f"{override or ''}|{boot}|{shm}"
+
+
+def all_gather_bytes(data: bytes, group: dist.ProcessGroup) -> list[bytes]:
+    """All-gather variable-length bytes over a gloo group, without pickle."""
+    size = dist.get_world_size(group)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64), group=group)
+    longest = max(int(t.item()) for t in lengths)
+    mine = torch.zeros(max(longest, 1), dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+    bufs = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(bufs, mine, group=group)
+    return [bytes(b[: int(n.item())].numpy()) for b, n in zip(bufs, lengths, strict=True)]
+
+
+def discover(
+    group: dist.ProcessGroup,
+    token: str,
+    *,
+    node_override: str | None,
+) -> GroupTopology:
+    """Run the set-up exchange over ``group`` (a gloo group) and return the roles.
+
+    Collective over ``group``: every rank of it must call it.
+    """
+    me = dist.get_rank()
+    ranks = tuple(dist.get_process_group_ranks(group))
+    mine = RankFacts(
+        me, os.getpid(), MY_START, socket.gethostname(), node_claim(node_override), token
+    )
+    probe_name = f"/{PREFIX}{token}-probe"
+    probe = Segment.create(probe_name, KIND_PROBE, token, 0)
+    try:
+        gathered = all_gather_bytes(json.dumps(mine.to_json()).encode(), group)
+        facts = [_parse_facts(raw) for raw in gathered]
+        seen = [f.rank for f in facts if f.claim == mine.claim and _can_see(f, me)]
+        seen_all = [json.loads(raw) for raw in all_gather_bytes(json.dumps(seen).encode(), group)]
+    finally:
+        probe.unlink()
+        probe.close()
+    by_rank = {f.rank: f for f in facts}
+    if sorted(by_rank) != sorted(ranks):
+        raise TopologyMismatchError(
+            f"set-up exchange returned ranks {sorted(by_rank)} for a group of {sorted(ranks)}"
+        )
+    saw = {f.rank: set(s) for f, s in zip(facts, seen_all, strict=True)}
+    nodes = _nodes(sorted(ranks), by_rank, saw)
+    leader = min(ranks)
+    nodes.sort(key=lambda n: (leader not in n, n[0]))
+    return GroupTopology(me, tuple(sorted(ranks)), tuple(tuple(n) for n in nodes), tuple(facts))
+
+
+def _parse_facts(raw: bytes) -> RankFacts:
+    try:
+        d = json.loads(raw)
+        return RankFacts(
+            int(d["rank"]),
+            int(d["pid"]),
+            int(d["start"]),
+            str(d["host"]),
+            str(d["claim"]),
+            str(d["token"]),
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ProtocolError(f"bad set-up facts from a peer: {exc}") from None
+
+
+def _can_see(f: RankFacts, me: int) -> bool:
+    if f.rank == me:
+        return True
+    try:
+        seg = Segment.attach(f"/{PREFIX}{f.token}-probe", kind=KIND_PROBE, token=f.token)
+    except ProtocolError:
+        return False
+    ok = seg.header.pid == f.pid
+    seg.close()
+    return ok
+
+
+def _nodes(
+    ranks: Sequence[int], facts: dict[int, RankFacts], saw: dict[int, set[int]]
+) -> list[list[int]]:
+    """Group ranks into nodes: same claim and mutual visibility, greedily by rank."""
+    nodes: list[list[int]] = []
+    for r in ranks:
+        for node in nodes:
+            if facts[node[0]].claim == facts[r].claim and all(
+                r in saw[m] and m in saw[r] for m in node
+            ):
+                node.append(r)
+                break
+        else:
+            nodes.append([r])
+    return nodes

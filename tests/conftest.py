@@ -1,0 +1,77 @@
+"""Suite-wide fixtures: every test fails if it leaks a segment, a socket or a process."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+
+import pytest
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("shml-")}
+    except FileNotFoundError:
+        return set()
+
+
+def _children() -> set[int]:
+    """Live (non-zombie) child processes of this pytest process."""
+    me = os.getpid()
+    out = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                raw = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(b")") + 2 :].split()
+        if int(fields[1]) == me and fields[0] != b"Z" and b"resource_tracker" not in cmd:
+            out.add(int(entry))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(monkeypatch):
+    """Fail the test if it leaves a shml- segment, a socket file or a child process."""
+    runtime = tempfile.mkdtemp(prefix="shmlrt-", dir="/tmp")
+    monkeypatch.setenv("SHMLOADER_RUNTIME_DIR", runtime)
+    before_shm = _shm_entries()
+    before_children = _children()
+    yield runtime
+    deadline = time.monotonic() + 3.0  # let exiting processes finish unlinking
+    while True:
+        leaked_shm = _shm_entries() - before_shm
+        leaked_children = _children() - before_children
+        sockets = [
+            os.path.join(d, f) for d, _, files in os.walk(runtime) for f in files
+        ]
+        if not (leaked_shm or leaked_children or sockets) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    shutil.rmtree(runtime, ignore_errors=True)
+    problems = []
+    if leaked_shm:
+        problems.append(f"shared memory segments left in /dev/shm: {sorted(leaked_shm)}")
+        for name in leaked_shm:  # do not cascade into later tests
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except FileNotFoundError:
+                pass
+    if sockets:
+        problems.append(f"socket files left in the runtime directory: {sockets}")
+    if leaked_children:
+        problems.append(f"child processes left running: {sorted(leaked_children)}")
+        for pid in leaked_children:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+    if problems:
+        pytest.fail("; ".join(problems))

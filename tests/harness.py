@@ -1,0 +1,180 @@
+"""Spawn real ranks over gloo on loopback, optionally on simulated nodes.
+
+``run_ranks(fn, world, ...)`` starts ``world`` processes (spawn), initialises
+``torch.distributed`` with gloo on 127.0.0.1 in each, calls
+``fn(rank, world, **kwargs)`` and returns the per-rank results (anything
+``torch.save`` can store). A rank that raised is reported with its traceback;
+a run that outlives ``timeout`` is killed and fails the test.
+
+Simulated nodes: ``nodes=[0, 0, 1, 1]`` puts ranks 0-1 on node 0 and 2-3 on
+node 1. Every node but node 0 gets its own ``/dev/shm``: the rank enters a
+private mount namespace and bind-mounts a per-node tmpfs over ``/dev/shm``,
+so ranks of different nodes really cannot map each other's segments (as on
+two hosts or two containers), and ``SHMLOADER_NODE`` is set to the node id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+CLONE_NEWNS = 0x00020000
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _enter_private_shm(shm_dir: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNS) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
+    if libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        raise OSError(ctypes.get_errno(), "mount --make-rprivate /")
+    if libc.mount(shm_dir.encode(), b"/dev/shm", None, MS_BIND, None) != 0:
+        raise OSError(ctypes.get_errno(), f"bind {shm_dir} over /dev/shm")
+
+
+def _rank_main(
+    rank: int,
+    world: int,
+    port: int,
+    target: str,
+    kwargs: dict,
+    outdir: str,
+    env: dict[str, str],
+    shm_dir: str | None,
+) -> None:
+    os.environ.update(env)
+    try:
+        if shm_dir is not None:
+            _enter_private_shm(shm_dir)
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=__import__("datetime").timedelta(seconds=60),
+        )
+        module, name = target.split(":")
+        fn = getattr(importlib.import_module(module), name)
+        result = fn(rank, world, **kwargs)
+        torch.save(result, os.path.join(outdir, f"{rank}.pt"))
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(outdir, f"{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise SystemExit(1) from None
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+@contextlib.contextmanager
+def simulated_nodes(count: int):
+    """Per-node tmpfs directories for nodes 1..count-1 (node 0 keeps /dev/shm)."""
+    dirs: list[str | None] = [None]
+    made: list[str] = []
+    try:
+        for _ in range(1, count):
+            d = tempfile.mkdtemp(prefix="shml-node-")
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2g,mode=1777", "tmpfs", d], check=True)
+            made.append(d)
+            dirs.append(d)
+        yield dirs
+    finally:
+        for d in made:
+            leftovers = os.listdir(d)
+            subprocess.run(["umount", "-l", d], check=False)
+            shutil.rmtree(d, ignore_errors=True)
+            if leftovers:
+                raise RankFailure(f"simulated node shm {d} was left with {leftovers}")
+
+
+def run_ranks(
+    fn: Callable[..., Any] | str,
+    world: int,
+    *,
+    kwargs: dict | None = None,
+    env: dict[str, str] | None = None,
+    rank_env: dict[int, dict[str, str]] | None = None,
+    nodes: list[int] | None = None,
+    timeout: float = 90.0,
+    expect_failure: bool = False,
+) -> list[Any]:
+    """Run ``fn`` on ``world`` real ranks and return their results in rank order.
+
+    With ``expect_failure`` the results of failed ranks are their traceback
+    text (a ``str``) instead of raising.
+    """
+    target = fn if isinstance(fn, str) else f"{fn.__module__}:{fn.__qualname__}"
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    outdir = tempfile.mkdtemp(prefix="shml-ranks-")
+    node_of = nodes or [0] * world
+    procs = []
+    with simulated_nodes(max(node_of) + 1) as shm_dirs:
+        try:
+            for rank in range(world):
+                rank_vars = dict(env or {})
+                if nodes is not None:
+                    rank_vars["SHMLOADER_NODE"] = f"node{node_of[rank]}"
+                rank_vars.update((rank_env or {}).get(rank, {}))
+                p = ctx.Process(
+                    target=_rank_main,
+                    args=(rank, world, port, target, kwargs or {}, outdir, rank_vars, shm_dirs[node_of[rank]]),
+                    daemon=False,
+                )
+                p.start()
+                procs.append(p)
+            deadline = time.monotonic() + timeout
+            for p in procs:
+                p.join(max(0.1, deadline - time.monotonic()))
+            hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+        results: list[Any] = []
+        errors = []
+        for rank in range(world):
+            err = os.path.join(outdir, f"{rank}.err")
+            out = os.path.join(outdir, f"{rank}.pt")
+            if os.path.exists(err):
+                with open(err) as f:
+                    text = f.read()
+                errors.append(f"--- rank {rank} ---\n{text}")
+                results.append(text)
+            elif os.path.exists(out):
+                results.append(torch.load(out, weights_only=False))
+            else:
+                errors.append(f"--- rank {rank}: no result (exit code {procs[rank].exitcode}) ---")
+                results.append(None)
+        shutil.rmtree(outdir, ignore_errors=True)
+    if hung:
+        raise RankFailure(f"ranks {hung} still ran after {timeout} s and were killed\n" + "\n".join(errors))
+    if errors and not expect_failure:
+        raise RankFailure("\n".join(errors))
+    return results

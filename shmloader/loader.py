@@ -353,9 +353,9 @@ class ShmLoader:
             raise
 
     def _publish(self, it: int, batch: Any, draws: int) -> None:
-        t0 = time.perf_counter_ns()
         enc = codec.encode(batch, allow_pickle=self.config.allow_pickle)
         self._await_readers()
+        t0 = time.perf_counter_ns()
         slot = self._ring.acquire(enc.nbytes) if enc.nbytes else None  # type: ignore[union-attr]
         if slot is not None:
             codec.write_payload(enc, slot.payload)

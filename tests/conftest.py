@@ -49,9 +49,7 @@ def no_leaks(monkeypatch):
     while True:
         leaked_shm = _shm_entries() - before_shm
         leaked_children = _children() - before_children
-        sockets = [
-            os.path.join(d, f) for d, _, files in os.walk(runtime) for f in files
-        ]
+        sockets = [os.path.join(d, f) for d, _, files in os.walk(runtime) for f in files]
         if not (leaked_shm or leaked_children or sockets) or time.monotonic() > deadline:
             break
         time.sleep(0.05)

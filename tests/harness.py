@@ -99,7 +99,9 @@ def simulated_nodes(count: int):
     try:
         for _ in range(1, count):
             d = tempfile.mkdtemp(prefix="shml-node-")
-            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2g,mode=1777", "tmpfs", d], check=True)
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "size=2g,mode=1777", "tmpfs", d], check=True
+            )
             made.append(d)
             dirs.append(d)
         yield dirs
@@ -143,7 +145,16 @@ def run_ranks(
                 rank_vars.update((rank_env or {}).get(rank, {}))
                 p = ctx.Process(
                     target=_rank_main,
-                    args=(rank, world, port, target, kwargs or {}, outdir, rank_vars, shm_dirs[node_of[rank]]),
+                    args=(
+                        rank,
+                        world,
+                        port,
+                        target,
+                        kwargs or {},
+                        outdir,
+                        rank_vars,
+                        shm_dirs[node_of[rank]],
+                    ),
                     daemon=False,
                 )
                 p.start()
@@ -174,7 +185,9 @@ def run_ranks(
                 results.append(None)
         shutil.rmtree(outdir, ignore_errors=True)
     if hung:
-        raise RankFailure(f"ranks {hung} still ran after {timeout} s and were killed\n" + "\n".join(errors))
+        raise RankFailure(
+            f"ranks {hung} still ran after {timeout} s and were killed\n" + "\n".join(errors)
+        )
     if errors and not expect_failure:
         raise RankFailure("\n".join(errors))
     return results

@@ -96,11 +96,15 @@ def sp_groups(world: int, sp: int) -> tuple[Any, list[int]]:
 _MADE = {"count": 0}
 
 
-def make_loader_factory(num_workers: int, n: int = 24, batch_size: int = 2, dp: int = 1, dp_rank: int = 0):
+def make_loader_factory(
+    num_workers: int, n: int = 24, batch_size: int = 2, dp: int = 1, dp_rank: int = 0
+):
     def make() -> DataLoader:
         _MADE["count"] += 1
         ds = Synthetic(n)
-        sampler = torch.utils.data.DistributedSampler(ds, num_replicas=dp, rank=dp_rank, shuffle=True, seed=1)
+        sampler = torch.utils.data.DistributedSampler(
+            ds, num_replicas=dp, rank=dp_rank, shuffle=True, seed=1
+        )
         return DataLoader(
             ds,
             batch_size=batch_size,
@@ -112,7 +116,9 @@ def make_loader_factory(num_workers: int, n: int = 24, batch_size: int = 2, dp: 
     return make
 
 
-def deliver(rank: int, world: int, *, sp: int, num_workers: int, epochs: int = 2, share: bool = True) -> dict:
+def deliver(
+    rank: int, world: int, *, sp: int, num_workers: int, epochs: int = 2, share: bool = True
+) -> dict:
     """Iterate a ShmLoader for ``epochs`` and return every batch and facts."""
     group, members = sp_groups(world, sp)
     dp_rank = rank // sp
@@ -143,7 +149,9 @@ def deliver(rank: int, world: int, *, sp: int, num_workers: int, epochs: int = 2
 def hold_and_write(rank: int, world: int, *, sp: int, steps: int) -> dict:
     """Hold every batch for the whole run and write into each in place."""
     group, _ = sp_groups(world, sp)
-    loader = ShmLoader(make_loader_factory(0, n=steps * 2), group, config=Config.from_env(enabled=True, slots=2))
+    loader = ShmLoader(
+        make_loader_factory(0, n=steps * 2), group, config=Config.from_env(enabled=True, slots=2)
+    )
     held, snapshots = [], []
     for batch in loader:
         snapshots.append(to_plain(batch))
@@ -161,4 +169,17 @@ def hold_and_write(rank: int, world: int, *, sp: int, steps: int) -> dict:
     stats = loader.stats()
     del held
     loader.close()
-    return {"snapshots": snapshots, "unchanged": unchanged, "own_writes_kept": own_writes_kept, "stats": stats}
+    return {
+        "snapshots": snapshots,
+        "unchanged": unchanged,
+        "own_writes_kept": own_writes_kept,
+        "stats": stats,
+    }
+
+
+def deliver_both(rank: int, world: int, *, sp: int, num_workers: int, epochs: int = 2) -> dict:
+    """``deliver`` with sharing off, then on, in the same processes (one spawn)."""
+    alone = deliver(rank, world, sp=sp, num_workers=num_workers, epochs=epochs, share=False)
+    _MADE["count"] = 0
+    shared = deliver(rank, world, sp=sp, num_workers=num_workers, epochs=epochs, share=True)
+    return {"alone": alone, "shared": shared}

@@ -14,7 +14,10 @@ def assert_same(a, b, where=""):
     assert type(a) is type(b), f"{where}: {type(a)} != {type(b)}"
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.bool else a, b.view(torch.uint8) if b.dtype == torch.bool else b), where
+        assert torch.equal(
+            a.view(torch.uint8) if a.dtype == torch.bool else a,
+            b.view(torch.uint8) if b.dtype == torch.bool else b,
+        ), where
     elif isinstance(a, dict):
         assert list(a) == list(b), where
         for k in a:
@@ -54,7 +57,9 @@ def test_shared_batches_equal_unshared(world, sp, num_workers):
             for x, y in zip(shared[group_start]["batches"], shared[peer]["batches"], strict=True):
                 assert_same(x, y)
     if world // sp > 1:
-        assert not torch.equal(shared[0]["batches"][0]["input_ids"], shared[sp]["batches"][0]["input_ids"])
+        assert not torch.equal(
+            shared[0]["batches"][0]["input_ids"], shared[sp]["batches"][0]["input_ids"]
+        )
     leader_stats = shared[0]["stats"]
     assert leader_stats["published"] == len(shared[0]["batches"])
 
@@ -68,7 +73,13 @@ def test_followers_write_privately_and_held_batches_never_change():
         assert r["own_writes_kept"], f"rank {rank}: its own in-place writes were lost"
     # the leader's snapshots show that nobody's writes reached it
     for step, snap in enumerate(out[0]["snapshots"]):
-        assert int(snap["input_ids"].min()) >= 0, f"a follower's write leaked to the leader at {step}"
+        assert int(snap["input_ids"].min()) >= 0, (
+            f"a follower's write leaked to the leader at {step}"
+        )
         for rank in (1, 2):
-            assert torch.equal(snap["pixel_values"].right, out[rank]["snapshots"][step]["pixel_values"].right)
-    assert out[0]["stats"]["ring_slots"] >= steps, "held batches must make the ring grow, not be overwritten"
+            assert torch.equal(
+                snap["pixel_values"].right, out[rank]["snapshots"][step]["pixel_values"].right
+            )
+    assert out[0]["stats"]["ring_slots"] >= steps, (
+        "held batches must make the ring grow, not be overwritten"
+    )

@@ -106,6 +106,11 @@ class TopologyMismatchError(ShmLoaderError, ValueError):
     """Ranks disagree about the group, or a checkpoint does not fit the current ranks."""
 
 
+class LoaderStateError(ShmLoaderError, RuntimeError):
+    """A call that the loader's current state does not allow (e.g. loading a
+    checkpoint after iteration started)."""
+
+
 class ProtocolError(ShmLoaderError):
     """A message or segment failed validation (magic, version, token, bounds).
 

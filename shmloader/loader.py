@@ -54,7 +54,15 @@ import torch.distributed as dist
 from . import codec, rng, wire
 from .channel import Hub, Peer, Spoke, socket_path
 from .config import Config
-from .errors import ConfigError, LeaderError, ProtocolError, ShmLoaderError
+from .errors import (
+    ConfigError,
+    LeaderError,
+    LoaderStateError,
+    PeerLostError,
+    ProtocolError,
+    ShmLoaderError,
+    TopologyMismatchError,
+)
 from .ring import RingReader, RingWriter, Slot, new_token
 from .topology import GroupTopology, discover
 from .wire import Kind
@@ -105,7 +113,12 @@ class ShmLoader:
         self._epoch = 0
         self._it = 0  # NOTE [iteration numbers]
         self._seq = 0  # batches announced by this writer
-        self._delivered = 0  # batches handed to the user in the current iteration
+        self._delivered = 0  # position in the epoch: batches the user received (or skipped)
+        self._exhausted = False  # the current iteration ran to its end
+        # (epoch, cursor, skip) from load_state_dict: skip=False when the loader restored itself
+        self._resume: tuple[int, int, bool] | None = None
+        self._skip = True
+        self._boundary_state: Any = None  # loader state at the last optimizer-step boundary
         self._closed = False
         self._loader: Iterable[Any] | None = None
         self._length: int | None = None
@@ -119,6 +132,9 @@ class ShmLoader:
         self._stats = collections.Counter()
         self._warned_rng = False
 
+        self._group_ranks: list[int] | None = None
+        if group is not None and dist.is_available() and dist.is_initialized():
+            self._group_ranks = dist.get_process_group_ranks(group)
         sharing = (
             self.config.enabled
             and group is not None
@@ -257,7 +273,9 @@ class ShmLoader:
         if self._closed:
             raise ShmLoaderError("this ShmLoader is closed; make a new one")
         self._it += 1
-        self._delivered = 0
+        self._skip = self._resume is None or self._resume[2]
+        self._delivered = self._take_resume()
+        self._exhausted = False
         if self._role == "local":
             return self._local_iteration()
         if self._role == "leader":
@@ -265,6 +283,90 @@ class ShmLoader:
         if self._role == "node leader":
             return self._relay_iteration(self._it)
         return self._follower_iteration(self._it)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the user has received so far, at an optimizer-step boundary.
+
+        Keys: ``format``, ``epoch``, ``batches`` (the cursor: batches of this
+        epoch the SP group consumed, counted once per group, rounded down to a
+        whole optimizer step of ``accumulation_steps`` unless the epoch ended),
+        ``accumulation_steps``, ``topology`` and, on the leader of a loader
+        with ``state_dict``/``load_state_dict`` (torchdata's
+        ``StatefulDataLoader``), ``loader``: that loader's own state at the
+        same boundary. Followers never hold loader state.
+        """
+        k = self.accumulation_steps
+        cursor = self._delivered if self._exhausted else self._delivered - self._delivered % k
+        state: dict[str, Any] = {
+            "format": STATE_FORMAT,
+            "epoch": self._epoch,
+            "batches": cursor,
+            "accumulation_steps": k,
+            "topology": self._topology_state(),
+        }
+        if self._loader is not None and _stateful(self._loader):
+            partial = cursor != self._delivered
+            state["loader"] = self._boundary_state if partial else self._loader.state_dict()  # type: ignore[union-attr]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``. Call before iterating; validates everything first.
+
+        The next iteration of the saved epoch (``set_epoch`` to it, or no
+        ``set_epoch`` at all) continues after the saved cursor: the leader
+        restores its loader's own state when the checkpoint has one, or else
+        fast-forwards its loader by the cursor. Raises
+        :class:`TopologyMismatchError` when the checkpoint was taken under
+        other ranks or another SP size, :class:`ConfigError` for a malformed
+        state and :class:`LoaderStateError` once iteration has started.
+        """
+        if self._it > 0:
+            raise LoaderStateError(
+                "load_state_dict() must be called before the first iteration; "
+                "construct a new ShmLoader to resume"
+            )
+        epoch, batches, loader_state = _validate_state(state, self._topology_state())
+        restore = loader_state is not None and self._loader is not None
+        if restore and not _stateful(self._loader):
+            raise ConfigError(
+                "state['loader']",
+                type(loader_state).__name__,
+                "no loader state, because the current loader has no load_state_dict()",
+            )
+        self.set_epoch(epoch)
+        if restore:
+            self._loader.load_state_dict(loader_state)  # type: ignore[union-attr]
+        # The cursor is kept on every rank (it is what state_dict reports); the
+        # leader skips that many batches unless its loader restored itself.
+        self._resume = (epoch, batches, not restore)
+
+    def _take_resume(self) -> int:
+        """The cursor this iteration starts at (a pending resume of this epoch)."""
+        resume, self._resume = self._resume, None
+        if resume is None or resume[0] != self._epoch:
+            return 0
+        return resume[1]
+
+    def _topology_state(self) -> dict[str, Any]:
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        rank = dist.get_rank() if world > 1 else 0
+        if self._topo is not None:
+            group = list(self._topo.ranks)
+        elif self._group_ranks is not None:
+            group = list(self._group_ranks)
+        else:
+            group = [rank]
+        sp = len(group)
+        return {
+            "world": world,
+            "sp": sp,
+            "dp": world // sp,
+            "sp_rank": group.index(rank),
+            "dp_rank": min(group) // sp,
+            "group": group,
+        }
 
     def stats(self) -> dict[str, Any]:
         """Counters of this rank: batches, bytes, times (ms), ring size."""
@@ -287,6 +389,7 @@ class ShmLoader:
                 self._spoke.send(wire.frames(Kind.BYE, rank=self._me))
         if self._hub is not None:
             with contextlib.suppress(Exception):
+                self._await_attach()
                 self._tell_readers(wire.frames(Kind.STOP, reason="the writer closed"))
         if self._role != "local":
             self._finalizer()
@@ -310,9 +413,39 @@ class ShmLoader:
         return self._topo.me
 
     def _local_iteration(self) -> Iterator[Any]:
-        for batch in self._loader:  # type: ignore[union-attr]
+        source, _ = self._open_source()
+        while True:
+            self._mark_boundary()
+            try:
+                batch = next(source)
+            except StopIteration:
+                self._exhausted = True
+                return
             self._delivered += 1
             yield batch
+
+    def _open_source(self) -> tuple[Iterator[Any], int]:
+        """``iter()`` the user's loader and fast-forward to a resumed cursor.
+
+        Returns the iterator and the default-generator draws made so far
+        (NOTE [RNG mirroring]). Skipping replays the skipped batches through
+        the loader, so its sampler, workers and RNG end where an
+        uninterrupted run would be.
+        """
+        before = rng.snapshot()
+        source = iter(self._loader)  # type: ignore[arg-type]
+        for _ in range(self._delivered if self._skip else 0):
+            try:
+                next(source)
+            except StopIteration:
+                break
+        return source, self._count(before)
+
+    def _mark_boundary(self) -> None:
+        """Remember a stateful loader's state at an optimizer-step boundary."""
+        k = self.accumulation_steps
+        if k > 1 and self._delivered % k == 0 and _stateful(self._loader):
+            self._boundary_state = self._loader.state_dict()  # type: ignore[union-attr]
 
     def _count(self, before: torch.Tensor) -> int:
         n = rng.count_draws(before, rng.snapshot())
@@ -330,16 +463,15 @@ class ShmLoader:
     def _leader_iteration(self, it: int) -> Iterator[Any]:
         steps = 0
         try:
-            before = rng.snapshot()
-            source = iter(self._loader)  # type: ignore[arg-type]
-            pending = self._count(before)
+            source, pending = self._open_source()
             while True:
+                self._mark_boundary()
                 before = rng.snapshot()
                 try:
                     batch = next(source)
                 except StopIteration:
-                    draws = pending + self._count(before)
-                    self._end(it, steps, draws)
+                    self._end(it, steps, pending + self._count(before))
+                    self._exhausted = True
                     return
                 draws, pending = pending + self._count(before), 0
                 self._publish(it, batch, draws)
@@ -490,6 +622,36 @@ class ShmLoader:
             )
             self._stats["wait_readers_ms_total"] += (time.perf_counter() - t0) * 1e3
 
+    def _await_attach(self) -> None:
+        """Before unlinking at close: let readers open the segments they were told about.
+
+        A reader maps a slot by name, so a name unlinked before a lagging
+        reader opened it would make that reader fail. Bounded by
+        ``CLOSE_WAIT_S``; readers that said BYE or died are not waited for.
+        """
+        ring, hub = self._ring, self._hub
+        assert ring is not None and hub is not None
+
+        def waiting() -> list[int]:
+            return sorted(ring.unattached() - self._gone)
+
+        def handle(msg: wire.Message, rank: int | None) -> bool:
+            self._handle(msg, rank)
+            return not waiting()
+
+        self._pump()
+        if not waiting():
+            return
+        try:
+            hub.wait(
+                handle,
+                lambda: [self._peer(r) for r in waiting()],
+                timeout=min(self.config.timeout, CLOSE_WAIT_S),
+                doing="closing: waiting for followers to map the last batches",
+            )
+        except PeerLostError as exc:
+            log.warning("shmloader: closing without every follower's last batch: %s", exc)
+
     def _peer(self, rank: int) -> Peer:
         assert self._topo is not None
         f = self._topo.fact(rank)
@@ -507,6 +669,7 @@ class ShmLoader:
                 self._await_readers(window=False)
                 self._tell_readers(wire.frames(Kind.END, it=it, steps=steps, draws=draws))
                 rng.mirror_draws(draws)
+                self._exhausted = True
                 return
             if kind in (KIND_ERROR, KIND_STOP):
                 body = _json_body(meta)
@@ -609,7 +772,20 @@ class ShmLoader:
 
     def _attach(self, seg: str) -> None:
         assert self._reader is not None and self._spoke is not None
-        if self._reader.open(seg):
+        try:
+            opened = self._reader.open(seg)
+        except ProtocolError as exc:
+            writer = self._peer(self._topo.writer) if self._topo else None
+            if writer is not None and not writer.alive():
+                raise PeerLostError(
+                    writer.rank, writer.role, f"it died before we mapped {seg}"
+                ) from None
+            raise ShmLoaderError(
+                f"cannot map the batch in {seg}: {exc}. The writer may have closed its ShmLoader "
+                "while this rank was still iterating: close() every rank's loader only after "
+                "every rank finished iterating"
+            ) from None
+        if opened:
             self._spoke.send(wire.frames(Kind.ATTACHED, rank=self._me, seg=seg))
 
     def _follower_iteration(self, it: int) -> Iterator[Any]:
@@ -621,6 +797,7 @@ class ShmLoader:
                 return
             if msg.kind == Kind.END:
                 rng.mirror_draws(msg["draws"])
+                self._exhausted = True
                 return
             if msg.kind == Kind.STOP:
                 log.warning("shmloader: the leader stopped: %s", msg["reason"])
@@ -668,6 +845,45 @@ def _forward_set_epoch(loader: object, epoch: int) -> None:
         if target is not None and callable(fn) and id(target) not in done:
             done.add(id(target))
             fn(epoch)
+
+
+STATE_FORMAT = "shmloader.state/1"
+#: Longest a writer's close() waits for readers to map what it announced.
+CLOSE_WAIT_S = 10.0
+
+
+def _stateful(loader: object) -> bool:
+    return callable(getattr(loader, "state_dict", None)) and callable(
+        getattr(loader, "load_state_dict", None)
+    )
+
+
+def _validate_state(state: Any, topology: dict[str, Any]) -> tuple[int, int, Any]:
+    """Check a checkpoint completely before anything changes; return its cursor."""
+    if not isinstance(state, dict):
+        raise ConfigError("state", type(state).__name__, "the dict returned by state_dict()")
+    if state.get("format") != STATE_FORMAT:
+        raise ConfigError("state['format']", state.get("format"), repr(STATE_FORMAT))
+    for key, minimum in (("epoch", 0), ("batches", 0), ("accumulation_steps", 1)):
+        value = state.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ConfigError(f"state[{key!r}]", value, f"an integer >= {minimum}")
+    saved = state.get("topology")
+    if not isinstance(saved, dict):
+        raise ConfigError("state['topology']", saved, "a dict")
+    diffs = [
+        f"{key}: checkpoint {saved.get(key)!r}, now {topology[key]!r}"
+        for key in ("world", "sp", "sp_rank", "group")
+        if saved.get(key) != topology[key]
+    ]
+    if diffs:
+        raise TopologyMismatchError(
+            "this checkpoint was taken under another topology and cannot map onto the current "
+            "ranks (" + "; ".join(diffs) + "). Resume with the same world size and SP groups; "
+            "to change the data-parallel size, resume the sampler's own state "
+            "(shmloader.ShardedSampler supports that) and start the loader fresh."
+        )
+    return state["epoch"], state["batches"], state.get("loader")
 
 
 def _owned_copy(batch: Any) -> Any:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import json
 import logging
 import mmap
@@ -165,10 +166,16 @@ class RingWriter:
         self._counters = dict.fromkeys(COUNTER_FIELDS, 0)
         self._counters["readers"] = len(self.readers)
         self.control = Segment.create(control_name(token), KIND_CONTROL, token, CONTROL_CAPACITY)
+        # The finalizer must not hold ``self`` (a bound method would): it would
+        # keep a dropped, unclosed writer alive until interpreter exit. It
+        # shares the control segment and the slot list, mutated in place.
+        # Registered before describe() so a failing __init__ leaks nothing.
+        self._finalizer = weakref.finalize(
+            self, _emergency_unlink, functools.partial(_linked_names, self.control, self.slots)
+        )
         self._ctl = self.control.map_shared()
         self.describe(description)
         self._closed = False
-        self._finalizer = weakref.finalize(self, _emergency_unlink, self._all_names)
 
     # -- control segment -------------------------------------------------
 
@@ -278,6 +285,14 @@ class RingWriter:
         if name not in self._retired:
             raise ProtocolError(f"rank {rank} attached unknown segment {name}")
 
+    def unattached(self) -> set[int]:
+        """Readers that have not yet opened a published segment whose name is still needed."""
+        waiting: set[int] = set()
+        for slot in self.slots:
+            if slot.seq >= 0 and slot.segment.linked and slot.state != SlotState.RETIRED:
+                waiting |= self.readers - slot.attached
+        return waiting
+
     def drop_reader(self, rank: int) -> None:
         """Forget ``rank``'s holds (it closed or died): its slots become FREE."""
         for slot in self.slots:
@@ -299,6 +314,9 @@ class RingWriter:
         return None
 
     def _retire(self, slot: Slot) -> None:
+        # Remembered so that a late ATTACHED for it is ignored, not an error
+        # (``attached`` consults this; nothing else ever filled it).
+        self._retired[slot.segment.name] = slot
         slot.state = SlotState.RETIRED
         slot.payload = np.empty(0, np.uint8)
         with contextlib.suppress(BufferError):
@@ -307,8 +325,7 @@ class RingWriter:
         slot.segment.close()
 
     def _all_names(self) -> list[str]:
-        names = [self.control.name] if self.control.linked else []
-        return names + [s.segment.name for s in self.slots if s.segment.linked]
+        return _linked_names(self.control, self.slots)
 
     @property
     def total_bytes(self) -> int:
@@ -329,6 +346,11 @@ class RingWriter:
         self.control.unlink()
         self.control.close()
         self._finalizer.detach()
+
+
+def _linked_names(control: Segment, slots: list[Slot]) -> list[str]:
+    names = [control.name] if control.linked else []
+    return names + [s.segment.name for s in slots if s.segment.linked]
 
 
 def _emergency_unlink(names: Callable[[], list[str]]) -> None:

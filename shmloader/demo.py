@@ -230,6 +230,7 @@ def _report(args: argparse.Namespace, reports: dict[int, dict]) -> int:
         for f in followers
     ]
     alone_wait = [statistics.median(reports[r]["alone"]["wait_ms"]) for r in range(args.ranks)]
+    alone_med = statistics.median(alone_wait)
     shared_wait = [
         statistics.median(reports[r]["shared"]["wait_ms"]) for r in range(args.ranks) if r % args.sp
     ]
@@ -247,15 +248,9 @@ def _report(args: argparse.Namespace, reports: dict[int, dict]) -> int:
     print(f"  plain memcpy of those bytes     {memcpy_ms:8.2f} ms")
     print(f"  leader publish (encode + write) {publish_ms:8.2f} ms  per batch, once per SP group")
     print(f"  follower receive (map + decode) {statistics.mean(recv):8.3f} ms  per batch")
-    print(
-        f"  follower wait for next batch    {statistics.median(shared_wait):8.2f} ms  median (shared)"
-    )
-    print(
-        f"  each rank loads its own: wait   {statistics.median(alone_wait):8.2f} ms  median (unshared)"
-    )
-    print(
-        f"  main-process CPU, all ranks     {cpu_shared:8.2f} s shared vs {cpu_alone:.2f} s unshared"
-    )
+    print(f"  follower wait for next batch    {statistics.median(shared_wait):8.2f} ms  (median)")
+    print(f"  each rank loads its own: wait   {alone_med:8.2f} ms  (median)")
+    print(f"  main-process CPU, all ranks     {cpu_shared:8.2f} s  vs {cpu_alone:.2f} s unshared")
     print(
         f"  DataLoaders started             {args.ranks // args.sp} shared vs {args.ranks} unshared"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -58,18 +59,14 @@ def no_leaks(monkeypatch):
     if leaked_shm:
         problems.append(f"shared memory segments left in /dev/shm: {sorted(leaked_shm)}")
         for name in leaked_shm:  # do not cascade into later tests
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join("/dev/shm", name))
-            except FileNotFoundError:
-                pass
     if sockets:
         problems.append(f"socket files left in the runtime directory: {sockets}")
     if leaked_children:
         problems.append(f"child processes left running: {sorted(leaked_children)}")
         for pid in leaked_children:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
     if problems:
         pytest.fail("; ".join(problems))

@@ -120,7 +120,7 @@ def deliver(
     rank: int, world: int, *, sp: int, num_workers: int, epochs: int = 2, share: bool = True
 ) -> dict:
     """Iterate a ShmLoader for ``epochs`` and return every batch and facts."""
-    group, members = sp_groups(world, sp)
+    group, _members = sp_groups(world, sp)
     dp_rank = rank // sp
     loader = ShmLoader(
         make_loader_factory(num_workers, dp=world // sp, dp_rank=dp_rank),

@@ -23,6 +23,8 @@ Metadata wire format (UTF-8 JSON, never pickle)::
           | ["N", "mod:Qual", [node...]]    namedtuple
           | ["C", "mod:Qual", [[field, node]...]]   dataclass
           | ["@", leaf_index]               array-like leaf (aliases share an index)
+          | ["F", "inf" | "-inf" | "nan"]   a non-finite float (JSON has none)
+          | ["I", "<hex>"]                  an int too long for a JSON number
 
     leaf kinds: "t" torch tensor, "a" numpy array, "s" numpy scalar,
                 "b" bytes, "p" pickled object (only with allow_pickle)
@@ -57,6 +59,17 @@ ALIGN = 64
 #: not exhaust the stack).
 MAX_DEPTH = 64
 MAX_META_BYTES = 64 << 20
+#: Most dimensions of a leaf (numpy's own limit); enforced on encode as well as
+#: on decode, so the leader refuses what no follower could rebuild.
+MAX_NDIM = 64
+#: Ints longer than this many bits travel as hex (["I", ...]): Python refuses
+#: to convert ints of more than ``sys.get_int_max_str_digits()`` (>= 640)
+#: decimal digits to or from text, which a plain JSON number would need.
+_MAX_JSON_INT_BITS = 2000
+#: Leaves of these item sizes are copied as raw integers of the same size:
+#: some dtypes (uint1..7, int1..7) have no copy kernel at all, and bytes are
+#: bytes whatever the dtype.
+_RAW_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _torch_dtype_table() -> dict[str, torch.dtype]:
@@ -141,10 +154,18 @@ class _Encoder:
         if t in _PY_LEAVES:
             if t is float and not math.isfinite(obj):
                 return ["F", repr(obj)]  # JSON has no inf/nan
+            if t is int and obj.bit_length() > _MAX_JSON_INT_BITS:
+                return ["I", format(obj, "x")]  # json.dumps would raise ValueError
             return obj
         if t is torch.Tensor or isinstance(obj, torch.Tensor):
             return self.tensor(obj, path)
         if isinstance(obj, np.ndarray):
+            if isinstance(obj, np.ma.MaskedArray | np.matrix):
+                # Would arrive as a plain ndarray: the mask (or matrix
+                # semantics) silently lost.
+                raise UnsupportedBatchError(
+                    path, obj, "numpy array subclasses other than memmap are not carried"
+                )
             return self.ndarray(obj, path, "a")
         if isinstance(obj, np.generic):
             return self.ndarray(np.asarray(obj), path, "s")
@@ -157,17 +178,20 @@ class _Encoder:
         if t is dict:
             return [
                 "D",
-                [[self.key(k, path), self.node(v, f"{path}[{k!r}]")] for k, v in obj.items()],
+                [
+                    [self.key(k, path), self.node(v, f"{path}[{_key_text(k)}]")]
+                    for k, v in obj.items()
+                ],
             ]
         if isinstance(obj, tuple) and hasattr(t, "_fields"):
             items = [self.node(getattr(obj, f), f"{path}.{f}") for f in t._fields]
-            return ["N", _type_name(t), items]
+            return ["N", self.type_name(t, obj, path, "namedtuple"), items]
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             fields = [
                 [f.name, self.node(getattr(obj, f.name), f"{path}.{f.name}")]
                 for f in dataclasses.fields(obj)
             ]
-            return ["C", _type_name(t), fields]
+            return ["C", self.type_name(t, obj, path, "dataclass"), fields]
         if self.allow_pickle:
             try:
                 blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
@@ -175,6 +199,28 @@ class _Encoder:
                 raise UnsupportedBatchError(path, obj, f"pickling failed: {exc}") from exc
             return self.leaf(blob, "p", "uint8", (len(blob),), len(blob))
         raise UnsupportedBatchError(path, obj)
+
+    def type_name(self, t: type, obj: Any, path: str, what: str) -> str:
+        """``t``'s importable name; refuse (before anything is written) a type
+        that followers could not import by that name, e.g. one defined inside a
+        function: they would otherwise drop every batch as malformed."""
+        name = _type_name(t)
+        if _RESOLVED.get((what, name)) is not t:
+            _RESOLVED.pop((what, name), None)  # not seen yet, or stale (a reloaded module)
+            try:
+                ok = _resolve(name, what) is t
+            except ProtocolError:
+                ok = False
+        else:
+            ok = True
+        if not ok:
+            raise UnsupportedBatchError(
+                path,
+                obj,
+                f"the {what} type {name} cannot be imported by that name on another rank; "
+                "define it at module level of an importable module",
+            )
+        return name
 
     def key(self, key: Any, path: str) -> Any:
         if type(key) in _PY_LEAVES or type(key) is tuple:
@@ -201,12 +247,22 @@ class _Encoder:
             raise UnsupportedBatchError(path, t, f"dtype {t.dtype} has no plain byte layout")
         if t.requires_grad:
             raise UnsupportedBatchError(path, t, "requires_grad=True; detach() it in collate")
+        if t.dim() > MAX_NDIM:  # decode refuses these: refuse them here, before writing
+            raise UnsupportedBatchError(path, t, f"{t.dim()} dimensions; at most {MAX_NDIM}")
         return self.leaf(t, "t", name, tuple(t.shape), t.numel() * t.element_size())
 
     def ndarray(self, a: np.ndarray, path: str, kind: str) -> list:
         if a.dtype.kind not in _NUMPY_KINDS or a.dtype.fields is not None:
             raise UnsupportedBatchError(path, a, f"numpy dtype {a.dtype} is not a plain value type")
         return self.leaf(a, kind, a.dtype.str, tuple(a.shape), a.nbytes)
+
+
+def _key_text(key: Any) -> str:
+    """``repr(key)`` for a path; an int key of > 4300 digits has no repr (ValueError)."""
+    try:
+        return repr(key)
+    except ValueError:
+        return f"<{type(key).__name__} key>"
 
 
 def _type_name(t: type) -> str:
@@ -222,12 +278,12 @@ def encode(batch: Any, *, allow_pickle: bool = False) -> Encoded:
     enc = _Encoder(allow_pickle)
     tree = enc.node(batch, "batch")
     table = [[lf.kind, lf.dtype, list(lf.shape), lf.offset, lf.nbytes] for lf in enc.leaves]
-    meta = json.dumps(
-        {"v": FORMAT_VERSION, "n": enc.offset, "L": table, "t": tree},
-        separators=(",", ":"),
-        ensure_ascii=False,
-        allow_nan=False,
-    ).encode()
+    doc = {"v": FORMAT_VERSION, "n": enc.offset, "L": table, "t": tree}
+    text = json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    try:
+        meta = text.encode()
+    except UnicodeEncodeError:  # a str holding lone surrogates: escape it as \udXXX
+        meta = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
     return Encoded(meta, enc.offset, tuple(enc.leaves), tuple(enc.sources))
 
 
@@ -248,7 +304,11 @@ def write_payload(encoded: Encoded, dest: np.ndarray) -> None:
         window = dest[leaf.offset : leaf.offset + leaf.nbytes]
         if leaf.kind == "t":
             out = torch.from_numpy(window).view(_TORCH_DTYPES[leaf.dtype]).view(leaf.shape)
-            out.copy_(src.resolve_conj().resolve_neg())
+            src = src.resolve_conj().resolve_neg()
+            raw = _RAW_DTYPES.get(src.element_size())
+            if raw is not None:  # copy the bits: uint1..7/int1..7 have no copy kernel
+                out, src = out.view(raw), src.view(raw)
+            out.copy_(src)
         elif leaf.kind in ("a", "s"):
             np.copyto(window.view(src.dtype).reshape(src.shape), src, casting="no")
         else:  # bytes, pickle
@@ -273,9 +333,9 @@ def parse_meta(
         raise ProtocolError(f"metadata of {len(meta)} bytes exceeds {MAX_META_BYTES}")
     try:
         doc = json.loads(bytes(meta))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError: also ints of > 4300 digits
         raise ProtocolError(f"metadata is not valid JSON: {exc}") from None
-    if not isinstance(doc, dict) or doc.get("v") != FORMAT_VERSION:
+    if not isinstance(doc, dict) or not _is_int(doc.get("v")) or doc["v"] != FORMAT_VERSION:
         version = doc.get("v") if isinstance(doc, dict) else None
         raise ProtocolError(
             f"metadata format version {version!r}; this build reads {FORMAT_VERSION}"
@@ -300,7 +360,9 @@ def _parse_leaf(entry: Any, payload_size: int) -> Leaf:
     if kind not in ("t", "a", "s", "b", "p") or not isinstance(dtype, str):
         raise ProtocolError(f"bad leaf kind/dtype {kind!r}/{dtype!r:.40}")
     if not (
-        isinstance(shape, list) and len(shape) <= 64 and all(_is_int(d) and d >= 0 for d in shape)
+        isinstance(shape, list)
+        and len(shape) <= MAX_NDIM
+        and all(_is_int(d) and d >= 0 for d in shape)
     ):
         raise ProtocolError(f"bad leaf shape {shape!r:.80}")
     if not (_is_int(offset) and _is_int(nbytes) and offset >= 0 and nbytes >= 0):
@@ -312,6 +374,10 @@ def _parse_leaf(entry: Any, payload_size: int) -> Leaf:
     itemsize = _itemsize(kind, dtype)
     if math.prod(shape) * itemsize != nbytes:
         raise ProtocolError(f"leaf nbytes {nbytes} != shape {shape} x itemsize {itemsize}")
+    # A zero-size leaf passes the check above whatever its other dims are;
+    # torch and numpy fail (RuntimeError, OverflowError) on strides past int64.
+    if math.prod(max(d, 1) for d in shape) * max(itemsize, 1) >= 1 << 63:
+        raise ProtocolError(f"leaf shape {shape!r:.80} is too large")
     return Leaf(kind, dtype, tuple(shape), offset, nbytes)
 
 
@@ -348,7 +414,11 @@ class _Decoder:
             return self.built[index]
         lf = self.leaves[index]
         window = self.payload[lf.offset : lf.offset + lf.nbytes]
-        if lf.kind == "t":
+        if lf.kind == "t" and lf.nbytes == 0:
+            # torch.from_numpy of an empty payload has stride 0, which view(dtype)
+            # refuses: a zero-size tensor needs no bytes of the payload anyway.
+            obj = torch.empty(lf.shape, dtype=_TORCH_DTYPES[lf.dtype])
+        elif lf.kind == "t":
             obj = torch.from_numpy(window).view(_TORCH_DTYPES[lf.dtype]).view(lf.shape)
         elif lf.kind == "a":
             obj = window.view(np.dtype(lf.dtype)).reshape(lf.shape)
@@ -391,6 +461,11 @@ class _Decoder:
                 if text not in ("inf", "-inf", "nan"):
                     raise ProtocolError(f"bad float {text!r:.20}")
                 return float(text)
+            if tag == "I":
+                (text,) = args
+                if not isinstance(text, str):
+                    raise ProtocolError(f"bad long int {text!r:.20}")
+                return int(text, 16)
             if tag == "N":
                 name, items = args
                 cls = _resolve(name, "namedtuple")
@@ -399,8 +474,11 @@ class _Decoder:
                 name, items = args
                 cls = _resolve(name, "dataclass")
                 obj = object.__new__(cls)
+                names = {f.name for f in dataclasses.fields(cls)}
                 for field, value in _pairs(items):
-                    if not isinstance(field, str):
+                    # Only the class's own fields: any other name could replace
+                    # __dict__, or raise AttributeError on a slots dataclass.
+                    if not isinstance(field, str) or field not in names:
                         raise ProtocolError(f"bad dataclass field {field!r:.40}")
                     object.__setattr__(obj, field, self.node(value, depth + 1))
                 return obj
@@ -422,7 +500,9 @@ def _pairs(items: Any) -> Iterator[tuple[Any, Any]]:
         yield pair[0], pair[1]
 
 
-_RESOLVED: dict[str, type] = {}
+#: Keyed by (what, name): a name checked as a dataclass must not pass later as
+#: a namedtuple (its __init__, and __post_init__, would run on follower input).
+_RESOLVED: dict[tuple[str, str], type] = {}
 
 
 def _resolve(name: Any, what: str) -> type:
@@ -431,7 +511,7 @@ def _resolve(name: Any, what: str) -> type:
     Only types that really are namedtuples/dataclasses are accepted; nothing is
     called but the type's own constructor (namedtuple) or ``object.__new__``.
     """
-    cls = _RESOLVED.get(name) if isinstance(name, str) else None
+    cls = _RESOLVED.get((what, name)) if isinstance(name, str) else None
     if cls is not None:
         return cls
     if not isinstance(name, str) or name.count(":") != 1:
@@ -441,7 +521,7 @@ def _resolve(name: Any, what: str) -> type:
         obj: Any = importlib.import_module(module_name)
         for part in qualname.split("."):
             obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
+    except Exception as exc:  # any failure to import (a module may raise anything) is bad input
         raise ProtocolError(
             f"cannot import the {what} type {name} on this rank ({exc}); define it in an "
             "importable module (not inside a function) so every rank can rebuild it"
@@ -453,7 +533,7 @@ def _resolve(name: Any, what: str) -> type:
     )
     if not ok:
         raise ProtocolError(f"{name} is not a {what}")
-    _RESOLVED[name] = obj
+    _RESOLVED[(what, name)] = obj
     return obj
 
 

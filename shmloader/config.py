@@ -54,7 +54,12 @@ class Config:
     def __post_init__(self) -> None:
         if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 2:
             raise ConfigError("slots", self.slots, "an integer >= 2")
-        if not isinstance(self.timeout, int | float) or not self.timeout > 0:
+        # bool is an int: timeout=True would silently mean one second.
+        if (
+            not isinstance(self.timeout, int | float)
+            or isinstance(self.timeout, bool)
+            or not self.timeout > 0
+        ):
             raise ConfigError("timeout", self.timeout, "a number of seconds > 0")
 
     @classmethod

@@ -291,8 +291,8 @@ def write_payload(encoded: Encoded, dest: np.ndarray) -> None:
     """Copy every leaf of ``encoded`` into ``dest`` (a writable uint8 array).
 
     One pass per leaf, straight from the source's memory into ``dest``: a
-    non-contiguous tensor is gathered by ``copy_`` without an intermediate
-    contiguous copy.
+    contiguous leaf is one memcpy, a non-contiguous tensor is gathered by
+    ``copy_`` without an intermediate contiguous copy.
     """
     if dest.dtype != np.uint8 or dest.ndim != 1:
         raise TypeError(f"dest must be a 1-D uint8 array, got {dest.dtype} with shape {dest.shape}")
@@ -303,8 +303,11 @@ def write_payload(encoded: Encoded, dest: np.ndarray) -> None:
             continue
         window = dest[leaf.offset : leaf.offset + leaf.nbytes]
         if leaf.kind == "t":
-            out = torch.from_numpy(window).view(_TORCH_DTYPES[leaf.dtype]).view(leaf.shape)
             src = src.resolve_conj().resolve_neg()
+            if src.is_contiguous():  # one plain memcpy: faster than copy_'s kernels
+                np.copyto(window, src.reshape(-1).view(torch.uint8).numpy())
+                continue
+            out = torch.from_numpy(window).view(_TORCH_DTYPES[leaf.dtype]).view(leaf.shape)
             raw = _RAW_DTYPES.get(src.element_size())
             if raw is not None:  # copy the bits: uint1..7/int1..7 have no copy kernel
                 out, src = out.view(raw), src.view(raw)

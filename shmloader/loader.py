@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import datetime
 import functools
 import json
 import logging
@@ -134,7 +135,21 @@ class ShmLoader:
 
         self._group_ranks: list[int] | None = None
         if group is not None and dist.is_available() and dist.is_initialized():
-            self._group_ranks = dist.get_process_group_ranks(group)
+            try:
+                self._group_ranks = dist.get_process_group_ranks(group)
+            except (ValueError, RuntimeError, KeyError):
+                raise ConfigError(
+                    "group",
+                    group,
+                    "a process group of the initialised default group (from "
+                    "torch.distributed.new_group), not one of another or destroyed world",
+                ) from None
+            if dist.get_rank() not in self._group_ranks:
+                raise ConfigError(
+                    "group",
+                    self._group_ranks,
+                    f"a group that contains this rank ({dist.get_rank()})",
+                )
         sharing = (
             self.config.enabled
             and group is not None
@@ -204,7 +219,10 @@ class ShmLoader:
             )
         if len(topo.nodes) > 1 and topo.me in topo.node_leaders:
             xg = dist.new_group(
-                list(topo.node_leaders), backend="gloo", use_local_synchronization=True
+                list(topo.node_leaders),
+                backend="gloo",
+                timeout=datetime.timedelta(seconds=self.config.timeout),
+                use_local_synchronization=True,
             )
             self._own_groups.append(xg)
             self._xnode = CrossNode(xg, topo.leader, topo.node_leaders)
@@ -524,11 +542,20 @@ class ShmLoader:
         )
         self._tell_readers(parts)
 
-    def _tell_readers(self, parts: list) -> None:
+    def _tell_readers(self, parts: list, *, best_effort: bool = False) -> None:
+        """Send to every live reader; a lost one raises after all others were told."""
         assert self._hub is not None and self._topo is not None
+        lost: PeerLostError | None = None
         for rank in self._topo.readers:
-            if rank not in self._gone:
+            if rank in self._gone:
+                continue
+            try:
                 self._hub.send(rank, parts)
+            except PeerLostError as exc:
+                self._gone.add(rank)
+                lost = lost or exc
+        if lost is not None and not best_effort:
+            raise lost
 
     def _end(self, it: int, steps: int, draws: int) -> None:
         if self._xnode is not None:
@@ -537,13 +564,13 @@ class ShmLoader:
         self._tell_readers(wire.frames(Kind.END, it=it, steps=steps, draws=draws))
 
     def _fail(self, it: int, exc: BaseException) -> None:
-        """Tell every reader (and node leader) that this iteration failed."""
+        """Tell every reader (and from the leader every node leader) that this iteration failed."""
         try:
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 body = {"reason": f"{type(exc).__name__} on the leader"}
-                if self._xnode is not None:
+                if self._xnode is not None and self._role == "leader":
                     self._xnode.send_json(KIND_STOP, it, body)
-                self._tell_readers(wire.frames(Kind.STOP, **body))
+                self._tell_readers(wire.frames(Kind.STOP, **body), best_effort=True)
                 return
             body = {
                 "it": it,
@@ -551,9 +578,10 @@ class ShmLoader:
                 "message": str(exc),
                 "traceback": "".join(traceback.format_exception(exc)),
             }
-            if self._xnode is not None:
+            broken = isinstance(exc, PeerLostError)  # the broadcast itself may be what broke
+            if self._xnode is not None and self._role == "leader" and not broken:
                 self._xnode.send_json(KIND_ERROR, it, body)
-            self._tell_readers(wire.frames(Kind.ERROR, **body))
+            self._tell_readers(wire.frames(Kind.ERROR, **body), best_effort=True)
         except Exception as notify_error:  # the original error matters more
             log.warning("shmloader: could not tell followers about %r: %s", exc, notify_error)
 
@@ -660,6 +688,17 @@ class ShmLoader:
     # -- node leader ---------------------------------------------------------
 
     def _relay_iteration(self, it: int) -> Iterator[Any]:
+        try:
+            yield from self._relay(it)
+        except GeneratorExit:
+            raise
+        except LeaderError:
+            raise  # already forwarded to this node's readers
+        except BaseException as exc:  # e.g. the broadcast broke: tell our readers
+            self._fail(it, exc)
+            raise
+
+    def _relay(self, it: int) -> Iterator[Any]:
         xnode, ring = self._xnode, self._ring
         assert xnode is not None and ring is not None
         steps = 0
@@ -674,11 +713,12 @@ class ShmLoader:
             if kind in (KIND_ERROR, KIND_STOP):
                 body = _json_body(meta)
                 if kind == KIND_STOP:
-                    self._tell_readers(wire.frames(Kind.STOP, reason=str(body.get("reason", ""))))
+                    reason = str(body.get("reason", ""))
+                    self._tell_readers(wire.frames(Kind.STOP, reason=reason), best_effort=True)
                     log.warning("shmloader: the leader stopped: %s", body.get("reason"))
                     return
                 body["it"] = it
-                self._tell_readers(wire.frames(Kind.ERROR, **_error_fields(body)))
+                self._tell_readers(wire.frames(Kind.ERROR, **_error_fields(body)), best_effort=True)
                 raise _leader_error(body, self._topo.leader if self._topo else None)
             t0 = time.perf_counter_ns()
             self._await_readers()
@@ -932,8 +972,16 @@ def _error_fields(body: dict) -> dict:
     }
 
 
-def _leader_error(body: dict, leader: int | None) -> LeaderError:
+def _leader_error(body: dict, leader: int | None) -> ShmLoaderError:
+    """The error a reader raises for the leader's ERROR message.
+
+    A peer lost by the leader is a peer lost by the whole group: readers raise
+    ``PeerLostError`` with the leader's account. Anything else the leader's
+    loader raised becomes ``LeaderError`` carrying type, message and traceback.
+    """
     f = _error_fields(body)
+    if f["type"] == "PeerLostError":
+        return PeerLostError(None, "peer", f"the leader (rank {leader}) reported: {f['message']}")
     return LeaderError(f["type"], f["message"], f["traceback"], leader_rank=leader)
 
 

@@ -91,6 +91,26 @@ class RankFailure(AssertionError):
     pass
 
 
+def _gc_main(shm_dir: str | None) -> None:
+    if shm_dir is not None:
+        _enter_private_shm(shm_dir)
+    from shmloader import admin
+
+    admin.collect_garbage(dry_run=False)
+
+
+def gc_on_node(shm_dir: str | None) -> None:
+    """Run `shmloader gc` as an operator on that (simulated) node would."""
+    p = mp.get_context("spawn").Process(target=_gc_main, args=(shm_dir,))
+    p.start()
+    p.join(60)
+    if p.is_alive():
+        p.kill()
+        p.join()
+    if p.exitcode != 0:
+        raise RankFailure(f"gc on node {shm_dir or '/dev/shm'} failed with exit code {p.exitcode}")
+
+
 @contextlib.contextmanager
 def simulated_nodes(count: int):
     """Per-node tmpfs directories for nodes 1..count-1 (node 0 keeps /dev/shm)."""
@@ -124,11 +144,13 @@ def run_ranks(
     nodes: list[int] | None = None,
     timeout: float = 90.0,
     expect_failure: bool = False,
+    gc_after: bool = False,
 ) -> list[Any]:
     """Run ``fn`` on ``world`` real ranks and return their results in rank order.
 
     With ``expect_failure`` the results of failed ranks are their traceback
-    text (a ``str``) instead of raising.
+    text (a ``str``) instead of raising. ``gc_after`` runs ``shmloader gc`` on
+    every node once the ranks are gone (for runs where a rank was SIGKILLed).
     """
     target = fn if isinstance(fn, str) else f"{fn.__module__}:{fn.__qualname__}"
     ctx = mp.get_context("spawn")
@@ -168,6 +190,9 @@ def run_ranks(
                 if p.is_alive():
                     p.kill()
                 p.join(5)
+            if gc_after:
+                for d in shm_dirs:
+                    gc_on_node(d)
         results: list[Any] = []
         errors = []
         for rank in range(world):

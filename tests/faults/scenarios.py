@@ -1,0 +1,136 @@
+"""Rank programs that die or fail at chosen points (importable by spawned ranks).
+
+Faults are injected from the outside by monkeypatching inside the doomed
+rank's own process: no test hook lives in the library.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from shmloader import Config, ShmLoader
+from tests import ranks
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Boom(Exception):
+    pass
+
+
+class Exploding:
+    """A loader whose iterator raises (or interrupts) at batch ``at``."""
+
+    def __init__(self, n: int, at: int, exc: type[BaseException]) -> None:
+        self.n, self.at, self.exc = n, at, exc
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        for i in range(self.n):
+            if i == self.at:
+                raise self.exc(f"sample {i} is corrupt")
+            yield {"x": torch.full((4,), i)}
+
+
+def outcome(fn) -> dict[str, Any]:
+    """Run ``fn``; report what it returned or raised and how long that took."""
+    t0 = time.monotonic()
+    try:
+        value = fn()
+        return {"ok": True, "value": value, "seconds": time.monotonic() - t0}
+    except BaseException as exc:
+        return {
+            "ok": False,
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "attrs": {k: v for k, v in vars(exc).items() if isinstance(v, str | int | type(None))},
+            "seconds": time.monotonic() - t0,
+        }
+
+
+def leader_raises(rank: int, world: int, *, exc: str, sp_nodes: bool = False) -> dict:
+    kind = {"Boom": Boom, "KeyboardInterrupt": KeyboardInterrupt}[exc]
+    loader = ShmLoader(
+        lambda: Exploding(6, 3, kind), dist.group.WORLD, config=Config.from_env(enabled=True)
+    )
+    got: list[int] = []
+
+    def run():
+        for batch in loader:
+            got.append(int(batch["x"][0]))
+        return got
+
+    out = outcome(run)
+    out["got"] = got
+    loader.close()
+    return out
+
+
+def kill_at(rank: int, world: int, *, victim: int, point: str, timeout: float = 30.0) -> dict:
+    """Every rank iterates; ``victim`` SIGKILLs itself at ``point``."""
+    import shmloader.loader as L
+
+    if rank == victim:
+        if point == "before-hello":
+            real = L.wire.frames
+
+            def frames(kind, *a, **kw):
+                if kind == L.Kind.HELLO:
+                    die()
+                return real(kind, *a, **kw)
+
+            L.wire.frames = frames
+        elif point == "mid-publish":
+            real_write = L.codec.write_payload
+
+            def write(enc, dest):
+                if ranks._MADE.get("writes", 0) == 2:
+                    dest[: enc.nbytes // 2] = 7  # half a batch written, then gone
+                    die()
+                ranks._MADE["writes"] = ranks._MADE.get("writes", 0) + 1
+                real_write(enc, dest)
+
+            L.codec.write_payload = write
+        elif point == "during-broadcast":
+            real_recv = L.CrossNode.receive_payload
+
+            def recv(self, dest):
+                if ranks._MADE.get("recv", 0) == 2:
+                    die()
+                ranks._MADE["recv"] = ranks._MADE.get("recv", 0) + 1
+                real_recv(self, dest)
+
+            L.CrossNode.receive_payload = recv
+    loader = ShmLoader(
+        lambda: DataLoader(ranks.Synthetic(40), batch_size=2, collate_fn=ranks.collate),
+        dist.group.WORLD,
+        config=Config.from_env(enabled=True, timeout=timeout),
+    )
+    held = []
+
+    def run():
+        for i, batch in enumerate(loader):
+            if rank == victim and point == "holding-slot" and i == 2:
+                held.append(batch)
+                die()
+            held.append(batch)
+            held[:] = held[-3:]
+            dist.barrier() if point == "never" else None
+        return len(held)
+
+    out = outcome(run)
+    out["pid"] = os.getpid()
+    held.clear()
+    loader.close()
+    return out

@@ -1,0 +1,79 @@
+"""Fault injection: real processes fail or die at chosen points.
+
+For each case: which typed error every surviving rank raised, how long that
+took, and that /dev/shm, the runtime directory and the process table are clean
+afterwards (after `shmloader gc` when an owner was SIGKILLed; the suite's
+autouse fixture checks the rest).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.faults import scenarios
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_leader_error_reaches_every_follower_with_type_message_and_traceback():
+    out = run_ranks(scenarios.leader_raises, 3, kwargs={"exc": "Boom"})
+    assert out[0]["type"] == "Boom" and "sample 3 is corrupt" in out[0]["message"]
+    for r in (1, 2):
+        assert out[r]["type"] == "LeaderError", out[r]
+        assert out[r]["attrs"]["original_type"] == "Boom"
+        assert out[r]["attrs"]["original_message"] == "sample 3 is corrupt"
+        assert "in __iter__" in out[r]["attrs"]["traceback_text"]
+    assert all(o["got"] == [0, 1, 2] for o in out), "every rank failed on the same step"
+
+
+def test_leader_keyboard_interrupt_is_an_orderly_stop_for_followers():
+    out = run_ranks(scenarios.leader_raises, 3, kwargs={"exc": "KeyboardInterrupt"})
+    assert out[0]["type"] == "KeyboardInterrupt"
+    for r in (1, 2):
+        assert out[r]["ok"] and out[r]["got"] == [0, 1, 2], out[r]
+
+
+@pytest.mark.parametrize(
+    "victim,point,survivor_error",
+    [
+        (0, "mid-publish", "PeerLostError"),
+        (1, "holding-slot", "PeerLostError"),
+        (2, "before-hello", "PeerLostError"),
+    ],
+    ids=["leader-mid-publish", "follower-holding-slot", "follower-before-hello"],
+)
+def test_sigkill_is_detected_by_every_survivor_quickly(victim, point, survivor_error):
+    out = run_ranks(
+        scenarios.kill_at,
+        3,
+        kwargs={"victim": victim, "point": point},
+        expect_failure=True,
+        gc_after=True,
+    )
+    assert out[victim] is None or isinstance(out[victim], str), "the victim must have died"
+    for rank, o in enumerate(out):
+        if rank == victim:
+            continue
+        assert not o["ok"] and o["type"] == survivor_error, (rank, o)
+        assert o["seconds"] < 10, f"rank {rank} took {o['seconds']:.1f} s to notice"
+        assert str(victim) in o["message"], f"the error must name rank {victim}: {o['message']}"
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["node-leader", "leader"])
+def test_sigkill_during_cross_node_broadcast(victim):
+    point = "during-broadcast" if victim == 1 else "mid-publish"
+    out = run_ranks(
+        scenarios.kill_at,
+        4,
+        kwargs={"victim": {1: 2, 0: 0}[victim], "point": point},
+        nodes=[0, 0, 1, 1],
+        expect_failure=True,
+        gc_after=True,
+    )
+    dead = {1: 2, 0: 0}[victim]
+    for rank, o in enumerate(out):
+        if rank == dead:
+            continue
+        assert not o["ok"] and o["type"] in ("PeerLostError", "LeaderError"), (rank, o)
+        assert o["seconds"] < 30, f"rank {rank} took {o['seconds']:.1f} s"

@@ -16,12 +16,6 @@ def _demo(args: argparse.Namespace) -> int:
     return demo.run(args)
 
 
-def _daemon(args: argparse.Namespace) -> int:
-    from shmloaderd.__main__ import main as daemon_main
-
-    return daemon_main(args.daemon_args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     from . import admin, demo
 
@@ -38,13 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     admin.register(sub)
 
-    p = sub.add_parser("daemon", help="run the node daemon (same as shmloaderd)")
-    p.add_argument("daemon_args", nargs=argparse.REMAINDER, help="arguments for shmloaderd")
-    p.set_defaults(func=_daemon)
+    # listed for --help; main() hands "daemon ..." to shmloaderd before parsing
+    sub.add_parser("daemon", help="run the node daemon (same as shmloaderd; see daemon --help)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["daemon"]:  # everything after it, --help included, is shmloaderd's
+        from shmloaderd.__main__ import main as daemon_main
+
+        return daemon_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     return int(args.func(args) or 0)

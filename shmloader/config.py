@@ -39,6 +39,7 @@ class Config:
         node: node identity override (``SHMLOADER_NODE``), see ``topology``.
         daemon: control socket of ``shmloaderd`` (``SHMLOADER_DAEMON``).
         copy: followers receive owned copies instead of shared views (``SHMLOADER_COPY``).
+        verify: checksum every payload end to end, CRC-32 (``SHMLOADER_VERIFY``).
         allow_pickle: pickle leaves the codec does not know. Off by default.
     """
 
@@ -49,6 +50,7 @@ class Config:
     node: str | None = None
     daemon: str | None = None
     copy: bool = False
+    verify: bool = False
     allow_pickle: bool = False
 
     def __post_init__(self) -> None:
@@ -74,6 +76,7 @@ class Config:
             "node": _name(env, "SHMLOADER_NODE"),
             "daemon": _path(env, "SHMLOADER_DAEMON"),
             "copy": _flag(env, "SHMLOADER_COPY"),
+            "verify": _flag(env, "SHMLOADER_VERIFY"),
         }
         known = {f.name for f in dataclasses.fields(cls)}
         for key in overrides:

@@ -45,6 +45,7 @@ import os
 import time
 import traceback
 import weakref
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -55,6 +56,7 @@ import torch.distributed as dist
 from . import codec, rng, wire
 from .channel import Hub, Peer, Spoke, socket_path
 from .config import Config
+from .daemon_client import DaemonClient
 from .errors import (
     ConfigError,
     LeaderError,
@@ -130,6 +132,8 @@ class ShmLoader:
         self._spoke: Spoke | None = None
         self._xnode: CrossNode | None = None
         self._own_groups: list[dist.ProcessGroup] = []
+        self._daemon: DaemonClient | None = None
+        self._next_report = 0.0
         self._stats = collections.Counter()
         self._warned_rng = False
 
@@ -161,7 +165,11 @@ class ShmLoader:
             self._role = "local"
             self._loader = make_loader()
             return
-        self._setup(make_loader, group)
+        try:
+            self._setup(make_loader, group)
+        except BaseException:
+            _close_quietly(self._closers())
+            raise
         self._finalizer = weakref.finalize(self, _close_quietly, self._closers())
 
     # ------------------------------------------------------------------ set-up
@@ -192,13 +200,17 @@ class ShmLoader:
             )
         self._length = int(length[0])
 
+        self._daemon = self._connect_daemon()
         if topo.is_writer:
             self._ring = RingWriter(
                 topo.ring_token,
                 frozenset(topo.readers),
                 self._description(),
                 self_rank=None if topo.is_leader else topo.me,
+                daemon=self._daemon,
             )
+            if self._daemon is not None:
+                self._daemon.register(self._description())
             self._hub = Hub(socket_path(self.config.runtime_dir, topo.ring_token, os.getpid()))
             self._hello: set[int] = set()
             self._acked = dict.fromkeys(topo.readers, 0)
@@ -226,6 +238,32 @@ class ShmLoader:
             )
             self._own_groups.append(xg)
             self._xnode = CrossNode(xg, topo.leader, topo.node_leaders)
+
+    def _connect_daemon(self) -> DaemonClient | None:
+        """The node daemon's client, or None: embedded mode (logged once if unreachable)."""
+        if not self.config.daemon:
+            return None
+        client = DaemonClient(self.config.daemon)
+        if client.connect():
+            return client
+        client.close()
+        return None
+
+    def _report(self) -> None:
+        """Tell the daemon (at most once a second) how far this rank's peers are."""
+        client, topo = self._daemon, self._topo
+        now = time.monotonic()
+        if client is None or topo is None or now < self._next_report:
+            return
+        self._next_report = now + REPORT_EVERY_S
+        if topo.is_writer:
+            client.report(topo.ring_token, topo.me, published=self._seq)
+            for rank, acked in self._acked.items():
+                client.report(topo.ring_token, rank, consumed=acked, lag=self._seq - acked)
+        else:
+            received = self._stats["received"]
+            mean = self._stats["receive_ms_total"] / received if received else None
+            client.report(topo.ring_token, topo.me, consumed=received, receive_ms=mean)
 
     def _exchange_group(self, group: dist.ProcessGroup) -> dist.ProcessGroup:
         """A gloo group with the ranks of ``group`` for the CPU set-up exchange."""
@@ -510,17 +548,18 @@ class ShmLoader:
         if slot is not None:
             codec.write_payload(enc, slot.payload)
         t1 = time.perf_counter_ns()
+        payload = slot.payload[: enc.nbytes] if slot is not None else None
+        crc = _crc(payload) if self.config.verify and payload is not None else -1
         if self._xnode is not None:
-            payload = slot.payload[: enc.nbytes] if slot is not None else None
-            self._xnode.send(KIND_BATCH, it, enc.meta, payload, draws=draws)
-        self._announce(it, enc.meta, enc.nbytes, slot, draws, t1 - t0)
+            self._xnode.send(KIND_BATCH, it, enc.meta, payload, draws=draws, crc=crc)
+        self._announce(it, enc.meta, enc.nbytes, slot, draws, t1 - t0, crc)
         self._stats["published"] += 1
         self._stats["bytes_published"] += enc.nbytes
         self._stats["publish_ms_total"] += (time.perf_counter_ns() - t0) / 1e6
         self._stats["write_ms_last"] = (t1 - t0) / 1e6
 
     def _announce(
-        self, it: int, meta: bytes, nbytes: int, slot: Slot | None, draws: int, ns: int
+        self, it: int, meta: bytes, nbytes: int, slot: Slot | None, draws: int, ns: int, crc: int
     ) -> None:
         """Tell this node's readers that batch ``seq`` is in ``slot``."""
         ring = self._ring
@@ -539,8 +578,10 @@ class ShmLoader:
             seg="" if slot is None else slot.segment.name,
             nbytes=nbytes,
             draws=draws,
+            crc=crc,
         )
         self._tell_readers(parts)
+        self._report()
 
     def _tell_readers(self, parts: list, *, best_effort: bool = False) -> None:
         """Send to every live reader; a lost one raises after all others were told."""
@@ -559,7 +600,7 @@ class ShmLoader:
 
     def _end(self, it: int, steps: int, draws: int) -> None:
         if self._xnode is not None:
-            self._xnode.send(KIND_END, it, b"", draws=draws, steps=steps)
+            self._xnode.send(KIND_END, it, b"", draws=draws)
         self._await_readers(window=False)
         self._tell_readers(wire.frames(Kind.END, it=it, steps=steps, draws=draws))
 
@@ -703,7 +744,7 @@ class ShmLoader:
         assert xnode is not None and ring is not None
         steps = 0
         while True:
-            kind, _leader_it, nbytes, meta, draws, _steps = xnode.receive_header()
+            kind, _leader_it, nbytes, meta, draws, crc = xnode.receive_header()
             if kind == KIND_END:
                 self._await_readers(window=False)
                 self._tell_readers(wire.frames(Kind.END, it=it, steps=steps, draws=draws))
@@ -725,9 +766,11 @@ class ShmLoader:
             slot = ring.acquire(nbytes) if nbytes else None
             if slot is not None:
                 xnode.receive_payload(slot.payload[:nbytes])
+                if crc >= 0:
+                    _check_crc(slot.payload[:nbytes], crc, self._seq)
             t1 = time.perf_counter_ns()
             seq = self._seq
-            self._announce(it, meta, nbytes, slot, draws, t1 - t0)
+            self._announce(it, meta, nbytes, slot, draws, t1 - t0, crc)
             if slot is not None:
                 view = slot.segment.map_private(nbytes)
                 item = (slot.index, slot.gen)
@@ -856,6 +899,8 @@ class ShmLoader:
                 payload = reader.view(
                     msg["seg"], nbytes, functools.partial(self._releases.append, item)
                 )
+                if msg["crc"] >= 0:
+                    _check_crc(payload, msg["crc"], msg.seq)
             else:
                 payload = np.empty(0, np.uint8)
             batch = codec.decode(msg.blob, payload, allow_pickle=self.config.allow_pickle)
@@ -867,6 +912,7 @@ class ShmLoader:
             self._stats["received"] += 1
             self._stats["receive_ms_total"] += (time.perf_counter_ns() - t0) / 1e6
             self._stats["receive_ms_last"] = (time.perf_counter_ns() - t0) / 1e6
+            self._report()
             yield batch
 
 
@@ -888,6 +934,8 @@ def _forward_set_epoch(loader: object, epoch: int) -> None:
 
 
 STATE_FORMAT = "shmloader.state/1"
+#: Seconds between two progress reports to the daemon.
+REPORT_EVERY_S = 1.0
 #: Longest a writer's close() waits for readers to map what it announced.
 CLOSE_WAIT_S = 10.0
 
@@ -951,6 +999,19 @@ def _owned_copy(batch: Any) -> Any:
         return obj
 
     return clone(batch)
+
+
+def _crc(payload: np.ndarray) -> int:
+    return zlib.crc32(payload)
+
+
+def _check_crc(payload: np.ndarray, expected: int, seq: int) -> None:
+    got = _crc(payload)
+    if got != expected:
+        raise ProtocolError(
+            f"batch {seq}: payload CRC-32 {got:08x} != {expected:08x} announced by the writer; "
+            "the shared memory was modified or corrupted between write and read"
+        )
 
 
 def _json_body(meta: bytes) -> dict:

@@ -56,6 +56,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -70,6 +71,9 @@ from .segment import (
     shm_free_bytes,
     touch,
 )
+
+if TYPE_CHECKING:
+    from .daemon_client import DaemonClient
 
 log = logging.getLogger(__name__)
 
@@ -155,13 +159,13 @@ class RingWriter:
         description: dict,
         *,
         self_rank: int | None = None,
-        admit: Callable[[int], None] | None = None,
+        daemon: DaemonClient | None = None,
     ) -> None:
         self.token = token
         self.readers = frozenset(readers)
         self.self_rank = self_rank
         self.slots: list[Slot] = []
-        self._admit = admit
+        self._daemon = daemon
         self._retired: dict[str, Slot] = {}
         self._counters = dict.fromkeys(COUNTER_FIELDS, 0)
         self._counters["readers"] = len(self.readers)
@@ -218,36 +222,55 @@ class RingWriter:
 
     def _create(self, index: int, gen: int, nbytes: int) -> Slot:
         capacity = slot_capacity_for(nbytes)
-        free = shm_free_bytes()
-        if free is not None and free < capacity + HEADER_SIZE:
-            raise ShmCapacityError(
-                capacity + HEADER_SIZE, free, f"a ring slot for a {nbytes}-byte batch"
-            )
-        if self._admit is not None:
-            self._admit(capacity + HEADER_SIZE)
+        name = slot_name(self.token, index, gen)
         t0 = time.perf_counter()
-        segment = Segment.create(slot_name(self.token, index, gen), KIND_DATA, self.token, capacity)
+        segment = self._adopt(name, capacity)
+        adopted = segment is not None
+        if segment is None:
+            free = shm_free_bytes()
+            if free is not None and free < capacity + HEADER_SIZE:
+                raise ShmCapacityError(
+                    capacity + HEADER_SIZE, free, f"a ring slot for a {nbytes}-byte batch"
+                )
+            if self._daemon is not None:
+                self._daemon.admit(self.token, capacity + HEADER_SIZE)  # may refuse
+            segment = Segment.create(name, KIND_DATA, self.token, capacity)
+        capacity = segment.capacity
         try:
             mm = segment.map_shared()
-            touch(mm)
+            if not adopted:
+                touch(mm)
         except BaseException:
             segment.unlink()
             segment.close()
             raise
+        if self._daemon is not None:
+            self._daemon.add_segment(self.token, name, HEADER_SIZE + capacity)
         payload = np.frombuffer(mm, dtype=np.uint8, count=capacity, offset=HEADER_SIZE)
         log.debug(
-            "ring %s: slot %d.%d of %d bytes ready in %.1f ms",
+            "ring %s: slot %d.%d of %d bytes ready in %.1f ms (%s)",
             self.token,
             index,
             gen,
             capacity,
             (time.perf_counter() - t0) * 1e3,
+            "adopted from the warm pool" if adopted else "created and touched",
         )
         slot = Slot(index, gen, segment, mm, payload)
         if not self.readers:
             segment.unlink()  # nobody will attach: nothing needs the name
         self._store_counters()
         return slot
+
+    def _adopt(self, name: str, capacity: int) -> Segment | None:
+        """A pre-touched segment of the daemon's warm pool, renamed to ``name``, or None."""
+        if self._daemon is None or self._daemon.adopt(self.token, name, capacity) is None:
+            return None
+        try:
+            return Segment.attach(name, kind=KIND_DATA, token=self.token)
+        except ProtocolError as exc:
+            log.warning("shmloader: adopted segment %s failed validation (%s); creating", name, exc)
+            return None
 
     def publish(self, slot: Slot, seq: int, nbytes: int, publish_ns: int) -> None:
         """Mark ``slot`` HELD by every reader for batch ``seq``."""
@@ -323,6 +346,8 @@ class RingWriter:
             slot.mm.close()
         slot.segment.unlink()
         slot.segment.close()
+        if self._daemon is not None:
+            self._daemon.remove_segment(self.token, slot.segment.name)
 
     def _all_names(self) -> list[str]:
         return _linked_names(self.control, self.slots)

@@ -32,6 +32,7 @@ NOTE [segment trust]
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import stat
@@ -58,6 +59,7 @@ _HEADER = struct.Struct("<8sHHI16sQQQQ")
 assert _HEADER.size == 64
 
 PAGE = mmap.PAGESIZE
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -188,10 +190,12 @@ class Segment:
         try:
             shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
         except posix_ipc.ExistentialError:
-            raise ProtocolError(
-                f"shared memory segment {name} already exists; a stale segment from a crashed "
-                "job? `shmloader gc` removes those whose owner is gone"
-            ) from None
+            if not _replace_stale(name):
+                raise ProtocolError(
+                    f"shared memory segment {name} already exists and belongs to a live process "
+                    "or is not ours; refusing to reuse it (`shmloader gc --dry-run` lists stale)"
+                ) from None
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
         fd = shm.fd
         try:
             os.fchmod(fd, 0o600)  # the umask may not narrow it, but be explicit
@@ -281,6 +285,23 @@ def validate(fd: int, name: str, *, kind: int | None, token: str | None) -> Head
             f"{name} is {st.st_size} bytes; its header promises {HEADER_SIZE + header.capacity}"
         )
     return header
+
+
+def _replace_stale(name: str) -> bool:
+    """Unlink ``name`` if it is our uid's segment whose owner is dead; True if done.
+
+    A segment left by a crashed earlier run under the same name is detected by
+    its header and replaced, never reused. Anything that fails validation
+    (another user's, corrupt) or whose owner still runs is left alone.
+    """
+    try:
+        header = read_header(name)
+    except (OSError, ProtocolError):
+        return False
+    if process_alive(header.pid, header.start):
+        return False
+    log.warning("shmloader: replacing stale segment %s of dead pid %d", name, header.pid)
+    return unlink_name(name)
 
 
 def read_header(name: str) -> Header:

@@ -11,7 +11,7 @@ Payload bytes never travel here: a BATCH names the slot that holds them.
     kind      direction  body fields
     HELLO     R -> W     rank, pid, start
     WELCOME   W -> R     rank, pid, start
-    BATCH     W -> R     it, slot, gen, seg, nbytes, draws   (+ blob: metadata)
+    BATCH     W -> R     it, slot, gen, seg, nbytes, draws, crc   (+ blob: metadata)
     ACK       R -> W     rank                    (seq: the batch received)
     RELEASE   R -> W     rank, slot, gen         (seq: the batch dropped)
     ATTACHED  R -> W     rank, seg
@@ -23,7 +23,8 @@ Payload bytes never travel here: a BATCH names the slot that holds them.
 
 ``it`` numbers the leader's ``iter()`` calls so that a reader which restarted
 iteration drops what belongs to an earlier one. ``draws`` is the number of
-default-generator draws the leader's loader made (see ``rng``).
+default-generator draws the leader's loader made (see ``rng``). ``crc`` is the
+payload's CRC-32 with ``SHMLOADER_VERIFY=1``, else -1.
 
 ``parse`` checks magic, version, kind and every field's type, and raises
 :class:`~shmloader.errors.ProtocolError` on anything else; receivers log and
@@ -72,6 +73,7 @@ SCHEMA: dict[Kind, dict[str, type]] = {
         "seg": _STR,
         "nbytes": _INT,
         "draws": _INT,
+        "crc": _INT,
     },
     Kind.ACK: {"rank": _INT},
     Kind.RELEASE: {"rank": _INT, "slot": _INT, "gen": _INT},

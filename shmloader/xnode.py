@@ -8,7 +8,7 @@ of its own ring and then announces it on its node exactly as a leader would.
 Everything travels as ``uint8``/``int64`` tensors: no pickle, no
 ``broadcast_object_list``::
 
-    broadcast 1  int64[6]   kind, it, nbytes, meta_len, draws, steps
+    broadcast 1  int64[6]   kind, it, nbytes, meta_len, draws, crc (-1: none)
     broadcast 2  uint8[meta_len]   codec metadata (BATCH) or JSON (ERROR/STOP)
     broadcast 3  uint8[nbytes]     payload, slot to slot (BATCH with nbytes > 0)
 
@@ -61,10 +61,10 @@ class CrossNode:
         payload: np.ndarray | None = None,
         *,
         draws: int = 0,
-        steps: int = 0,
+        crc: int = -1,
     ) -> None:
         nbytes = 0 if payload is None else payload.nbytes
-        self._bcast(torch.tensor([kind, it, nbytes, len(meta), draws, steps], dtype=torch.int64))
+        self._bcast(torch.tensor([kind, it, nbytes, len(meta), draws, crc], dtype=torch.int64))
         if meta:
             self._bcast(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
         if nbytes:
@@ -77,10 +77,10 @@ class CrossNode:
     # -- node leader ---------------------------------------------------------
 
     def receive_header(self) -> tuple[int, int, int, bytes, int, int]:
-        """(kind, it, nbytes, meta, draws, steps) of the next event."""
+        """(kind, it, nbytes, meta, draws, crc) of the next event."""
         head = torch.zeros(_FIELDS, dtype=torch.int64)
         self._bcast(head)
-        kind, it, nbytes, meta_len, draws, steps = (int(x) for x in head)
+        kind, it, nbytes, meta_len, draws, crc = (int(x) for x in head)
         if kind not in (KIND_BATCH, KIND_END, KIND_ERROR, KIND_STOP) or nbytes < 0 or meta_len < 0:
             raise ProtocolError(f"bad cross-node header {head.tolist()}")
         meta = b""
@@ -88,7 +88,7 @@ class CrossNode:
             buf = torch.empty(meta_len, dtype=torch.uint8)
             self._bcast(buf)
             meta = buf.numpy().tobytes()
-        return kind, it, nbytes, meta, draws, steps
+        return kind, it, nbytes, meta, draws, crc
 
     def receive_payload(self, dest: np.ndarray) -> None:
         """Receive the payload straight into ``dest`` (a ring slot's bytes)."""

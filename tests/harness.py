@@ -112,7 +112,7 @@ def gc_on_node(shm_dir: str | None) -> None:
 
 
 @contextlib.contextmanager
-def simulated_nodes(count: int):
+def simulated_nodes(count: int, size: str = "2g"):
     """Per-node tmpfs directories for nodes 1..count-1 (node 0 keeps /dev/shm)."""
     dirs: list[str | None] = [None]
     made: list[str] = []
@@ -120,7 +120,7 @@ def simulated_nodes(count: int):
         for _ in range(1, count):
             d = tempfile.mkdtemp(prefix="shml-node-")
             subprocess.run(
-                ["mount", "-t", "tmpfs", "-o", "size=2g,mode=1777", "tmpfs", d], check=True
+                ["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", "tmpfs", d], check=True
             )
             made.append(d)
             dirs.append(d)
@@ -145,12 +145,14 @@ def run_ranks(
     timeout: float = 90.0,
     expect_failure: bool = False,
     gc_after: bool = False,
+    node_shm_size: str = "2g",
 ) -> list[Any]:
     """Run ``fn`` on ``world`` real ranks and return their results in rank order.
 
-    With ``expect_failure`` the results of failed ranks are their traceback
-    text (a ``str``) instead of raising. ``gc_after`` runs ``shmloader gc`` on
-    every node once the ranks are gone (for runs where a rank was SIGKILLed).
+        With ``expect_failure`` the results of failed ranks are their traceback
+        text (a ``str``) instead of raising. ``gc_after`` runs ``shmloader gc`` on
+        every node once the ranks are gone (for runs where a rank was SIGKILLed).
+    ``node_shm_size`` sizes the simulated nodes' tmpfs (Docker's default is 64m).
     """
     target = fn if isinstance(fn, str) else f"{fn.__module__}:{fn.__qualname__}"
     ctx = mp.get_context("spawn")
@@ -158,7 +160,7 @@ def run_ranks(
     outdir = tempfile.mkdtemp(prefix="shml-ranks-")
     node_of = nodes or [0] * world
     procs = []
-    with simulated_nodes(max(node_of) + 1) as shm_dirs:
+    with simulated_nodes(max(node_of) + 1, node_shm_size) as shm_dirs:
         try:
             for rank in range(world):
                 rank_vars = dict(env or {})

@@ -652,3 +652,22 @@ def test_reader_mapping_survives_unlink_and_close(writer, token) -> None:
     r.forget(s.segment.name)  # and the descriptor
     assert view.tolist() == [1, 2, 3, 4]
     r.close()
+
+
+def test_a_stale_segment_of_a_dead_owner_is_replaced_not_reused(made, token) -> None:
+    import dataclasses
+    import subprocess
+
+    seg = made("stale")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = dataclasses.replace(seg.header, pid=dead.pid, start=1)
+    os.pwrite(seg.fd, stale.pack(), 0)
+    os.pwrite(seg.fd, b"old", segment.HEADER_SIZE)
+    fresh = Segment.create(seg.name, KIND_DATA, token, PAGE)
+    try:
+        header = segment.read_header(seg.name)
+        assert header.pid == os.getpid() and header.start == MY_START
+        assert os.pread(fresh.fd, 3, segment.HEADER_SIZE) == b"\0\0\0", "old bytes reused"
+    finally:
+        fresh.close()

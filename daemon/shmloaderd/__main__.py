@@ -1,11 +1,209 @@
-"""Entry point of ``shmloaderd``."""
+"""Command line of ``shmloaderd`` (also ``shmloader daemon``).
 
+    shmloaderd [--socket PATH] [--budget SIZE|PCT%] [--metrics-port PORT]
+               [--reap-interval SECONDS] [--pool SIZE] [--pool-segment SIZE]
+               [--log-level LEVEL]
+
+Exit codes: 0 after SIGTERM/SIGINT, 2 for a bad argument or when it cannot
+start (the message says why: socket directory not ours, another daemon
+already serving the socket, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
 import sys
+import threading
+
+# shmloader's package __init__ imports torch lazily, so the daemon loads only
+# the light modules it uses (segment, ring, admin, daemon_client, errors).
+from shmloader.daemon_client import DEFAULT_SOCKET
+from shmloader.errors import human_bytes
+
+from . import notify
+from ._version import __version__
+from .server import Daemon, StartError
+
+log = logging.getLogger("shmloaderd")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``"512M"`` -> 536870912; K/M/G/T are powers of 1024; ``KiB``/``KB`` accepted."""
+    m = _SIZE.match(text)
+    if m is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: use bytes with an optional K/M/G/T suffix, e.g. 8G"
+        )
+    return int(float(m[1]) * _UNITS[m[2].upper()])
+
+
+def parse_budget(text: str) -> tuple[str, float]:
+    """``"50%"`` -> ("pct", 50.0); ``"8G"`` -> ("bytes", 8589934592)."""
+    text = text.strip()
+    if text.endswith("%"):
+        try:
+            pct = float(text[:-1])
+        except ValueError:
+            pct = -1.0
+        if not 0 < pct <= 100:
+            raise argparse.ArgumentTypeError(f"{text!r}: a percentage of /dev/shm in (0, 100]")
+        return "pct", pct
+    return "bytes", parse_size(text)
+
+
+def budget_function(spec: tuple[str, float] | None):
+    """A callable giving the budget in bytes now (a percentage follows /dev/shm's size)."""
+    if spec is None:
+        return lambda: None
+    kind, value = spec
+    if kind == "bytes":
+        return lambda: int(value)
+
+    def pct() -> int | None:
+        try:
+            st = os.statvfs("/dev/shm")
+        except OSError:
+            return None
+        return int(st.f_blocks * st.f_frsize * value / 100)
+
+    return pct
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a number of seconds > 0")
+    return value
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a TCP port 1-65535")
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="shmloaderd",
+        description="Per-node shmloader daemon: shared-memory budget, reaping of crashed "
+        "jobs' segments, stats (shmloader stat) and an optional warm pool.",
+    )
+    p.add_argument(
+        "--socket",
+        default=DEFAULT_SOCKET,
+        metavar="PATH",
+        help=f"control socket; its directory must be ours and 0700 (default {DEFAULT_SOCKET})",
+    )
+    p.add_argument(
+        "--budget",
+        type=parse_budget,
+        default=None,
+        metavar="SIZE|PCT%",
+        help="node budget for shmloader jobs: bytes with K/M/G/T suffix, or a percentage "
+        "of /dev/shm such as 50%% (default: no budget, only /dev/shm's own size)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics on 127.0.0.1:PORT (default: off)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        type=str.upper,
+    )
+    p.add_argument(
+        "--reap-interval",
+        type=_positive,
+        default=0.5,
+        metavar="SECONDS",
+        help="seconds between reaper passes (default 0.5)",
+    )
+    p.add_argument(
+        "--pool",
+        type=parse_size,
+        default=0,
+        metavar="SIZE",
+        help="keep this many bytes of pre-touched segments for rings to adopt (default 0)",
+    )
+    p.add_argument(
+        "--pool-segment",
+        type=parse_size,
+        default=64 << 20,
+        metavar="SIZE",
+        help="payload bytes of each pooled segment (default 64M)",
+    )
+    p.add_argument("--version", action="version", version=f"shmloaderd {__version__}")
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("shmloaderd is not built yet", file=sys.stderr)
-    return 2
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        format="%(asctime)s shmloaderd[%(process)d] %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    if args.pool and args.pool_segment <= 0:
+        print("shmloaderd: --pool-segment must be > 0", file=sys.stderr)
+        return 2
+    budget = budget_function(args.budget)
+    if args.budget is None:
+        budget_text = "unlimited"
+    elif args.budget[0] == "pct":
+        budget_text = f"{args.budget[1]:g}% of /dev/shm ({human_bytes(budget() or 0)})"
+    else:
+        budget_text = human_bytes(int(args.budget[1]))
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("%s: stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    daemon = Daemon(
+        args.socket,
+        budget=budget,
+        budget_text=budget_text,
+        reap_interval=args.reap_interval,
+        pool_bytes=args.pool,
+        pool_segment=args.pool_segment,
+    )
+    metrics = None
+    try:
+        try:
+            daemon.bind()
+            if args.metrics_port is not None:
+                from .metrics import MetricsServer
+
+                metrics = MetricsServer(args.metrics_port, daemon.snapshot)
+                log.info("metrics on http://127.0.0.1:%d/metrics", metrics.port)
+        except (StartError, OSError) as exc:
+            print(f"shmloaderd: cannot start: {exc}", file=sys.stderr)
+            return 2
+        notify.notify(f"READY=1\nSTATUS=serving {daemon.path}\nMAINPID={os.getpid()}")
+        daemon.serve(stop)
+        notify.notify("STOPPING=1")
+    finally:
+        if metrics is not None:
+            metrics.close()
+        daemon.close()
+    log.info("stopped")
+    return 0
 
 
 if __name__ == "__main__":

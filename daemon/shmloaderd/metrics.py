@@ -1,0 +1,107 @@
+"""Prometheus metrics (``--metrics-port``), served on 127.0.0.1 only.
+
+A custom registry (no process/platform collectors of the library's global
+one) with one collector that renders the daemon's latest stats document, so
+a scrape never touches /dev/shm or the daemon's loop::
+
+    shmloaderd_budget_bytes                     gauge   (absent when unlimited)
+    shmloaderd_in_use_bytes                     gauge
+    shmloaderd_shm_size_bytes / _free_bytes     gauge
+    shmloaderd_pool_bytes                       gauge
+    shmloaderd_jobs                             gauge
+    shmloaderd_job_bytes{token}                 gauge
+    shmloaderd_job_published_total{token}       counter  batches written
+    shmloaderd_job_publish_seconds_avg{token}   gauge
+    shmloaderd_follower_lag_batches{token,rank} gauge
+    shmloaderd_follower_receive_seconds{token,rank} gauge
+    shmloaderd_reaped_segments_total            counter
+    shmloaderd_reaped_bytes_total               counter
+    shmloaderd_admissions_total{result}         counter  granted | refused
+    shmloaderd_requests_total{op}               counter  op "invalid" for rejected ones
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+
+class _Collector:
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.snapshot()
+        doc, counters = snap["stats"], snap["counters"]
+        daemon, node = doc.get("daemon") or {}, doc["node"]
+
+        def gauge(name: str, doc_text: str, value: Any) -> Iterator[Metric]:
+            if value is not None:
+                yield GaugeMetricFamily(name, doc_text, value=value)
+
+        yield from gauge("shmloaderd_budget_bytes", "node budget", daemon.get("budget_bytes"))
+        yield from gauge("shmloaderd_in_use_bytes", "bytes held", daemon.get("in_use_bytes"))
+        yield from gauge("shmloaderd_shm_size_bytes", "/dev/shm size", node["shm_size_bytes"])
+        yield from gauge("shmloaderd_shm_free_bytes", "/dev/shm free", node["shm_free_bytes"])
+        yield from gauge("shmloaderd_pool_bytes", "warm pool bytes", daemon.get("pool_bytes"))
+        yield from gauge("shmloaderd_jobs", "jobs on this node", len(doc["jobs"]))
+        job_bytes = GaugeMetricFamily("shmloaderd_job_bytes", "bytes held", labels=["token"])
+        published = CounterMetricFamily(
+            "shmloaderd_job_published", "batches published", labels=["token"]
+        )
+        pub_s = GaugeMetricFamily(
+            "shmloaderd_job_publish_seconds_avg", "mean publish time", labels=["token"]
+        )
+        lag = GaugeMetricFamily(
+            "shmloaderd_follower_lag_batches", "batches behind", labels=["token", "rank"]
+        )
+        recv = GaugeMetricFamily(
+            "shmloaderd_follower_receive_seconds", "receive time", labels=["token", "rank"]
+        )
+        for job in doc["jobs"]:
+            token = job["token"]
+            job_bytes.add_metric([token], job["bytes"])
+            if job["published"] is not None:
+                published.add_metric([token], job["published"])
+            if job["publish_ms_avg"] is not None:
+                pub_s.add_metric([token], job["publish_ms_avg"] / 1e3)
+            for rank, f in job.get("followers", {}).items():
+                if f.get("lag") is not None:
+                    lag.add_metric([token, str(rank)], f["lag"])
+                if f.get("receive_ms") is not None:
+                    recv.add_metric([token, str(rank)], f["receive_ms"] / 1e3)
+        yield from (job_bytes, published, pub_s, lag, recv)
+        yield CounterMetricFamily(
+            "shmloaderd_reaped_segments", "segments reaped", value=counters["reaped_segments"]
+        )
+        yield CounterMetricFamily(
+            "shmloaderd_reaped_bytes", "bytes reaped", value=counters["reaped_bytes"]
+        )
+        adm = CounterMetricFamily("shmloaderd_admissions", "admit answers", labels=["result"])
+        adm.add_metric(["granted"], counters["granted"])
+        adm.add_metric(["refused"], counters["refused"])
+        yield adm
+        req = CounterMetricFamily("shmloaderd_requests", "control requests", labels=["op"])
+        for op, n in sorted(counters["requests"].items()):
+            req.add_metric([op], n)
+        yield req
+
+
+class MetricsServer:
+    """The HTTP exposition endpoint; ``close()`` stops it."""
+
+    def __init__(self, port: int, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(snapshot))  # type: ignore[arg-type]
+        self._server, self._thread = start_http_server(
+            port, addr="127.0.0.1", registry=self.registry
+        )
+        self.port = self._server.server_port
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=1)

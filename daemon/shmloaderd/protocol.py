@@ -1,0 +1,216 @@
+"""The control protocol of shmloaderd, version 1. Pure: bytes in, dicts out.
+
+Transport: ZeroMQ over ``ipc://<socket>`` (the file is mode 0600 in a 0700
+directory, so only the daemon's own user can connect). The daemon binds a
+ROUTER; clients use REQ (``shmloader.daemon_client``) or DEALER. Every request
+and every reply is exactly one frame holding one UTF-8 JSON object, at most
+``MAX_REQUEST`` bytes; never pickle::
+
+    request  {"v": 1, "op": <op>, <fields>...}
+    reply    {"v": 1, "ok": true, <results>...}
+             {"v": 1, "ok": false, "error": "<what was wrong and how to fix it>"}
+
+Unknown fields are ignored (newer clients may send more); a missing or wrong
+field type, an unknown op or another ``v`` is answered with ``ok: false``.
+
+    op          fields (? = optional)                       results
+    hello       pid?                                         daemon, version, pid,
+                                                             protocol, socket, budget
+    register    token, group [int], pids {rank: [pid,start]}, token, known
+                node? [int], leader? int, writer? int,
+                world? int, segments? [{name, bytes}]
+    segment     token, action "add"|"remove", name, bytes?   token, segments
+    admit       token, bytes, pid?, start?                   admitted, budget, in_use,
+                                                             shm_free, reason (refused)
+    report      token, rank, published?, consumed?,          token
+                receive_ms? (float), lag?
+    unregister  token                                        token, known
+    stats       -                                            stats (``shmloader stat
+                                                             --json`` document)
+    adopt       token, name, bytes, pid, start               adopted, name, capacity
+                                                             (warm pool, see ``pool``)
+
+``admit`` refusing is not an error: ``ok: true, admitted: false`` with a
+``reason`` naming the budget, what is in use and by which jobs; the client
+raises ``ShmCapacityError`` from it. Tokens are 1-16 ASCII letters/digits;
+segment names are ``/shml-<token>-<suffix>`` and the daemon never accepts a
+name outside the token's own prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+from shmloader.daemon_client import MAX_REQUEST, PROTOCOL_VERSION
+from shmloader.errors import ProtocolError
+from shmloader.segment import PREFIX
+
+VERSION = PROTOCOL_VERSION
+TOKEN_RE = re.compile(r"^[0-9A-Za-z]{1,16}$")
+_SUFFIX_RE = re.compile(r"^[0-9A-Za-z_.]{1,64}$")
+MAX_RANKS = 1 << 20
+MAX_LIST = 4096
+
+Check = Callable[[Any, str], Any]
+
+
+def _int(value: Any, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ProtocolError(f"{where} must be an integer, got {type(value).__name__}")
+    if not 0 <= value < 1 << 63:
+        raise ProtocolError(f"{where}={value} is out of range (0 .. 2**63-1)")
+    return value
+
+
+def _number(value: Any, where: str) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ProtocolError(f"{where} must be a number, got {type(value).__name__}")
+    if not 0 <= value < 1e18:
+        raise ProtocolError(f"{where}={value} is out of range")
+    return float(value)
+
+
+def _token(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not TOKEN_RE.match(value):
+        raise ProtocolError(f"{where}={value!r:.40} is not a ring token (1-16 letters or digits)")
+    return value
+
+
+def _ranks(value: Any, where: str) -> list[int]:
+    if not isinstance(value, list) or len(value) > MAX_LIST:
+        raise ProtocolError(f"{where} must be a list of at most {MAX_LIST} ranks")
+    return [_int(v, f"{where}[{i}]") for i, v in enumerate(value)]
+
+
+def _pids(value: Any, where: str) -> dict[int, tuple[int, int]]:
+    if not isinstance(value, dict) or len(value) > MAX_LIST:
+        raise ProtocolError(f"{where} must be an object {{rank: [pid, start]}}")
+    out = {}
+    for key, pair in value.items():
+        if not isinstance(key, str) or not key.isdigit():
+            raise ProtocolError(f"{where} key {key!r:.20} is not a rank number")
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ProtocolError(f"{where}[{key}] must be [pid, start]")
+        out[int(key)] = (_int(pair[0], f"{where}[{key}][0]"), _int(pair[1], f"{where}[{key}][1]"))
+    return out
+
+
+def segment_name(token: str, value: Any, where: str) -> str:
+    """Check that ``value`` names a segment of ring ``token``."""
+    prefix = f"/{PREFIX}{token}-"
+    if not isinstance(value, str) or not value.startswith(prefix):
+        raise ProtocolError(f"{where}={value!r:.80} is not a segment of ring {token} ({prefix}*)")
+    if not _SUFFIX_RE.match(value[len(prefix) :]):
+        raise ProtocolError(f"{where}={value!r:.80} has an invalid suffix")
+    return value
+
+
+def _action(value: Any, where: str) -> str:
+    if value not in ("add", "remove"):
+        raise ProtocolError(f'{where}={value!r:.20} must be "add" or "remove"')
+    return value
+
+
+def _segments(value: Any, where: str) -> list[dict]:
+    if not isinstance(value, list) or len(value) > MAX_LIST:
+        raise ProtocolError(f"{where} must be a list of at most {MAX_LIST} {{name, bytes}}")
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise ProtocolError(f"{where}[{i}] must be an object {{name, bytes}}")
+    return value  # names are checked against the token in ``parse``
+
+
+# op -> field -> (check, required)
+OPS: dict[str, dict[str, tuple[Check, bool]]] = {
+    "hello": {"pid": (_int, False)},
+    "register": {
+        "token": (_token, True),
+        "group": (_ranks, True),
+        "pids": (_pids, True),
+        "node": (_ranks, False),
+        "leader": (_int, False),
+        "writer": (_int, False),
+        "world": (_int, False),
+        "segments": (_segments, False),
+    },
+    "segment": {
+        "token": (_token, True),
+        "action": (_action, True),
+        "name": (lambda v, w: v, True),
+        "bytes": (_int, False),
+    },
+    "admit": {
+        "token": (_token, True),
+        "bytes": (_int, True),
+        "pid": (_int, False),
+        "start": (_int, False),
+    },
+    "report": {
+        "token": (_token, True),
+        "rank": (_int, True),
+        "published": (_int, False),
+        "consumed": (_int, False),
+        "receive_ms": (_number, False),
+        "lag": (_int, False),
+    },
+    "unregister": {"token": (_token, True)},
+    "stats": {},
+    "adopt": {
+        "token": (_token, True),
+        "name": (lambda v, w: v, True),
+        "bytes": (_int, True),
+        "pid": (_int, True),
+        "start": (_int, True),
+    },
+}
+
+
+def parse(raw: bytes) -> tuple[str, dict[str, Any]]:
+    """Decode and validate one request frame: ``(op, fields)``; ProtocolError if bad."""
+    if len(raw) > MAX_REQUEST:
+        raise ProtocolError(f"request of {len(raw)} bytes exceeds the {MAX_REQUEST}-byte limit")
+    try:
+        msg = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"request is not UTF-8 JSON ({exc})") from None
+    except RecursionError:
+        raise ProtocolError("request JSON is nested too deeply") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"request must be a JSON object, got {type(msg).__name__}")
+    version = msg.get("v")
+    if version != VERSION:
+        raise ProtocolError(
+            f"request version v={version!r:.20}; this shmloaderd speaks v={VERSION} "
+            "(upgrade the older of shmloader and shmloaderd)"
+        )
+    op = msg.get("op")
+    if not isinstance(op, str) or op not in OPS:
+        raise ProtocolError(f"unknown op {op!r:.40}; known ops: {', '.join(sorted(OPS))}")
+    fields: dict[str, Any] = {}
+    for name, (check, required) in OPS[op].items():
+        if name not in msg or msg[name] is None:
+            if required:
+                raise ProtocolError(f"op {op!r} needs field {name!r}")
+            continue
+        fields[name] = check(msg[name], name)
+    if "name" in fields:
+        fields["name"] = segment_name(fields["token"], fields["name"], "name")
+    if "segments" in fields:
+        fields["segments"] = {
+            segment_name(fields["token"], s.get("name"), f"segments[{i}].name"): _int(
+                s.get("bytes", 0), f"segments[{i}].bytes"
+            )
+            for i, s in enumerate(fields["segments"])
+        }
+    return op, fields
+
+
+def encode(reply: dict[str, Any]) -> bytes:
+    return json.dumps({"v": VERSION, **reply}, separators=(",", ":")).encode()
+
+
+def error(message: str) -> bytes:
+    return encode({"ok": False, "error": message})

@@ -1,0 +1,310 @@
+"""What the daemon knows about the jobs (rings) of this node, and the budget.
+
+A job is one ring, keyed by its token. It enters the registry by a
+``register`` request (``registered``), by an ``admit`` for an unknown token,
+or by discovery: the reaper found its live control segment in /dev/shm, e.g.
+after a daemon restart or from a job running without ``SHMLOADER_DAEMON``.
+
+Job life cycle (zero is invalid)::
+
+                register / admit / discovered
+    INVALID ------------------------------------> KNOWN
+                                                    |  every known pid is dead,
+                                                    |  or its control segment was
+                                                    |  seen and is gone (ring closed),
+                                                    |  or unregister
+                                                    v
+                                                 DROPPED (segments of dead owners reaped)
+
+Memory a job holds (``usage``) is the largest of what it registered and what
+/dev/shm shows (the ring counters in its control segment count the slots
+whose names were already unlinked), plus *pending grants*: bytes ``admit``
+granted that have not shown up yet. A grant stops counting once the job's
+observed bytes grew by it, or after ``GRANT_TTL_S``.
+
+NOTE [budget]
+    ``admit`` refuses when the jobs' usage plus the warm pool plus the request
+    would exceed the budget (the pool is shrunk first to make room), or when
+    /dev/shm itself has not that much free. A refusal names the budget, the
+    bytes in use and the jobs (token, ranks, pids) that hold them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shmloader.admin import Entry, inspect, job_from_entries
+from shmloader.errors import human_bytes
+from shmloader.segment import PREFIX, list_segments, process_alive, shm_free_bytes
+
+log = logging.getLogger("shmloaderd")
+
+GRANT_TTL_S = 30.0
+#: Jobs the registry tracks at most: a runaway client cannot grow it without bound.
+MAX_JOBS = 4096
+
+
+class RegistryFull(Exception):
+    """Too many jobs: the request is answered with an error, nothing is tracked."""
+
+
+@dataclass
+class Grant:
+    nbytes: int
+    expires: float
+    baseline: int  # the job's observed bytes when granted
+
+
+@dataclass
+class Job:
+    token: str
+    registered: bool = False
+    group: list[int] | None = None
+    node: list[int] | None = None
+    leader: int | None = None
+    writer: int | None = None
+    world: int | None = None
+    pids: dict[int, tuple[int, int]] = field(default_factory=dict)
+    owners: set[tuple[int, int]] = field(default_factory=set)  # pids without a rank
+    segments: dict[str, int] = field(default_factory=dict)
+    grants: list[Grant] = field(default_factory=list)
+    observed: int = 0
+    ctl_seen: bool = False
+    reports: dict[int, dict[str, Any]] = field(default_factory=dict)
+    since: float = field(default_factory=time.time)
+
+    def all_pids(self) -> set[tuple[int, int]]:
+        return set(self.pids.values()) | self.owners
+
+    def alive(self) -> bool | None:
+        """Any known process alive; None when no process is known."""
+        pids = self.all_pids()
+        if not pids:
+            return None
+        return any(process_alive(pid, start) for pid, start in pids)
+
+    def pending(self, now: float) -> int:
+        self.grants = [g for g in self.grants if g.expires > now]
+        if not self.grants:
+            return 0
+        grown = max(0, self.observed - self.grants[0].baseline)
+        return max(0, sum(g.nbytes for g in self.grants) - grown)
+
+    def usage(self, now: float) -> int:
+        return max(sum(self.segments.values()), self.observed) + self.pending(now)
+
+    def describe(self) -> str:
+        ranks = ",".join(map(str, self.group or sorted(self.pids))) or "?"
+        pids = ",".join(str(p) for p, _ in sorted(self.all_pids())) or "?"
+        return f"job {self.token} (ranks {ranks}, pids {pids})"
+
+
+class Registry:
+    """Jobs by token and the node budget. Used from the daemon's one loop thread."""
+
+    def __init__(
+        self,
+        budget: Callable[[], int | None],
+        pool_bytes: Callable[[], int] = lambda: 0,
+        shrink_pool: Callable[[int], int] = lambda need: 0,
+    ) -> None:
+        self.jobs: dict[str, Job] = {}
+        self.budget = budget
+        self.pool_bytes = pool_bytes
+        self.shrink_pool = shrink_pool
+        self.granted = 0
+        self.refused = 0
+
+    # ------------------------------------------------------------- requests
+
+    def job(self, token: str) -> Job:
+        job = self.jobs.get(token)
+        if job is None:
+            if len(self.jobs) >= MAX_JOBS:
+                raise RegistryFull(
+                    f"shmloaderd already tracks {MAX_JOBS} jobs; unregister finished ones"
+                )
+            job = self.jobs[token] = Job(token)
+        return job
+
+    def register(self, f: dict[str, Any]) -> dict[str, Any]:
+        known = f["token"] in self.jobs
+        job = self.job(f["token"])
+        job.registered = True
+        job.group = f["group"]
+        job.pids = f["pids"]
+        for key in ("node", "leader", "writer", "world"):
+            if key in f:
+                setattr(job, key, f[key])
+        job.segments.update(f.get("segments", {}))
+        log.info(
+            "registered %s%s: %d segment(s), %s",
+            job.describe(),
+            " (was known)" if known else "",
+            len(job.segments),
+            human_bytes(sum(job.segments.values())),
+        )
+        return {"ok": True, "token": job.token, "known": known}
+
+    def segment(self, f: dict[str, Any]) -> dict[str, Any]:
+        job = self.jobs.get(f["token"])
+        if job is None:
+            return {"ok": False, "error": f"unknown token {f['token']}: register the job first"}
+        if f["action"] == "add":
+            job.segments[f["name"]] = f.get("bytes", 0)
+        else:
+            job.segments.pop(f["name"], None)
+        return {"ok": True, "token": job.token, "segments": len(job.segments)}
+
+    def admit(self, f: dict[str, Any]) -> dict[str, Any]:
+        token, nbytes = f["token"], f["bytes"]
+        job = self.job(token)
+        if "pid" in f and not job.pids:
+            job.owners.add((f["pid"], f.get("start", 0)))
+        self.observe_one(job)
+        now = time.monotonic()
+        budget = self.budget()
+        in_use = self.in_use(now)
+        free = shm_free_bytes()
+        pending_total = sum(j.pending(now) for j in self.jobs.values())
+        reason = ""
+        if budget is not None and in_use + nbytes > budget:
+            self.shrink_pool(in_use + nbytes - budget)
+            in_use = self.in_use(now)
+        if budget is not None and in_use + nbytes > budget:
+            reason = (
+                f"the node budget of shmloaderd is {human_bytes(budget)} ({budget} bytes) and "
+                f"{human_bytes(in_use)} is in use by {self.holders(now)}; {job.describe()} asked "
+                f"{human_bytes(nbytes)}. Raise the daemon's --budget, lower SHMLOADER_SLOTS or "
+                "run fewer jobs on this node at once"
+            )
+        elif free is not None and free - pending_total < nbytes:
+            reason = (
+                f"/dev/shm has {human_bytes(max(free - pending_total, 0))} free (after "
+                f"{human_bytes(pending_total)} granted but not yet allocated); {job.describe()} "
+                f"asked {human_bytes(nbytes)}. Give the node or container more shared memory "
+                "(docker --shm-size) or lower SHMLOADER_SLOTS"
+            )
+        reply: dict[str, Any] = {
+            "ok": True,
+            "admitted": not reason,
+            "budget": budget,
+            "in_use": in_use,
+            "shm_free": free,
+        }
+        if reason:
+            self.refused += 1
+            reply["reason"] = reason
+            log.warning("refused %d bytes: %s", nbytes, reason)
+        else:
+            self.granted += 1
+            job.grants.append(Grant(nbytes, now + GRANT_TTL_S, job.observed))
+        return reply
+
+    def report(self, f: dict[str, Any]) -> dict[str, Any]:
+        job = self.jobs.get(f["token"])
+        if job is None:
+            return {"ok": False, "error": f"unknown token {f['token']}: register the job first"}
+        entry = job.reports.setdefault(f["rank"], {})
+        for key in ("published", "consumed", "receive_ms", "lag"):
+            if key in f:
+                entry[key] = f[key]
+        entry["updated_unix"] = time.time()
+        return {"ok": True, "token": job.token}
+
+    def unregister(self, f: dict[str, Any]) -> dict[str, Any]:
+        job = self.jobs.pop(f["token"], None)
+        if job is not None:
+            log.info("unregistered %s", job.describe())
+        return {"ok": True, "token": f["token"], "known": job is not None}
+
+    # --------------------------------------------------------------- state
+
+    def in_use(self, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+        return sum(j.usage(now) for j in self.jobs.values()) + self.pool_bytes()
+
+    def holders(self, now: float) -> str:
+        jobs = sorted(self.jobs.values(), key=lambda j: -j.usage(now))
+        parts = [f"{j.describe()} {human_bytes(j.usage(now))}" for j in jobs if j.usage(now)]
+        pool = self.pool_bytes()
+        if pool:
+            parts.append(f"the warm pool {human_bytes(pool)}")
+        return "; ".join(parts) or "nothing"
+
+    def observe_one(self, job: Job) -> None:
+        """Refresh one job's observed bytes from /dev/shm now (before an admission)."""
+        prefix = f"/{PREFIX}{job.token}-"
+        entries = [e for n in list_segments() if n.startswith(prefix) and (e := inspect(n))]
+        self._observe(job, [e for e in entries if e.header is not None])
+
+    def _observe(self, job: Job, entries: list[Entry]) -> None:
+        doc = job_from_entries(job.token, entries)
+        job.observed = doc["bytes"] if entries else 0
+        if any(s["kind"] == "control" for s in doc["segments"]):
+            job.ctl_seen = True
+
+    def observe(self, entries: list[Entry]) -> list[str]:
+        """Update every job from a scan; discover new live jobs; drop ended ones.
+
+        Returns the tokens dropped, with why (for the log).
+        """
+        by_token: dict[str, list[Entry]] = {}
+        for e in entries:
+            if e.header is not None:
+                by_token.setdefault(e.header.token, []).append(e)
+        for token, es in by_token.items():
+            job = self.jobs.get(token)
+            if job is None:
+                ctl = next((e for e in es if e.header and e.header.kind_name == "control"), None)
+                if ctl is None or not ctl.alive or len(self.jobs) >= MAX_JOBS:
+                    continue  # probes and dead leftovers are not jobs
+                job = self.jobs[token] = Job(token)
+                _from_description(job, ctl)
+                log.info("discovered %s from its control segment %s", job.describe(), ctl.name)
+            self._observe(job, es)
+        ended = []
+        now = time.monotonic()
+        for token, job in list(self.jobs.items()):
+            alive = job.alive()
+            closed = job.ctl_seen and token not in by_token
+            idle = alive is None and not job.pending(now) and token not in by_token
+            if alive is False or closed or idle:
+                why = (
+                    "all its processes are gone"
+                    if alive is False
+                    else "its ring was closed"
+                    if closed
+                    else "nothing of it is left"
+                )
+                ended.append(f"{job.describe()}: {why}")
+                del self.jobs[token]
+        return ended
+
+
+def _from_description(job: Job, ctl: Entry) -> None:
+    desc = ctl.description or {}
+    assert ctl.header is not None
+    job.owners.add((ctl.header.pid, ctl.header.start))
+    pids = desc.get("pids")
+    if isinstance(pids, dict):
+        for rank, pair in pids.items():
+            ok = (
+                isinstance(pair, list)
+                and len(pair) == 2
+                and all(isinstance(v, int) and v >= 0 for v in pair)
+            )
+            if str(rank).isdigit() and ok:
+                job.pids[int(rank)] = (pair[0], pair[1])
+    for key, attr in (("group", "group"), ("node", "node")):
+        value = desc.get(key)
+        if isinstance(value, list) and all(isinstance(v, int) for v in value):
+            setattr(job, attr, value)
+    for key in ("leader", "writer", "world"):
+        value = desc.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            setattr(job, key, value)

@@ -1,0 +1,431 @@
+"""The daemon proper: one thread, one loop, one ROUTER socket.
+
+Main loop (every step bounded; ``stop`` ends it within ``SLICE_S``)::
+
+    bind ─> READY=1 ─> ┌──────────────────────────────────────────────────┐
+                       │ reap pass due?     scan /dev/shm, unlink segments │
+                       │                    of dead owners, update jobs,  │
+                       │                    refill the warm pool          │
+                       │ watchdog due?      WATCHDOG=1                     │
+                       │ poll the socket    <= SLICE_S; answer every       │
+                       │                    request waiting (protocol.py)  │
+                       └─────────────── until stop is set ─────────────────┘
+                       STOPPING=1 ─> unlink the pool and the socket, exit
+
+The reaper follows NOTE [reaping rule] in ``shmloader.admin``: a segment goes
+only when its header validates and its owner (pid, start time) is dead. On
+SIGTERM nothing of a live job is unlinked; on the next start the jobs are
+re-discovered from their control segments. Nothing a client sends can stop
+the loop: a malformed request gets ``{"ok": false, "error": ...}`` and a log
+line (rate-limited), an exception while serving one is logged with its
+traceback and answered the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from shmloader.admin import build_document, remove_if_dead, scan_entries
+from shmloader.daemon_client import MAX_REQUEST, DaemonClient
+from shmloader.errors import ProtocolError, human_bytes
+from shmloader.segment import HEADER_SIZE
+
+from . import notify, protocol
+from ._version import __version__
+from .pool import Pool
+from .registry import Registry, RegistryFull
+
+log = logging.getLogger("shmloaderd")
+
+SLICE_S = 0.1
+#: ZeroMQ drops the connection of a peer sending a bigger message.
+MAX_WIRE = 4 * MAX_REQUEST
+#: Longest ipc:// path (sockaddr_un.sun_path less its NUL).
+MAX_SOCKET_PATH = 107
+
+
+class StartError(Exception):
+    """The daemon cannot start: the message says why and what to do."""
+
+
+class _RateLimited:
+    """At most ``burst`` warnings per ``period`` seconds, then a count of the rest."""
+
+    def __init__(self, burst: int = 10, period: float = 10.0) -> None:
+        self.burst, self.period = burst, period
+        self.window, self.count, self.suppressed = 0.0, 0, 0
+
+    def warn(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self.window > self.period:
+            if self.suppressed:
+                log.warning("... %d more malformed request(s) not logged", self.suppressed)
+            self.window, self.count, self.suppressed = now, 0, 0
+        self.count += 1
+        if self.count <= self.burst:
+            log.warning(msg, *args)
+        else:
+            self.suppressed += 1
+
+
+class Daemon:
+    def __init__(
+        self,
+        socket_path: str,
+        *,
+        budget: Callable[[], int | None] = lambda: None,
+        budget_text: str = "unlimited",
+        reap_interval: float = 0.5,
+        pool_bytes: int = 0,
+        pool_segment: int = 64 << 20,
+    ) -> None:
+        self.path = os.path.abspath(socket_path)
+        self.budget = budget
+        self.budget_text = budget_text
+        self.reap_interval = reap_interval
+        self.pool = Pool(pool_bytes, pool_segment)
+        self.registry = Registry(budget, lambda: self.pool.nbytes, self.pool.shrink)
+        self.sock: zmq.Socket | None = None
+        self.ctx: zmq.Context | None = None
+        self.started = time.time()
+        self.reaped_segments = 0
+        self.reaped_bytes = 0
+        self.requests: dict[str, int] = {}
+        self._count_lock = threading.Lock()  # requests is read by the metrics thread
+        self._bad = _RateLimited()
+        self._snapshot: dict[str, Any] | None = None
+        self._bound = False
+
+    # ----------------------------------------------------------------- bind
+
+    def bind(self) -> None:
+        """Create the 0700 directory if needed, check it, bind the 0600 socket."""
+        if len(self.path.encode()) > MAX_SOCKET_PATH:
+            raise StartError(
+                f"--socket {self.path} is {len(self.path.encode())} bytes long; unix sockets "
+                f"allow {MAX_SOCKET_PATH}: choose a shorter path"
+            )
+        directory = os.path.dirname(self.path)
+        if not os.path.lexists(directory):
+            try:
+                os.makedirs(directory, mode=0o700)
+            except OSError as exc:
+                raise StartError(f"cannot create {directory}: {exc.strerror}") from None
+        st = os.lstat(directory)
+        if not stat.S_ISDIR(st.st_mode):
+            raise StartError(f"{directory} (the directory of --socket) is not a directory")
+        if st.st_uid != os.geteuid():
+            raise StartError(
+                f"{directory} belongs to uid {st.st_uid}, not to us ({os.geteuid()}); run "
+                "shmloaderd as that user or choose a --socket in a directory of ours"
+            )
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            raise StartError(
+                f"{directory} has mode {stat.S_IMODE(st.st_mode):o}; the control socket needs a "
+                f"directory only we can enter (chmod 700 {directory}, or another --socket)"
+            )
+        if os.path.lexists(self.path):
+            probe = DaemonClient(self.path, timeout=0.5)
+            hello = probe.request("hello")
+            probe.close()
+            if hello is not None:
+                raise StartError(
+                    f"another shmloaderd (pid {hello.get('pid')}) already serves {self.path}"
+                )
+            if not stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                raise StartError(f"{self.path} exists and is not a socket; remove it or move it")
+            os.unlink(self.path)  # a dead daemon's socket
+            log.info("removed the stale control socket %s", self.path)
+        self.ctx = zmq.Context()
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE)
+        sock.setsockopt(zmq.SNDTIMEO, 0)
+        old = os.umask(0o177)
+        try:
+            sock.bind(f"ipc://{self.path}")
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise StartError(f"cannot bind {self.path}: {exc}") from None
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        self.sock = sock
+        self._bound = True
+        log.info(
+            "shmloaderd %s (pid %d) serving %s; budget %s; reaping every %g s%s",
+            __version__,
+            os.getpid(),
+            self.path,
+            self.budget_text,
+            self.reap_interval,
+            f"; warm pool {human_bytes(self.pool.target)}" if self.pool.target else "",
+        )
+
+    # ----------------------------------------------------------------- loop
+
+    def serve(self, stop: threading.Event) -> None:
+        assert self.sock is not None
+        watchdog = notify.watchdog_interval()
+        next_reap = next_dog = 0.0
+        while not stop.is_set():
+            now = time.monotonic()
+            if now >= next_reap:
+                self.reap_pass()
+                next_reap = time.monotonic() + self.reap_interval
+            if watchdog is not None and now >= next_dog:
+                notify.notify("WATCHDOG=1")
+                next_dog = now + watchdog
+            due = min(next_reap, next_dog if watchdog is not None else next_reap)
+            wait = max(0.0, min(SLICE_S, due - time.monotonic()))
+            if self.sock.poll(int(wait * 1000), zmq.POLLIN):
+                self._drain()
+
+    def _drain(self) -> None:
+        assert self.sock is not None
+        for _ in range(256):  # then let the reaper run
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) >= 3 and frames[1] == b"":
+                envelope, body = frames[:2], frames[2:]  # REQ
+            else:
+                envelope, body = frames[:1], frames[1:]  # DEALER
+            if len(body) != 1:
+                reply = self._reject(f"request of {len(body)} frames; expected exactly one")
+            else:
+                reply = self.handle(body[0])
+            with contextlib.suppress(zmq.ZMQError):  # the client may be gone
+                self.sock.send_multipart([*envelope, reply], zmq.NOBLOCK)
+
+    def _count(self, op: str) -> None:
+        with self._count_lock:
+            self.requests[op] = self.requests.get(op, 0) + 1
+
+    def _reject(self, why: str) -> bytes:
+        self._count("invalid")
+        self._bad.warn("rejected a malformed request: %s", why)
+        return protocol.error(why)
+
+    def handle(self, raw: bytes) -> bytes:
+        """One request frame in, one reply frame out. Never raises."""
+        try:
+            op, fields = protocol.parse(raw)
+        except ProtocolError as exc:
+            return self._reject(str(exc))
+        self._count(op)
+        try:
+            reply = self.dispatch(op, fields)
+        except RegistryFull as exc:
+            reply = {"ok": False, "error": str(exc)}
+        except Exception as exc:  # a bug of ours must not take the node's daemon down
+            log.exception("internal error serving %r", op)
+            reply = {"ok": False, "error": f"internal error serving {op!r}: {exc}"}
+        log.debug("%s %s -> %s", op, fields.get("token", ""), reply.get("ok"))
+        return protocol.encode(reply)
+
+    def dispatch(self, op: str, f: dict[str, Any]) -> dict[str, Any]:
+        r = self.registry
+        if op == "hello":
+            return {
+                "ok": True,
+                "daemon": "shmloaderd",
+                "version": __version__,
+                "pid": os.getpid(),
+                "protocol": protocol.VERSION,
+                "socket": self.path,
+                "budget": self.budget(),
+            }
+        if op == "stats":
+            return {"ok": True, "stats": self.stats()}
+        if op == "register":
+            return r.register(f)
+        if op == "segment":
+            return r.segment(f)
+        if op == "admit":
+            return r.admit(f)
+        if op == "report":
+            return r.report(f)
+        if op == "unregister":
+            return r.unregister(f)
+        if op == "adopt":
+            reply = self.pool.adopt(f["token"], f["name"], f["bytes"], f["pid"], f["start"])
+            if reply.get("adopted"):
+                job = r.job(f["token"])
+                job.segments[f["name"]] = HEADER_SIZE + reply["capacity"]
+                if not job.pids:
+                    job.owners.add((f["pid"], f["start"]))
+            return reply
+        raise AssertionError(f"op {op} in protocol.OPS but not dispatched")
+
+    # ---------------------------------------------------------------- reaper
+
+    def reap_pass(self) -> None:
+        """Unlink what dead owners left, update the registry, refill the pool."""
+        try:
+            entries = scan_entries()
+            kept = []
+            for e in entries:
+                if e.header is not None and not e.alive:
+                    freed = remove_if_dead(e.name)
+                    if freed is not None and freed.removed:
+                        self.reaped_segments += 1
+                        self.reaped_bytes += freed.bytes
+                        log.info(
+                            "reaped %s (%s, %s, job %s): owner pid %d (start %d) is gone",
+                            freed.name,
+                            freed.kind,
+                            human_bytes(freed.bytes),
+                            freed.token,
+                            freed.owner_pid,
+                            freed.extra["owner_start"],
+                        )
+                        continue
+                kept.append(e)
+            for why in self.registry.observe(kept):
+                log.info("forgot %s", why)
+            budget = self.budget()
+            room = None if budget is None else budget - self.registry.in_use()
+            self.pool.refill(room)
+            self._snapshot = {"stats": self._document(kept)}
+        except Exception:
+            log.exception("reap pass failed; retrying at the next one")
+
+    # ----------------------------------------------------------------- stats
+
+    def stats(self) -> dict[str, Any]:
+        return self._document(scan_entries())
+
+    def _document(self, entries: list) -> dict[str, Any]:
+        doc = build_document(
+            [e for e in entries if not (e.header and e.header.token == self.pool.token)],
+            "daemon",
+        )
+        jobs = {j["token"]: j for j in doc["jobs"]}
+        now = time.monotonic()
+        for token, job in self.registry.jobs.items():
+            j = jobs.get(token)
+            if j is None:
+                j = jobs[token] = _empty_job(token)
+                alive = job.alive()
+                j["state"] = "live" if alive else "unknown" if alive is None else "dead"
+            j["registered"] = job.registered
+            for key, attr in (
+                ("group", "group"),
+                ("node_ranks", "node"),
+                ("leader", "leader"),
+                ("writer", "writer"),
+                ("world", "world"),
+            ):
+                if getattr(job, attr) is not None:
+                    j[key] = getattr(job, attr)
+            if job.pids:
+                j["pids"] = {str(r): list(p) for r, p in sorted(job.pids.items())}
+            j["bytes"] = max(j["bytes"], job.usage(now))
+            followers = {}
+            for rank, rep in sorted(job.reports.items()):
+                f = {
+                    "consumed": rep.get("consumed"),
+                    "lag": rep.get("lag"),
+                    "receive_ms": rep.get("receive_ms"),
+                    "updated_unix": rep["updated_unix"],
+                }
+                if f["lag"] is None and f["consumed"] is not None:
+                    published = rep.get("published", j.get("published"))
+                    if published is not None:
+                        f["lag"] = max(published - f["consumed"], 0)
+                followers[str(rank)] = f
+            j["followers"] = followers
+        doc["jobs"] = [jobs[t] for t in sorted(jobs)]
+        doc["node"]["shmloader_bytes"] = sum(j["bytes"] for j in doc["jobs"]) + self.pool.nbytes
+        doc["daemon"] = {
+            "pid": os.getpid(),
+            "version": __version__,
+            "socket": self.path,
+            "budget_bytes": self.budget(),
+            "in_use_bytes": self.registry.in_use(now),
+            "uptime_s": round(time.time() - self.started, 3),
+            "reaped_segments": self.reaped_segments,
+            "reaped_bytes": self.reaped_bytes,
+            "pool_bytes": self.pool.nbytes,
+            "pool_segments": len(self.pool.items),
+        }
+        return doc
+
+    def _counters(self) -> dict[str, Any]:
+        return {
+            "reaped_segments": self.reaped_segments,
+            "reaped_bytes": self.reaped_bytes,
+            "granted": self.registry.granted,
+            "refused": self.registry.refused,
+            "requests": self._requests_copy(),
+        }
+
+    def _requests_copy(self) -> dict[str, int]:
+        with self._count_lock:
+            return dict(self.requests)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The stats of the latest reap pass and live counters, for the metrics
+        thread: no I/O, nothing the loop thread could be changing under it."""
+        snap = self._snapshot
+        stats = snap["stats"] if snap is not None else build_document([], "daemon")
+        return {"stats": stats, "counters": self._counters()}
+
+    # ----------------------------------------------------------------- close
+
+    def close(self) -> None:
+        """Close the socket and unlink the pool; live jobs' segments stay."""
+        self.pool.close()
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+        if self.ctx is not None:
+            self.ctx.term()
+            self.ctx = None
+        if self._bound:
+            self._bound = False
+            try:
+                if stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                    os.unlink(self.path)
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:
+                    log.warning("could not remove %s: %s", self.path, exc)
+
+
+def _empty_job(token: str) -> dict[str, Any]:
+    return {
+        "token": token,
+        "state": "unknown",
+        "registered": False,
+        "group": None,
+        "leader": None,
+        "writer": None,
+        "node_ranks": None,
+        "world": None,
+        "pids": {},
+        "writer_pid": None,
+        "writer_alive": None,
+        "segments": [],
+        "segment_bytes": 0,
+        "bytes": 0,
+        "slots": None,
+        "ring_bytes": None,
+        "published": None,
+        "bytes_published": None,
+        "publish_ms_avg": None,
+        "last_publish_unix": None,
+        "readers": None,
+        "followers": {},
+    }

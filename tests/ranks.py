@@ -183,3 +183,31 @@ def deliver_both(rank: int, world: int, *, sp: int, num_workers: int, epochs: in
     _MADE["count"] = 0
     shared = deliver(rank, world, sp=sp, num_workers=num_workers, epochs=epochs, share=True)
     return {"alone": alone, "shared": shared}
+
+
+def sharded_indices(rank: int, world: int, *, sp: int, share: bool) -> list[list[int]]:
+    """Sample ids each rank receives with a ShardedSampler keyed on the DP rank."""
+    from shmloader import ShardedSampler, dp_topology_from_group
+
+    group, _ = sp_groups(world, sp)
+    num_replicas, dp_rank = dp_topology_from_group(group)
+
+    def make() -> DataLoader:
+        ds = Synthetic(21)
+        sampler = ShardedSampler(ds, num_replicas=num_replicas, rank=dp_rank, seed=5)
+        return DataLoader(ds, batch_size=2, sampler=sampler, collate_fn=collate)
+
+    loader = ShmLoader(make, group, config=Config.from_env(enabled=share))
+    ids = []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        ids += [batch["meta"].sample_ids for batch in loader]
+    loader.close()
+    return ids
+
+
+def sharded_both(rank: int, world: int, *, sp: int) -> dict:
+    return {
+        "alone": sharded_indices(rank, world, sp=sp, share=False),
+        "shared": sharded_indices(rank, world, sp=sp, share=True),
+    }

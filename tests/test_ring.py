@@ -523,21 +523,53 @@ def test_a_failing_constructor_leaves_nothing(token) -> None:
     assert names(token) == set()
 
 
-def test_admit_is_asked_before_a_slot_is_made(writer, token) -> None:
-    asked: list[int] = []
+class FakeDaemon:
+    """The part of DaemonClient a ring writer uses: admission, adoption, bookkeeping."""
 
-    def admit(n: int) -> None:
-        asked.append(n)
-        if len(asked) > 1:
+    def __init__(self, refuse_after: int = 1) -> None:
+        self.asked: list[int] = []
+        self.refuse_after = refuse_after
+        self.segments: dict[str, int] = {}
+
+    def admit(self, token: str, n: int) -> None:
+        self.asked.append(n)
+        if len(self.asked) > self.refuse_after:
             raise ShmCapacityError(n, 0, "node budget")
 
-    w = writer(admit=admit)
+    def adopt(self, token: str, name: str, n: int) -> int | None:
+        return None  # an empty warm pool
+
+    def add_segment(self, token: str, name: str, n: int) -> None:
+        self.segments[name] = n
+
+    def remove_segment(self, token: str, name: str) -> None:
+        self.segments.pop(name)
+
+
+def test_admit_is_asked_before_a_slot_is_made(writer, token) -> None:
+    daemon = FakeDaemon()
+    w = writer(daemon=daemon)
     s = w.acquire(10)
     w.publish(s, 1, 1, 0)
     with pytest.raises(ShmCapacityError):
         w.acquire(10)
-    assert asked == [GRANULE + HEADER_SIZE] * 2
+    assert daemon.asked == [GRANULE + HEADER_SIZE] * 2
     assert len(w.slots) == 1 and len(names(token)) == 2
+    assert daemon.segments == {s.segment.name: GRANULE + HEADER_SIZE}
+
+
+def test_a_warm_pool_segment_is_adopted_instead_of_created(writer, token) -> None:
+    class Pool(FakeDaemon):
+        def adopt(self, token: str, name: str, n: int) -> int | None:
+            made = Segment.create(name, KIND_DATA, token, n)  # what the daemon renames in
+            made.close()
+            return n
+
+    daemon = Pool(refuse_after=0)  # admission would refuse: adoption must not ask it
+    w = writer(daemon=daemon)
+    s = w.acquire(10)
+    assert daemon.asked == [] and s.capacity == GRANULE
+    assert s.segment.name in daemon.segments
 
 
 def test_shm_capacity_error_instead_of_sigbus(writer, token, monkeypatch) -> None:

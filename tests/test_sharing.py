@@ -83,3 +83,15 @@ def test_followers_write_privately_and_held_batches_never_change():
     assert out[0]["stats"]["ring_slots"] >= steps, (
         "held batches must make the ring grow, not be overwritten"
     )
+
+
+@pytest.mark.timeout(120)
+def test_sharded_sampler_sp_peers_draw_identical_indices_with_and_without_sharing():
+    out = run_ranks(ranks.sharded_both, 4, kwargs={"sp": 2})
+    for rank in range(4):
+        assert out[rank]["shared"] == out[rank]["alone"], f"rank {rank}"
+    assert out[0]["shared"] == out[1]["shared"] and out[2]["shared"] == out[3]["shared"]
+    epoch0 = [i for step in out[0]["shared"][:6] for i in step] + [
+        i for step in out[2]["shared"][:6] for i in step
+    ]
+    assert set(epoch0) == set(range(21)), "the two DP replicas together cover the dataset"

@@ -246,9 +246,7 @@ def job_from_entries(token: str, entries: list[Entry]) -> dict[str, Any]:
     ]
     named = sum(s["bytes"] for s in segments)
     job: dict[str, Any] = {
-        "token": token,
-        "state": "unknown",
-        "registered": False,
+        **empty_job(token),
         "group": _int_list(desc.get("group")),
         "leader": _opt_int(desc.get("leader")),
         "writer": _opt_int(desc.get("writer")),
@@ -260,14 +258,6 @@ def job_from_entries(token: str, entries: list[Entry]) -> dict[str, Any]:
         "segments": segments,
         "segment_bytes": named,
         "bytes": named,
-        "slots": None,
-        "ring_bytes": None,
-        "published": None,
-        "bytes_published": None,
-        "publish_ms_avg": None,
-        "last_publish_unix": None,
-        "readers": None,
-        "followers": {},
     }
     apply_counters(job, counters, ctl.size if ctl else 0)
     if ctl is not None:
@@ -295,6 +285,34 @@ def apply_counters(job: dict[str, Any], counters: dict[str, int] | None, ctl_byt
         job["last_publish_unix"] = counters["last_publish_unix_ns"] / 1e9
     held = counters["ring_bytes"] + counters["slots"] * HEADER_SIZE + ctl_bytes
     job["bytes"] = max(job["segment_bytes"], held)
+
+
+def empty_job(token: str) -> dict[str, Any]:
+    """A job record of the ``stat`` schema with nothing known yet."""
+    return {
+        "token": token,
+        "state": "unknown",
+        "registered": False,
+        "group": None,
+        "leader": None,
+        "writer": None,
+        "node_ranks": None,
+        "world": None,
+        "pids": {},
+        "writer_pid": None,
+        "writer_alive": None,
+        "segments": [],
+        "segment_bytes": 0,
+        "bytes": 0,
+        "slots": None,
+        "ring_bytes": None,
+        "published": None,
+        "bytes_published": None,
+        "publish_ms_avg": None,
+        "last_publish_unix": None,
+        "readers": None,
+        "followers": {},
+    }
 
 
 def shm_size_bytes() -> int | None:

@@ -35,7 +35,7 @@ from typing import Any
 
 import zmq
 
-from shmloader.admin import build_document, remove_if_dead, scan_entries
+from shmloader.admin import build_document, empty_job, remove_if_dead, scan_entries
 from shmloader.daemon_client import MAX_REQUEST, DaemonClient
 from shmloader.errors import ProtocolError, human_bytes
 from shmloader.segment import HEADER_SIZE
@@ -317,7 +317,7 @@ class Daemon:
         for token, job in self.registry.jobs.items():
             j = jobs.get(token)
             if j is None:
-                j = jobs[token] = _empty_job(token)
+                j = jobs[token] = empty_job(token)
                 alive = job.alive()
                 j["state"] = "live" if alive else "unknown" if alive is None else "dead"
             j["registered"] = job.registered
@@ -402,30 +402,3 @@ class Daemon:
             except OSError as exc:
                 if exc.errno != errno.ENOENT:
                     log.warning("could not remove %s: %s", self.path, exc)
-
-
-def _empty_job(token: str) -> dict[str, Any]:
-    return {
-        "token": token,
-        "state": "unknown",
-        "registered": False,
-        "group": None,
-        "leader": None,
-        "writer": None,
-        "node_ranks": None,
-        "world": None,
-        "pids": {},
-        "writer_pid": None,
-        "writer_alive": None,
-        "segments": [],
-        "segment_bytes": 0,
-        "bytes": 0,
-        "slots": None,
-        "ring_bytes": None,
-        "published": None,
-        "bytes_published": None,
-        "publish_ms_avg": None,
-        "last_publish_unix": None,
-        "readers": None,
-        "followers": {},
-    }

@@ -63,6 +63,15 @@ class Config:
             or not self.timeout > 0
         ):
             raise ConfigError("timeout", self.timeout, "a number of seconds > 0")
+        if self.timeout == float("inf"):
+            raise ConfigError("timeout", self.timeout, "a finite number of seconds")
+        for name in ("enabled", "copy", "verify", "allow_pickle"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, getattr(self, name), "True or False")
+        for name in ("runtime_dir", "node", "daemon"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or "\0" in value):
+                raise ConfigError(name, value, "None or a string without NUL bytes")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Config:

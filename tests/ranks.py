@@ -146,11 +146,13 @@ def deliver(
     return out
 
 
-def hold_and_write(rank: int, world: int, *, sp: int, steps: int) -> dict:
+def hold_and_write(rank: int, world: int, *, sp: int, steps: int, copy: bool = False) -> dict:
     """Hold every batch for the whole run and write into each in place."""
     group, _ = sp_groups(world, sp)
     loader = ShmLoader(
-        make_loader_factory(0, n=steps * 2), group, config=Config.from_env(enabled=True, slots=2)
+        make_loader_factory(0, n=steps * 2),
+        group,
+        config=Config.from_env(enabled=True, slots=2, copy=copy),
     )
     held, snapshots = [], []
     for batch in loader:

@@ -187,3 +187,23 @@ def test_config_is_frozen() -> None:
     c = Config()
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.slots = 9  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("enabled", "0"),
+        ("copy", 1),
+        ("verify", None),
+        ("allow_pickle", "yes"),
+        ("node", 3),
+        ("runtime_dir", b"/tmp"),
+        ("daemon", "/x\0y"),
+        ("timeout", float("inf")),
+    ],
+)
+def test_fields_set_directly_are_validated_too(field, value):
+    with pytest.raises(ConfigError, match=field):
+        Config(**{field: value})
+    with pytest.raises(ConfigError, match=field):
+        Config.from_env({}, **{field: value})

@@ -238,8 +238,9 @@ class RingWriter:
         capacity = segment.capacity
         try:
             mm = segment.map_shared()
-            if not adopted:
-                touch(mm)
+            # Adopted pages are allocated and zeroed already; populating our page
+            # tables for them is the cheap part of a first touch.
+            touch(mm)
         except BaseException:
             segment.unlink()
             segment.close()

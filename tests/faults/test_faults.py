@@ -77,3 +77,17 @@ def test_sigkill_during_cross_node_broadcast(victim):
             continue
         assert not o["ok"] and o["type"] in ("PeerLostError", "LeaderError"), (rank, o)
         assert o["seconds"] < 30, f"rank {rank} took {o['seconds']:.1f} s"
+
+
+def test_leader_error_and_stop_cross_nodes():
+    """A node leader forwards the leader's error, so remote followers raise it too."""
+    out = run_ranks(scenarios.leader_raises, 4, kwargs={"exc": "Boom"}, nodes=[0, 0, 1, 1])
+    assert out[0]["type"] == "Boom"
+    for r in (1, 2, 3):
+        assert out[r]["type"] == "LeaderError", (r, out[r])
+        assert out[r]["attrs"]["original_message"] == "sample 3 is corrupt"
+    assert all(o["got"] == [0, 1, 2] for o in out)
+    stopped = run_ranks(
+        scenarios.leader_raises, 4, kwargs={"exc": "KeyboardInterrupt"}, nodes=[0, 0, 1, 1]
+    )
+    assert all(o["ok"] and o["got"] == [0, 1, 2] for o in stopped[1:]), stopped

@@ -60,8 +60,20 @@ def runtime_dir(parent: str | None) -> str:
     return path
 
 
+#: sun_path holds 108 bytes including the terminating NUL.
+MAX_SOCKET_PATH = 107
+
+
 def socket_path(parent: str | None, token: str, pid: int) -> str:
-    return os.path.join(runtime_dir(parent), f"{token}-{pid}.sock")
+    path = os.path.join(runtime_dir(parent), f"{token}-{pid}.sock")
+    if len(path.encode()) > MAX_SOCKET_PATH:
+        raise ConfigError(
+            "SHMLOADER_RUNTIME_DIR",
+            parent or os.environ.get("XDG_RUNTIME_DIR") or "/tmp",
+            f"a shorter directory: the socket path {path} is {len(path.encode())} bytes and "
+            f"ipc sockets take at most {MAX_SOCKET_PATH}",
+        )
+    return path
 
 
 _context: zmq.Context | None = None
@@ -179,7 +191,7 @@ class Hub(_Endpoint):
         return msg, rank
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        self.sock.close(linger=100)  # let a last END/STOP leave; bounded
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 

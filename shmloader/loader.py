@@ -2,9 +2,9 @@
 
 Roles (see ``topology``): the *leader* runs the user's loader and publishes
 each batch once into its node's ring; a *node leader* receives each batch from
-the leader over the cross-node broadcast straight into its own ring and
-publishes it on its node; a *follower* maps what its node's writer published.
-With sharing off every rank is *local*: it builds and iterates its own loader,
+the leader over the cross-node path straight into its own ring and publishes
+it on its node; a *follower* maps what its node's writer published. With
+sharing off every rank is *local*: it builds and iterates its own loader,
 exactly as without shmloader.
 
 One batch, leader to a follower on another node::
@@ -66,15 +66,23 @@ from .errors import (
     ShmLoaderError,
     TopologyMismatchError,
 )
-from .ring import RingReader, RingWriter, Slot, new_token
-from .topology import GroupTopology, discover
+from .ring import RingReader, RingWriter, Slot, new_token, private_view
+from .topology import GroupTopology, broadcast_bytes, discover
 from .wire import Kind
 from .xnode import KIND_BATCH, KIND_END, KIND_ERROR, KIND_STOP, CrossNode
 
 log = logging.getLogger(__name__)
 
-_LENGTH_NONE = -1  # the leader's loader has no __len__
-_LENGTH_FAILED = -2  # make_loader raised on the leader
+STATE_FORMAT = "shmloader.state/1"
+#: Seconds between two progress reports to the daemon.
+REPORT_EVERY_S = 1.0
+#: Longest a writer waits, on close or on an error, for readers it must reach.
+CLOSE_WAIT_S = 10.0
+
+#: gloo exchange groups made for non-gloo SP groups, one per rank tuple for the
+#: life of the process: every ShmLoader over the same ranks shares it, so ranks
+#: never create groups in different numbers (torch names groups by count).
+_EXCHANGE_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
 class ShmLoader:
@@ -118,11 +126,12 @@ class ShmLoader:
         self._seq = 0  # batches announced by this writer
         self._delivered = 0  # position in the epoch: batches the user received (or skipped)
         self._exhausted = False  # the current iteration ran to its end
-        # (epoch, cursor, skip) from load_state_dict: skip=False when the loader restored itself
+        # (epoch, cursor, skip) from load_state_dict; skip is False when the
+        # leader's loader restored its own position
         self._resume: tuple[int, int, bool] | None = None
-        self._skip = True
         self._boundary_state: Any = None  # loader state at the last optimizer-step boundary
         self._closed = False
+        self._writer_closed = False  # a reader was told its writer closed: fail fast
         self._loader: Iterable[Any] | None = None
         self._length: int | None = None
         self._topo: GroupTopology | None = None
@@ -131,42 +140,20 @@ class ShmLoader:
         self._reader: RingReader | None = None
         self._spoke: Spoke | None = None
         self._xnode: CrossNode | None = None
-        self._own_groups: list[dist.ProcessGroup] = []
         self._daemon: DaemonClient | None = None
         self._next_report = 0.0
-        self._stats = collections.Counter()
+        self._stats: collections.Counter = collections.Counter()
         self._warned_rng = False
-
-        self._group_ranks: list[int] | None = None
-        if group is not None and dist.is_available() and dist.is_initialized():
-            try:
-                self._group_ranks = dist.get_process_group_ranks(group)
-            except (ValueError, RuntimeError, KeyError):
-                raise ConfigError(
-                    "group",
-                    group,
-                    "a process group of the initialised default group (from "
-                    "torch.distributed.new_group), not one of another or destroyed world",
-                ) from None
-            if dist.get_rank() not in self._group_ranks:
-                raise ConfigError(
-                    "group",
-                    self._group_ranks,
-                    f"a group that contains this rank ({dist.get_rank()})",
-                )
+        self._group_ranks = _group_ranks(group)
         sharing = (
-            self.config.enabled
-            and group is not None
-            and dist.is_available()
-            and dist.is_initialized()
-            and dist.get_world_size(group) > 1
+            self.config.enabled and self._group_ranks is not None and len(self._group_ranks) > 1
         )
         if not sharing:
             self._role = "local"
             self._loader = make_loader()
             return
         try:
-            self._setup(make_loader, group)
+            self._setup(make_loader, group)  # type: ignore[arg-type]
         except BaseException:
             _close_quietly(self._closers())
             raise
@@ -176,41 +163,29 @@ class ShmLoader:
 
     def _setup(self, make_loader: Callable[[], Iterable[Any]], group: dist.ProcessGroup) -> None:
         pg = self._exchange_group(group)
-        topo = discover(pg, new_token(), node_override=self.config.node)
-        self._topo = topo
-        self._role = topo.role()
-        error: BaseException | None = None
-        length = torch.tensor([_LENGTH_NONE], dtype=torch.int64)
-        if topo.is_leader:
-            try:
-                self._loader = make_loader()
-                with contextlib.suppress(TypeError):
-                    length[0] = len(self._loader)  # type: ignore[arg-type]
-            except BaseException as exc:
-                error, length[0] = exc, _LENGTH_FAILED
-        dist.broadcast(length, src=topo.leader, group=pg)
+        try:
+            topo = discover(pg, new_token(), node_override=self.config.node)
+            self._topo = topo
+            self._role = topo.role()
+            error = self._agree_on_loader(make_loader, pg)
+        except (RuntimeError, dist.DistError) as exc:  # a peer died during set-up
+            detail = f"the set-up exchange over the group failed: {exc}"
+            raise PeerLostError(None, "peer", detail) from exc
         if error is not None:
             raise error
-        if int(length[0]) == _LENGTH_FAILED:
-            raise LeaderError(
-                "Exception",
-                "make_loader() raised on the leader",
-                "see the leader's log",
-                leader_rank=topo.leader,
-            )
-        self._length = int(length[0])
 
         self._daemon = self._connect_daemon()
         if topo.is_writer:
+            description = self._description()
             self._ring = RingWriter(
                 topo.ring_token,
                 frozenset(topo.readers),
-                self._description(),
+                description,
                 self_rank=None if topo.is_leader else topo.me,
                 daemon=self._daemon,
             )
             if self._daemon is not None:
-                self._daemon.register(self._description())
+                self._daemon.register(description)
             self._hub = Hub(socket_path(self.config.runtime_dir, topo.ring_token, os.getpid()))
             self._hello: set[int] = set()
             self._acked = dict.fromkeys(topo.readers, 0)
@@ -224,20 +199,77 @@ class ShmLoader:
             )
             self._releases: collections.deque = collections.deque()
             self._stash: wire.Message | None = None
-            self._spoke.send(
-                wire.frames(
-                    Kind.HELLO, rank=topo.me, pid=os.getpid(), start=topo.fact(topo.me).start
-                )
-            )
+            me = topo.fact(topo.me)
+            self._spoke.send(wire.frames(Kind.HELLO, rank=topo.me, pid=me.pid, start=me.start))
         if len(topo.nodes) > 1 and topo.me in topo.node_leaders:
-            xg = dist.new_group(
-                list(topo.node_leaders),
+            self._xnode = CrossNode(pg, topo.leader, topo.node_leaders)
+
+    def _agree_on_loader(
+        self, make_loader: Callable[[], Iterable[Any]], pg: dist.ProcessGroup
+    ) -> BaseException | None:
+        """The leader builds its loader and tells everyone its length, or why it failed.
+
+        Returns the exception this rank must raise: the original on the leader,
+        a ``LeaderError`` carrying it on the others (never a hang).
+        """
+        topo = self._topo
+        assert topo is not None
+        error: BaseException | None = None
+        report: dict[str, Any] = {"length": -1}
+        if topo.is_leader:
+            try:
+                self._loader = make_loader()
+                with contextlib.suppress(TypeError):
+                    report["length"] = len(self._loader)  # type: ignore[arg-type]
+            except BaseException as exc:
+                error = exc
+                report = {"error": _error_body(0, exc)}
+        raw = broadcast_bytes(
+            json.dumps(report).encode() if topo.is_leader else None, topo.leader, pg
+        )
+        agreed = _json_body(raw)
+        if "error" in agreed:
+            body = agreed["error"] if isinstance(agreed["error"], dict) else {}
+            return error or _leader_error(body, topo.leader)
+        length = agreed.get("length")
+        self._length = length if isinstance(length, int) and length >= 0 else None
+        return None
+
+    def _exchange_group(self, group: dist.ProcessGroup) -> dist.ProcessGroup:
+        """A gloo group with the ranks of ``group`` for set-up and the cross-node path."""
+        if dist.get_backend(group) == "gloo":
+            return group
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if ranks not in _EXCHANGE_GROUPS:
+            _EXCHANGE_GROUPS[ranks] = dist.new_group(
+                list(ranks),
                 backend="gloo",
                 timeout=datetime.timedelta(seconds=self.config.timeout),
                 use_local_synchronization=True,
             )
-            self._own_groups.append(xg)
-            self._xnode = CrossNode(xg, topo.leader, topo.node_leaders)
+        return _EXCHANGE_GROUPS[ranks]
+
+    def _description(self) -> dict:
+        topo = self._topo
+        assert topo is not None
+        return {
+            "token": topo.ring_token,
+            "group": list(topo.ranks),
+            "leader": topo.leader,
+            "writer": topo.me,
+            "node": list(topo.node),
+            "pids": {str(f.rank): [f.pid, f.start] for f in topo.facts if f.rank in topo.node},
+            "world": dist.get_world_size(),
+        }
+
+    def _closers(self) -> list[Callable[[], None]]:
+        parts = (self._spoke, self._reader, self._hub, self._ring)
+        closers = [c.close for c in parts if c is not None]
+        if self._daemon is not None and self._topo is not None:
+            if self._topo.is_writer:
+                closers.append(functools.partial(self._daemon.unregister, self._topo.ring_token))
+            closers.append(self._daemon.close)
+        return closers
 
     def _connect_daemon(self) -> DaemonClient | None:
         """The node daemon's client, or None: embedded mode (logged once if unreachable)."""
@@ -265,33 +297,6 @@ class ShmLoader:
             mean = self._stats["receive_ms_total"] / received if received else None
             client.report(topo.ring_token, topo.me, consumed=received, receive_ms=mean)
 
-    def _exchange_group(self, group: dist.ProcessGroup) -> dist.ProcessGroup:
-        """A gloo group with the ranks of ``group`` for the CPU set-up exchange."""
-        if dist.get_backend(group) == "gloo":
-            return group
-        ranks = dist.get_process_group_ranks(group)
-        pg = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-        self._own_groups.append(pg)
-        return pg
-
-    def _description(self) -> dict:
-        topo = self._topo
-        assert topo is not None
-        return {
-            "token": topo.ring_token,
-            "group": list(topo.ranks),
-            "leader": topo.leader,
-            "writer": topo.me,
-            "node": list(topo.node),
-            "pids": {str(f.rank): [f.pid, f.start] for f in topo.facts if f.rank in topo.node},
-            "world": dist.get_world_size(),
-        }
-
-    def _closers(self) -> list[Callable[[], None]]:
-        return [
-            c.close for c in (self._spoke, self._reader, self._hub, self._ring) if c is not None
-        ]
-
     # ------------------------------------------------------------- public API
 
     @property
@@ -311,7 +316,7 @@ class ShmLoader:
     def __len__(self) -> int:
         if self._role == "local":
             return len(self._loader)  # type: ignore[arg-type]
-        if self._length is None or self._length < 0:
+        if self._length is None:
             raise TypeError(
                 "the leader's loader has no len() (an IterableDataset without __len__?)"
             )
@@ -328,101 +333,23 @@ class ShmLoader:
     def __iter__(self) -> Iterator[Any]:
         if self._closed:
             raise ShmLoaderError("this ShmLoader is closed; make a new one")
+        if self._writer_closed:
+            raise PeerLostError(
+                self._topo.writer if self._topo else None,
+                "writer",
+                "it closed its ShmLoader: no more batches will come",
+            )
         self._it += 1
-        self._skip = self._resume is None or self._resume[2]
-        self._delivered = self._take_resume()
+        cursor, skip = self._take_resume()
+        self._delivered = cursor
         self._exhausted = False
         if self._role == "local":
-            return self._local_iteration()
+            return self._local_iteration(cursor if skip else 0)
         if self._role == "leader":
-            return self._leader_iteration(self._it)
+            return self._leader_iteration(self._it, cursor if skip else 0)
         if self._role == "node leader":
             return self._relay_iteration(self._it)
         return self._follower_iteration(self._it)
-
-    # ------------------------------------------------------------ checkpoints
-
-    def state_dict(self) -> dict[str, Any]:
-        """What the user has received so far, at an optimizer-step boundary.
-
-        Keys: ``format``, ``epoch``, ``batches`` (the cursor: batches of this
-        epoch the SP group consumed, counted once per group, rounded down to a
-        whole optimizer step of ``accumulation_steps`` unless the epoch ended),
-        ``accumulation_steps``, ``topology`` and, on the leader of a loader
-        with ``state_dict``/``load_state_dict`` (torchdata's
-        ``StatefulDataLoader``), ``loader``: that loader's own state at the
-        same boundary. Followers never hold loader state.
-        """
-        k = self.accumulation_steps
-        cursor = self._delivered if self._exhausted else self._delivered - self._delivered % k
-        state: dict[str, Any] = {
-            "format": STATE_FORMAT,
-            "epoch": self._epoch,
-            "batches": cursor,
-            "accumulation_steps": k,
-            "topology": self._topology_state(),
-        }
-        if self._loader is not None and _stateful(self._loader):
-            partial = cursor != self._delivered
-            state["loader"] = self._boundary_state if partial else self._loader.state_dict()  # type: ignore[union-attr]
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from ``state_dict()``. Call before iterating; validates everything first.
-
-        The next iteration of the saved epoch (``set_epoch`` to it, or no
-        ``set_epoch`` at all) continues after the saved cursor: the leader
-        restores its loader's own state when the checkpoint has one, or else
-        fast-forwards its loader by the cursor. Raises
-        :class:`TopologyMismatchError` when the checkpoint was taken under
-        other ranks or another SP size, :class:`ConfigError` for a malformed
-        state and :class:`LoaderStateError` once iteration has started.
-        """
-        if self._it > 0:
-            raise LoaderStateError(
-                "load_state_dict() must be called before the first iteration; "
-                "construct a new ShmLoader to resume"
-            )
-        epoch, batches, loader_state = _validate_state(state, self._topology_state())
-        restore = loader_state is not None and self._loader is not None
-        if restore and not _stateful(self._loader):
-            raise ConfigError(
-                "state['loader']",
-                type(loader_state).__name__,
-                "no loader state, because the current loader has no load_state_dict()",
-            )
-        self.set_epoch(epoch)
-        if restore:
-            self._loader.load_state_dict(loader_state)  # type: ignore[union-attr]
-        # The cursor is kept on every rank (it is what state_dict reports); the
-        # leader skips that many batches unless its loader restored itself.
-        self._resume = (epoch, batches, not restore)
-
-    def _take_resume(self) -> int:
-        """The cursor this iteration starts at (a pending resume of this epoch)."""
-        resume, self._resume = self._resume, None
-        if resume is None or resume[0] != self._epoch:
-            return 0
-        return resume[1]
-
-    def _topology_state(self) -> dict[str, Any]:
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        rank = dist.get_rank() if world > 1 else 0
-        if self._topo is not None:
-            group = list(self._topo.ranks)
-        elif self._group_ranks is not None:
-            group = list(self._group_ranks)
-        else:
-            group = [rank]
-        sp = len(group)
-        return {
-            "world": world,
-            "sp": sp,
-            "dp": world // sp,
-            "sp_rank": group.index(rank),
-            "dp_rank": min(group) // sp,
-            "group": group,
-        }
 
     def stats(self) -> dict[str, Any]:
         """Counters of this rank: batches, bytes, times (ms), ring size."""
@@ -446,13 +373,10 @@ class ShmLoader:
         if self._hub is not None:
             with contextlib.suppress(Exception):
                 self._await_attach()
-                self._tell_readers(wire.frames(Kind.STOP, reason="the writer closed"))
+                stop = wire.frames(Kind.STOP, reason="the writer closed", closed=1)
+                self._tell_readers(stop, best_effort=True)
         if self._role != "local":
             self._finalizer()
-        for g in self._own_groups:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group(g)
-        self._own_groups.clear()
         self._loader = None
 
     def __enter__(self) -> ShmLoader:
@@ -461,6 +385,90 @@ class ShmLoader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # ------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the user has received so far, at an optimizer-step boundary.
+
+        Keys: ``format``, ``epoch``, ``batches`` (the cursor: batches of this
+        epoch the SP group consumed, counted once per group, rounded down to a
+        whole optimizer step of ``accumulation_steps`` unless the epoch ended),
+        ``accumulation_steps``, ``topology`` and, on the leader of a loader
+        with ``state_dict``/``load_state_dict`` (torchdata's
+        ``StatefulDataLoader``), ``loader``: that loader's own state at the
+        same boundary. Followers never hold loader state. Before the first
+        iteration after ``load_state_dict`` it reports the loaded cursor.
+        """
+        k = self.accumulation_steps
+        if self._resume is not None and self._resume[0] == self._epoch:
+            cursor = delivered = self._resume[1]  # loaded, not iterated yet
+        else:
+            delivered = self._delivered
+            cursor = delivered if self._exhausted else delivered - delivered % k
+        state: dict[str, Any] = {
+            "format": STATE_FORMAT,
+            "epoch": self._epoch,
+            "batches": cursor,
+            "accumulation_steps": k,
+            "topology": self._topology_state(),
+        }
+        if self._loader is not None and _stateful(self._loader):
+            partial = cursor != delivered
+            loader_state = self._boundary_state if partial else self._loader.state_dict()  # type: ignore[union-attr]
+            state["loader"] = loader_state
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``. Call before iterating; validates everything first.
+
+        The next iteration of the saved epoch (``set_epoch`` to it, or no
+        ``set_epoch`` at all) continues after the saved cursor: the leader
+        restores its loader's own state when the checkpoint has one, or else
+        fast-forwards its loader by the cursor. Any rank of the same SP group
+        may load any peer's state (their cursors are equal). Raises
+        :class:`TopologyMismatchError` when the checkpoint was taken under
+        other ranks or another SP size, :class:`ConfigError` for a malformed
+        state and :class:`LoaderStateError` once iteration has started.
+        """
+        if self._it > 0:
+            raise LoaderStateError(
+                "load_state_dict() must be called before the first iteration; "
+                "construct a new ShmLoader to resume"
+            )
+        epoch, batches, loader_state = _validate_state(state, self._topology_state())
+        restore = loader_state is not None and self._loader is not None
+        if restore and not _stateful(self._loader):
+            raise ConfigError(
+                "state['loader']",
+                type(loader_state).__name__,
+                "no loader state, because the current loader has no load_state_dict()",
+            )
+        self.set_epoch(epoch)
+        if restore:
+            self._loader.load_state_dict(loader_state)  # type: ignore[union-attr]
+        self._resume = (epoch, batches, not restore)
+
+    def _take_resume(self) -> tuple[int, bool]:
+        """(cursor, skip) this iteration starts at: a pending resume of this epoch, or (0, _)."""
+        resume, self._resume = self._resume, None
+        if resume is None or resume[0] != self._epoch:
+            return 0, False
+        return resume[1], resume[2]
+
+    def _topology_state(self) -> dict[str, Any]:
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        rank = dist.get_rank() if world > 1 else 0
+        group = list(self._group_ranks) if self._group_ranks is not None else [rank]
+        sp = len(group)
+        return {
+            "world": world,
+            "sp": sp,
+            "dp": world // sp,
+            "sp_rank": group.index(rank),
+            "dp_rank": min(group) // sp,
+            "group": group,
+        }
+
     # ------------------------------------------------------------ iteration
 
     @property
@@ -468,8 +476,8 @@ class ShmLoader:
         assert self._topo is not None
         return self._topo.me
 
-    def _local_iteration(self) -> Iterator[Any]:
-        source, _ = self._open_source()
+    def _local_iteration(self, skip: int) -> Iterator[Any]:
+        source, _ = self._open_source(skip)
         while True:
             self._mark_boundary()
             try:
@@ -480,8 +488,8 @@ class ShmLoader:
             self._delivered += 1
             yield batch
 
-    def _open_source(self) -> tuple[Iterator[Any], int]:
-        """``iter()`` the user's loader and fast-forward to a resumed cursor.
+    def _open_source(self, skip: int) -> tuple[Iterator[Any], int]:
+        """``iter()`` the user's loader and fast-forward ``skip`` batches (a resume).
 
         Returns the iterator and the default-generator draws made so far
         (NOTE [RNG mirroring]). Skipping replays the skipped batches through
@@ -490,7 +498,7 @@ class ShmLoader:
         """
         before = rng.snapshot()
         source = iter(self._loader)  # type: ignore[arg-type]
-        for _ in range(self._delivered if self._skip else 0):
+        for _ in range(skip):
             try:
                 next(source)
             except StopIteration:
@@ -516,22 +524,22 @@ class ShmLoader:
             return 0
         return n
 
-    def _leader_iteration(self, it: int) -> Iterator[Any]:
-        steps = 0
+    # -- leader --------------------------------------------------------------
+
+    def _leader_iteration(self, it: int, skip: int) -> Iterator[Any]:
         try:
-            source, pending = self._open_source()
+            source, pending = self._open_source(skip)
             while True:
                 self._mark_boundary()
                 before = rng.snapshot()
                 try:
                     batch = next(source)
                 except StopIteration:
-                    self._end(it, steps, pending + self._count(before))
+                    self._end(it, pending + self._count(before))
                     self._exhausted = True
                     return
                 draws, pending = pending + self._count(before), 0
                 self._publish(it, batch, draws)
-                steps += 1
                 self._delivered += 1
                 yield batch
         except GeneratorExit:
@@ -557,6 +565,38 @@ class ShmLoader:
         self._stats["bytes_published"] += enc.nbytes
         self._stats["publish_ms_total"] += (time.perf_counter_ns() - t0) / 1e6
         self._stats["write_ms_last"] = (t1 - t0) / 1e6
+
+    def _end(self, it: int, draws: int) -> None:
+        if self._xnode is not None:
+            self._xnode.send(KIND_END, it, b"", draws=draws)
+        self._await_readers(window=False)
+        self._tell_readers(wire.frames(Kind.END, it=it, draws=draws))
+
+    def _fail(self, it: int, exc: BaseException) -> None:
+        """Tell every reader (and from the leader every node leader) that this iteration failed.
+
+        Readers that have not said HELLO yet are waited for (bounded): a
+        message sent before their connection is up would be lost, and they
+        would report the leader lost instead of its error.
+        """
+        try:
+            stop = isinstance(exc, KeyboardInterrupt | SystemExit)
+            if stop:
+                kind, body = KIND_STOP, {"reason": f"{type(exc).__name__} on the leader"}
+                parts = wire.frames(Kind.STOP, closed=0, **body)
+            else:
+                kind, body = KIND_ERROR, _error_body(it, exc)
+                parts = wire.frames(Kind.ERROR, **body)
+            link_broken = self._xnode is not None and self._xnode.broken
+            if self._xnode is not None and self._role == "leader" and not link_broken:
+                self._xnode.send_json(kind, it, body)
+            with contextlib.suppress(PeerLostError):
+                self._await_readers(window=False, timeout=min(self.config.timeout, CLOSE_WAIT_S))
+            self._tell_readers(parts, best_effort=True)
+        except Exception as notify_error:  # the original error matters more
+            log.warning("shmloader: could not tell followers about %r: %s", exc, notify_error)
+
+    # -- writer bookkeeping (leader and node leader) -------------------------
 
     def _announce(
         self, it: int, meta: bytes, nbytes: int, slot: Slot | None, draws: int, ns: int, crc: int
@@ -593,45 +633,21 @@ class ShmLoader:
             try:
                 self._hub.send(rank, parts)
             except PeerLostError as exc:
-                self._gone.add(rank)
+                self._drop_reader(rank)
                 lost = lost or exc
         if lost is not None and not best_effort:
             raise lost
 
-    def _end(self, it: int, steps: int, draws: int) -> None:
-        if self._xnode is not None:
-            self._xnode.send(KIND_END, it, b"", draws=draws)
-        self._await_readers(window=False)
-        self._tell_readers(wire.frames(Kind.END, it=it, steps=steps, draws=draws))
-
-    def _fail(self, it: int, exc: BaseException) -> None:
-        """Tell every reader (and from the leader every node leader) that this iteration failed."""
-        try:
-            if isinstance(exc, KeyboardInterrupt | SystemExit):
-                body = {"reason": f"{type(exc).__name__} on the leader"}
-                if self._xnode is not None and self._role == "leader":
-                    self._xnode.send_json(KIND_STOP, it, body)
-                self._tell_readers(wire.frames(Kind.STOP, **body), best_effort=True)
-                return
-            body = {
-                "it": it,
-                "type": type(exc).__qualname__,
-                "message": str(exc),
-                "traceback": "".join(traceback.format_exception(exc)),
-            }
-            broken = isinstance(exc, PeerLostError)  # the broadcast itself may be what broke
-            if self._xnode is not None and self._role == "leader" and not broken:
-                self._xnode.send_json(KIND_ERROR, it, body)
-            self._tell_readers(wire.frames(Kind.ERROR, **body), best_effort=True)
-        except Exception as notify_error:  # the original error matters more
-            log.warning("shmloader: could not tell followers about %r: %s", exc, notify_error)
-
-    # -- writer bookkeeping --------------------------------------------------
+    def _drop_reader(self, rank: int) -> None:
+        """``rank`` said BYE or is unreachable: stop waiting for it and sending to it."""
+        self._gone.add(rank)
+        assert self._ring is not None
+        self._ring.drop_reader(rank)
 
     def _handle(self, msg: wire.Message, rank: int | None) -> bool:
         """Apply one reader message to the writer's state; never raises on bad input."""
         ring = self._ring
-        assert ring is not None and self._topo is not None
+        assert ring is not None
         if rank not in self._acked:
             log.warning("shmloader: message from rank %s, which is not a reader here", rank)
             return False
@@ -645,8 +661,7 @@ class ShmLoader:
             elif msg.kind == Kind.ATTACHED:
                 ring.attached(rank, msg["seg"])
             elif msg.kind == Kind.BYE:
-                self._gone.add(rank)
-                ring.drop_reader(rank)
+                self._drop_reader(rank)
             else:
                 raise ProtocolError(f"{msg.kind.name} is not a reader's message")
         except ProtocolError as exc:
@@ -663,11 +678,26 @@ class ShmLoader:
             with contextlib.suppress(ProtocolError):
                 self._ring.release(self._me, index, gen)
 
-    def _await_readers(self, *, window: bool = True) -> None:
-        """Wait until every reader said HELLO and (``window``) none lags ``slots`` behind."""
+    def _wait_for(self, waiting: Callable[[], list[int]], timeout: float, doing: str) -> None:
+        """Handle reader messages until ``waiting()`` is empty (NOTE [bounded waits])."""
+        hub = self._hub
+        assert hub is not None
         self._pump()
-        topo, hub = self._topo, self._hub
-        assert topo is not None and hub is not None
+        if not waiting():
+            return
+
+        def handle(msg: wire.Message, rank: int | None) -> bool:
+            self._handle(msg, rank)
+            return not waiting()
+
+        t0 = time.perf_counter()
+        hub.wait(handle, lambda: [self._peer(r) for r in waiting()], timeout=timeout, doing=doing)
+        self._stats["wait_readers_ms_total"] += (time.perf_counter() - t0) * 1e3
+
+    def _await_readers(self, *, window: bool = True, timeout: float | None = None) -> None:
+        """Wait until every reader said HELLO and (``window``) none lags ``slots`` behind."""
+        topo = self._topo
+        assert topo is not None
         slots = self.config.slots
 
         def waiting() -> list[int]:
@@ -677,19 +707,11 @@ class ShmLoader:
                 return late
             return [r for r in live if self._seq - self._acked[r] >= slots]
 
-        def handle(msg: wire.Message, rank: int | None) -> bool:
-            self._handle(msg, rank)
-            return not waiting()
-
-        if waiting():
-            t0 = time.perf_counter()
-            hub.wait(
-                handle,
-                lambda: [self._peer(r) for r in waiting()],
-                timeout=self.config.timeout,
-                doing=f"waiting for followers to take batch {self._seq}",
-            )
-            self._stats["wait_readers_ms_total"] += (time.perf_counter() - t0) * 1e3
+        self._wait_for(
+            waiting,
+            self.config.timeout if timeout is None else timeout,
+            f"waiting for followers to take batch {self._seq}",
+        )
 
     def _await_attach(self) -> None:
         """Before unlinking at close: let readers open the segments they were told about.
@@ -698,25 +720,13 @@ class ShmLoader:
         reader opened it would make that reader fail. Bounded by
         ``CLOSE_WAIT_S``; readers that said BYE or died are not waited for.
         """
-        ring, hub = self._ring, self._hub
-        assert ring is not None and hub is not None
-
-        def waiting() -> list[int]:
-            return sorted(ring.unattached() - self._gone)
-
-        def handle(msg: wire.Message, rank: int | None) -> bool:
-            self._handle(msg, rank)
-            return not waiting()
-
-        self._pump()
-        if not waiting():
-            return
+        ring = self._ring
+        assert ring is not None
         try:
-            hub.wait(
-                handle,
-                lambda: [self._peer(r) for r in waiting()],
-                timeout=min(self.config.timeout, CLOSE_WAIT_S),
-                doing="closing: waiting for followers to map the last batches",
+            self._wait_for(
+                lambda: sorted(ring.unattached() - self._gone),
+                min(self.config.timeout, CLOSE_WAIT_S),
+                "closing: waiting for followers to map the last batches",
             )
         except PeerLostError as exc:
             log.warning("shmloader: closing without every follower's last batch: %s", exc)
@@ -735,19 +745,18 @@ class ShmLoader:
             raise
         except LeaderError:
             raise  # already forwarded to this node's readers
-        except BaseException as exc:  # e.g. the broadcast broke: tell our readers
+        except BaseException as exc:  # e.g. the cross-node link broke: tell our readers
             self._fail(it, exc)
             raise
 
     def _relay(self, it: int) -> Iterator[Any]:
         xnode, ring = self._xnode, self._ring
         assert xnode is not None and ring is not None
-        steps = 0
         while True:
             kind, _leader_it, nbytes, meta, draws, crc = xnode.receive_header()
             if kind == KIND_END:
                 self._await_readers(window=False)
-                self._tell_readers(wire.frames(Kind.END, it=it, steps=steps, draws=draws))
+                self._tell_readers(wire.frames(Kind.END, it=it, draws=draws))
                 rng.mirror_draws(draws)
                 self._exhausted = True
                 return
@@ -755,8 +764,9 @@ class ShmLoader:
                 body = _json_body(meta)
                 if kind == KIND_STOP:
                     reason = str(body.get("reason", ""))
-                    self._tell_readers(wire.frames(Kind.STOP, reason=reason), best_effort=True)
-                    log.warning("shmloader: the leader stopped: %s", body.get("reason"))
+                    parts = wire.frames(Kind.STOP, reason=reason, closed=0)
+                    self._tell_readers(parts, best_effort=True)
+                    log.warning("shmloader: the leader stopped: %s", reason)
                     return
                 body["it"] = it
                 self._tell_readers(wire.frames(Kind.ERROR, **_error_fields(body)), best_effort=True)
@@ -768,28 +778,27 @@ class ShmLoader:
                 xnode.receive_payload(slot.payload[:nbytes])
                 if crc >= 0:
                     _check_crc(slot.payload[:nbytes], crc, self._seq)
-            t1 = time.perf_counter_ns()
-            seq = self._seq
-            self._announce(it, meta, nbytes, slot, draws, t1 - t0, crc)
+            self._announce(it, meta, nbytes, slot, draws, time.perf_counter_ns() - t0, crc)
             if slot is not None:
-                view = slot.segment.map_private(nbytes)
-                item = (slot.index, slot.gen)
-                weakref.finalize(view, self._self_releases.append, item)
-                payload = np.frombuffer(view, dtype=np.uint8, count=nbytes)
-                del view
+                release = functools.partial(self._self_releases.append, (slot.index, slot.gen))
+                payload = private_view(slot.segment, nbytes, release)
             else:
                 payload = np.empty(0, np.uint8)
-            batch = codec.decode(meta, payload, allow_pickle=self.config.allow_pickle)
-            del payload
-            if self.config.copy:
-                batch = _owned_copy(batch)
-            rng.mirror_draws(draws)
-            steps += 1
-            self._delivered += 1
-            self._stats["received"] += 1
-            self._stats["receive_ms_total"] += (time.perf_counter_ns() - t0) / 1e6
-            self._stats["last_seq"] = seq
-            yield batch
+            yield self._deliver(meta, payload, draws, t0)
+
+    def _deliver(self, meta: bytes, payload: np.ndarray, draws: int, t0: int) -> Any:
+        """Decode a received batch (views of ``payload``), mirror RNG draws, count it."""
+        batch = codec.decode(meta, payload, allow_pickle=self.config.allow_pickle)
+        if self.config.copy:
+            batch = _owned_copy(batch)
+        rng.mirror_draws(draws)
+        self._delivered += 1
+        elapsed = (time.perf_counter_ns() - t0) / 1e6
+        self._stats["received"] += 1
+        self._stats["receive_ms_total"] += elapsed
+        self._stats["receive_ms_last"] = elapsed
+        self._report()
+        return batch
 
     # -- follower ------------------------------------------------------------
 
@@ -812,16 +821,12 @@ class ShmLoader:
         found: list[wire.Message] = []
 
         def handle(msg: wire.Message, _rank: int | None) -> bool:
-            if msg.kind == Kind.RETIRE:
-                self._reader.forget(msg["seg"])  # type: ignore[union-attr]
-                return False
             if self._current(msg, it):
                 found.append(msg)
                 return True
             return False
 
-        writer = topo.writer
-        peer = self._peer(writer)
+        peer = self._peer(topo.writer)
         t0 = time.perf_counter()
         spoke.wait(
             handle,
@@ -841,16 +846,12 @@ class ShmLoader:
             self._stash = msg
             return True
         if msg.kind == Kind.BATCH:  # an earlier iteration's batch we will never use
-            spoke = self._spoke
-            assert spoke is not None
-            spoke.send(wire.frames(Kind.ACK, msg.seq, rank=self._me))
+            assert self._spoke is not None
+            self._spoke.send(wire.frames(Kind.ACK, msg.seq, rank=self._me))
             if msg["slot"] >= 0:
                 self._attach(msg["seg"])
-                spoke.send(
-                    wire.frames(
-                        Kind.RELEASE, msg.seq, rank=self._me, slot=msg["slot"], gen=msg["gen"]
-                    )
-                )
+                self._releases.append((msg["slot"], msg["gen"], msg.seq))
+                self._flush_releases()
         return False
 
     def _attach(self, seg: str) -> None:
@@ -872,8 +873,8 @@ class ShmLoader:
             self._spoke.send(wire.frames(Kind.ATTACHED, rank=self._me, seg=seg))
 
     def _follower_iteration(self, it: int) -> Iterator[Any]:
-        reader, spoke = self._reader, self._spoke
-        assert reader is not None and spoke is not None
+        reader, spoke, topo = self._reader, self._spoke, self._topo
+        assert reader is not None and spoke is not None and topo is not None
         while True:
             msg = self._next_event(it)
             if msg is self._stash:  # a later iteration started: ours is over
@@ -883,10 +884,17 @@ class ShmLoader:
                 self._exhausted = True
                 return
             if msg.kind == Kind.STOP:
+                if msg["closed"]:
+                    self._writer_closed = True
+                    raise PeerLostError(
+                        topo.writer,
+                        topo.role(topo.writer),
+                        "it closed its ShmLoader while this rank was still iterating",
+                    )
                 log.warning("shmloader: the leader stopped: %s", msg["reason"])
                 return
             if msg.kind == Kind.ERROR:
-                raise _leader_error(msg.body, self._topo.leader if self._topo else None)
+                raise _leader_error(msg.body, topo.leader)
             if msg.kind != Kind.BATCH:
                 log.warning("shmloader: unexpected %s from the writer; ignored", msg.kind.name)
                 continue
@@ -896,27 +904,34 @@ class ShmLoader:
             if nbytes:
                 self._attach(msg["seg"])
                 item = (msg["slot"], msg["gen"], msg.seq)
-                payload = reader.view(
-                    msg["seg"], nbytes, functools.partial(self._releases.append, item)
-                )
+                release = functools.partial(self._releases.append, item)
+                payload = reader.view(msg["seg"], nbytes, release)
                 if msg["crc"] >= 0:
                     _check_crc(payload, msg["crc"], msg.seq)
             else:
                 payload = np.empty(0, np.uint8)
-            batch = codec.decode(msg.blob, payload, allow_pickle=self.config.allow_pickle)
-            del payload
-            if self.config.copy:
-                batch = _owned_copy(batch)
-            rng.mirror_draws(msg["draws"])
-            self._delivered += 1
-            self._stats["received"] += 1
-            self._stats["receive_ms_total"] += (time.perf_counter_ns() - t0) / 1e6
-            self._stats["receive_ms_last"] = (time.perf_counter_ns() - t0) / 1e6
-            self._report()
-            yield batch
+            yield self._deliver(msg.blob, payload, msg["draws"], t0)
 
 
 # ------------------------------------------------------------------ helpers
+
+
+def _group_ranks(group: dist.ProcessGroup | None) -> list[int] | None:
+    """The global ranks of ``group``; None without a group or torch.distributed."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        ranks = dist.get_process_group_ranks(group)
+    except (ValueError, RuntimeError, KeyError):
+        raise ConfigError(
+            "group",
+            group,
+            "a process group of the initialised default group (from "
+            "torch.distributed.new_group), not one of another or destroyed world",
+        ) from None
+    if dist.get_rank() not in ranks:
+        raise ConfigError("group", ranks, f"a group that contains this rank ({dist.get_rank()})")
+    return ranks
 
 
 def _forward_set_epoch(loader: object, epoch: int) -> None:
@@ -931,13 +946,6 @@ def _forward_set_epoch(loader: object, epoch: int) -> None:
         if target is not None and callable(fn) and id(target) not in done:
             done.add(id(target))
             fn(epoch)
-
-
-STATE_FORMAT = "shmloader.state/1"
-#: Seconds between two progress reports to the daemon.
-REPORT_EVERY_S = 1.0
-#: Longest a writer's close() waits for readers to map what it announced.
-CLOSE_WAIT_S = 10.0
 
 
 def _stateful(loader: object) -> bool:
@@ -961,7 +969,7 @@ def _validate_state(state: Any, topology: dict[str, Any]) -> tuple[int, int, Any
         raise ConfigError("state['topology']", saved, "a dict")
     diffs = [
         f"{key}: checkpoint {saved.get(key)!r}, now {topology[key]!r}"
-        for key in ("world", "sp", "sp_rank", "group")
+        for key in ("world", "sp", "group")
         if saved.get(key) != topology[key]
     ]
     if diffs:
@@ -1019,14 +1027,23 @@ def _json_body(meta: bytes) -> dict:
         body = json.loads(meta)
     except (UnicodeDecodeError, json.JSONDecodeError):
         body = None
-    return (
-        body if isinstance(body, dict) else {"type": "ProtocolError", "message": repr(meta[:200])}
-    )
+    if isinstance(body, dict):
+        return body
+    return {"type": "ProtocolError", "message": repr(meta[:200])}
+
+
+def _error_body(it: int, exc: BaseException) -> dict[str, Any]:
+    return {
+        "it": it,
+        "type": type(exc).__qualname__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+    }
 
 
 def _error_fields(body: dict) -> dict:
     return {
-        "it": int(body.get("it", 0)),
+        "it": int(body.get("it", 0)) if isinstance(body.get("it", 0), int) else 0,
         "type": str(body.get("type", "Exception")),
         "message": str(body.get("message", "")),
         "traceback": str(body.get("traceback", "")),

@@ -162,11 +162,11 @@ class RingWriter:
         daemon: DaemonClient | None = None,
     ) -> None:
         self.token = token
-        self.readers = frozenset(readers)
+        self.readers = set(readers)  # live readers: drop_reader() removes one
         self.self_rank = self_rank
         self.slots: list[Slot] = []
         self._daemon = daemon
-        self._retired: dict[str, Slot] = {}
+        self._retired: set[str] = set()  # names of replaced segments (late ATTACHED is fine)
         self._counters = dict.fromkeys(COUNTER_FIELDS, 0)
         self._counters["readers"] = len(self.readers)
         self.control = Segment.create(control_name(token), KIND_CONTROL, token, CONTROL_CAPACITY)
@@ -318,19 +318,15 @@ class RingWriter:
         return waiting
 
     def drop_reader(self, rank: int) -> None:
-        """Forget ``rank``'s holds (it closed or died): its slots become FREE."""
+        """Forget ``rank`` (it closed or died): its holds end, and no later batch waits for it."""
+        self.readers.discard(rank)
+        self._counters["readers"] = len(self.readers)
         for slot in self.slots:
             slot.holders.discard(rank)
             if not slot.holders and slot.state == SlotState.HELD:
                 slot.state = SlotState.FREE
-
-    def held_by(self) -> dict[int, int]:
-        """Ranks -> number of slots they still hold (for diagnostics)."""
-        out: dict[int, int] = {}
-        for slot in self.slots:
-            for rank in slot.holders:
-                out[rank] = out.get(rank, 0) + 1
-        return out
+            if slot.segment.linked and slot.seq >= 0 and self.readers <= slot.attached:
+                slot.segment.unlink()
 
     def _slot(self, index: int, gen: int) -> Slot | None:
         if 0 <= index < len(self.slots) and self.slots[index].gen == gen:
@@ -338,9 +334,8 @@ class RingWriter:
         return None
 
     def _retire(self, slot: Slot) -> None:
-        # Remembered so that a late ATTACHED for it is ignored, not an error
-        # (``attached`` consults this; nothing else ever filled it).
-        self._retired[slot.segment.name] = slot
+        # Remembered so that a late ATTACHED for it is ignored, not an error.
+        self._retired.add(slot.segment.name)
         slot.state = SlotState.RETIRED
         slot.payload = np.empty(0, np.uint8)
         with contextlib.suppress(BufferError):
@@ -349,9 +344,6 @@ class RingWriter:
         slot.segment.close()
         if self._daemon is not None:
             self._daemon.remove_segment(self.token, slot.segment.name)
-
-    def _all_names(self) -> list[str]:
-        return _linked_names(self.control, self.slots)
 
     @property
     def total_bytes(self) -> int:
@@ -387,6 +379,17 @@ def _emergency_unlink(names: Callable[[], list[str]]) -> None:
         unlink_name(name)
 
 
+def private_view(segment: Segment, nbytes: int, on_release: Callable[[], None]) -> np.ndarray:
+    """A copy-on-write uint8 view of ``segment``'s first ``nbytes`` of payload.
+
+    ``on_release`` runs once when the last object referring to the mapping
+    (the array, any tensor viewing it) is gone: NOTE [slot lifetime].
+    """
+    mm = segment.map_private(nbytes)
+    weakref.finalize(mm, on_release)
+    return np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+
+
 class RingReader:
     """A reader's side: open slot segments, one private mapping per batch."""
 
@@ -395,12 +398,21 @@ class RingReader:
         self.segments: dict[str, Segment] = {}
 
     def open(self, name: str) -> bool:
-        """Open and validate ``name`` if not yet open; True when newly opened."""
+        """Open and validate ``name`` if not yet open; True when newly opened.
+
+        Opening generation ``g`` of a slot closes the descriptors of its older
+        generations: the writer replaced them while FREE, so they are never
+        announced again, and mappings still alive stay valid without them.
+        """
         if name in self.segments:
             return False
-        if not name.startswith(f"/{PREFIX}{self.token}-"):
+        prefix = f"/{PREFIX}{self.token}-"
+        index, _, gen = name.removeprefix(prefix).partition(".")
+        if not name.startswith(prefix) or not (index.isdigit() and gen.isdigit()):
             raise ProtocolError(f"segment {name} does not belong to ring {self.token}")
         self.segments[name] = Segment.attach(name, kind=KIND_DATA, token=self.token)
+        for older in range(int(gen)):
+            self.forget(f"{prefix}{index}.{older}")
         return True
 
     def view(self, name: str, nbytes: int, on_release: Callable[[], None]) -> np.ndarray:
@@ -412,12 +424,10 @@ class RingReader:
         segment = self.segments.get(name)
         if segment is None:
             raise ProtocolError(f"segment {name} was never opened")
-        mm = segment.map_private(nbytes)
-        weakref.finalize(mm, on_release)
-        return np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+        return private_view(segment, nbytes, on_release)
 
     def forget(self, name: str) -> None:
-        """Close the descriptor of a retired segment (live mappings stay valid)."""
+        """Close the descriptor of a replaced segment (live mappings stay valid)."""
         segment = self.segments.pop(name, None)
         if segment is not None:
             segment.close()

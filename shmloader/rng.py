@@ -18,11 +18,15 @@ NOTE [RNG mirroring]
     ``will_consume_base_seed`` states PyTorch's rule for the base seed; its
     truth-table test is what catches a PyTorch upgrade that changes the rule.
 
-    Not covered: randomness of other kinds that the leader's loader draws in
-    the main process (e.g. ``torch.rand`` inside a ``collate_fn`` run with
-    ``num_workers=0``). Such a draw is no whole number of int64 draws, so the
-    count comes back ``None``; the leader then warns once and followers cannot
-    mirror it. Draws inside worker processes never touch the main process's
+    Counting is in units of one int64 draw, and what followers must match is
+    the generator's *state*: any draw that advances the state as far as n
+    int64 draws do is mirrored exactly by n int64 draws. Not covered:
+    randomness the leader's loader draws in the main process that advances
+    the state by no whole number of int64 draws (some ``torch.rand`` sizes in
+    a ``collate_fn`` run with ``num_workers=0``); the count then comes back
+    ``None``, the leader warns once, and followers cannot mirror it. That
+    randomness is the user's: move it into workers or give it its own
+    generator. Draws inside worker processes never touch the main process's
     generator and need no mirroring.
 """
 

@@ -167,11 +167,10 @@ class Segment:
     the name (mappings and descriptors stay valid), ``close`` the descriptor.
     """
 
-    def __init__(self, name: str, fd: int, header: Header, *, owner: bool) -> None:
+    def __init__(self, name: str, fd: int, header: Header) -> None:
         self.name = name
         self.fd = fd
         self.header = header
-        self.owner = owner
         self.linked = True
 
     @property
@@ -213,7 +212,7 @@ class Segment:
             os.close(fd)
             _unlink_quietly(name)
             raise
-        return cls(name, fd, header, owner=True)
+        return cls(name, fd, header)
 
     @classmethod
     def attach(cls, name: str, *, kind: int, token: str | None) -> Segment:
@@ -228,7 +227,7 @@ class Segment:
         except BaseException:
             os.close(fd)
             raise
-        return cls(name, fd, header, owner=False)
+        return cls(name, fd, header)
 
     def map_shared(self) -> mmap.mmap:
         """The whole segment, MAP_SHARED: the writer's view."""
@@ -335,7 +334,7 @@ def touch(mm: mmap.mmap) -> None:
     view = memoryview(mm)
     try:
         for off in range(0, len(mm), PAGE):
-            view[off] = 0
+            view[off] = view[off]  # a write fault that keeps the header (and data) intact
     finally:
         view.release()
 

@@ -40,8 +40,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import segment
 from .errors import ProtocolError, TopologyMismatchError
-from .segment import KIND_PROBE, MY_START, PREFIX, SHM_DIR, Segment
+from .segment import KIND_PROBE, PREFIX, SHM_DIR, Segment
 
 _LEN = struct.Struct("<q")
 
@@ -149,6 +150,19 @@ def all_gather_bytes(data: bytes, group: dist.ProcessGroup) -> list[bytes]:
     return [bytes(b[: int(n.item())].numpy()) for b, n in zip(bufs, lengths, strict=True)]
 
 
+def broadcast_bytes(data: bytes | None, src: int, group: dist.ProcessGroup) -> bytes:
+    """Broadcast bytes from global rank ``src`` over a gloo group, without pickle."""
+    length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+    dist.broadcast(length, src=src, group=group)
+    n = int(length.item())
+    if dist.get_rank() == src:
+        buf = torch.frombuffer(bytearray(data or b"\0"), dtype=torch.uint8)[: max(n, 1)]
+    else:
+        buf = torch.empty(max(n, 1), dtype=torch.uint8)
+    dist.broadcast(buf, src=src, group=group)
+    return bytes(buf[:n].numpy())
+
+
 def discover(
     group: dist.ProcessGroup,
     token: str,
@@ -162,7 +176,13 @@ def discover(
     me = dist.get_rank()
     ranks = tuple(dist.get_process_group_ranks(group))
     mine = RankFacts(
-        me, os.getpid(), MY_START, socket.gethostname(), node_claim(node_override), token
+        # segment.MY_START read now, not at import: it is refreshed after a fork
+        me,
+        os.getpid(),
+        segment.MY_START,
+        socket.gethostname(),
+        node_claim(node_override),
+        token,
     )
     probe_name = f"/{PREFIX}{token}-probe"
     probe = Segment.create(probe_name, KIND_PROBE, token, 0)

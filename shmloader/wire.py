@@ -10,15 +10,14 @@ Payload bytes never travel here: a BATCH names the slot that holds them.
 
     kind      direction  body fields
     HELLO     R -> W     rank, pid, start
-    WELCOME   W -> R     rank, pid, start
     BATCH     W -> R     it, slot, gen, seg, nbytes, draws, crc   (+ blob: metadata)
     ACK       R -> W     rank                    (seq: the batch received)
     RELEASE   R -> W     rank, slot, gen         (seq: the batch dropped)
     ATTACHED  R -> W     rank, seg
-    RETIRE    W -> R     seg
-    END       W -> R     it, steps, draws        (the leader's iterator ended)
+    END       W -> R     it, draws               (the leader's iterator ended)
     ERROR     W -> R     it, type, message, traceback
-    STOP      W -> R     reason                  (orderly stop, e.g. KeyboardInterrupt)
+    STOP      W -> R     reason, closed          (orderly stop: KeyboardInterrupt on the
+                                                 leader, or closed=1: the writer closed)
     BYE       R -> W     rank                    (a reader closes)
 
 ``it`` numbers the leader's ``iter()`` calls so that a reader which restarted
@@ -50,22 +49,19 @@ MAX_BLOB = 64 << 20
 
 class Kind(enum.IntEnum):
     HELLO = 1
-    WELCOME = 2
-    BATCH = 3
-    ACK = 4
-    RELEASE = 5
-    ATTACHED = 6
-    RETIRE = 7
-    END = 8
-    ERROR = 9
-    STOP = 10
-    BYE = 11
+    BATCH = 2
+    ACK = 3
+    RELEASE = 4
+    ATTACHED = 5
+    END = 6
+    ERROR = 7
+    STOP = 8
+    BYE = 9
 
 
 _STR, _INT = str, int
 SCHEMA: dict[Kind, dict[str, type]] = {
     Kind.HELLO: {"rank": _INT, "pid": _INT, "start": _INT},
-    Kind.WELCOME: {"rank": _INT, "pid": _INT, "start": _INT},
     Kind.BATCH: {
         "it": _INT,
         "slot": _INT,
@@ -78,10 +74,9 @@ SCHEMA: dict[Kind, dict[str, type]] = {
     Kind.ACK: {"rank": _INT},
     Kind.RELEASE: {"rank": _INT, "slot": _INT, "gen": _INT},
     Kind.ATTACHED: {"rank": _INT, "seg": _STR},
-    Kind.RETIRE: {"seg": _STR},
-    Kind.END: {"it": _INT, "steps": _INT, "draws": _INT},
+    Kind.END: {"it": _INT, "draws": _INT},
     Kind.ERROR: {"it": _INT, "type": _STR, "message": _STR, "traceback": _STR},
-    Kind.STOP: {"reason": _STR},
+    Kind.STOP: {"reason": _STR, "closed": _INT},
     Kind.BYE: {"rank": _INT},
 }
 

@@ -1,20 +1,25 @@
-"""The cross-node path: the group leader broadcasts to one node leader per node.
+"""The cross-node path: the group leader sends each event once to every other node.
 
-The node leaders of a group (the group leader included) form a gloo process
-group, created once at set-up. For every event the leader broadcasts a fixed
-header, then the metadata bytes, then (for a batch) the payload straight out
-of its ring slot; each node leader receives the payload straight into a slot
-of its own ring and then announces it on its node exactly as a leader would.
-Everything travels as ``uint8``/``int64`` tensors: no pickle, no
+Each node leader receives the leader's header, metadata and payload
+point-to-point over the group's gloo exchange group, the payload straight into
+a slot of its own ring, and then announces it on its node exactly as a leader
+would. The leader posts the sends to all node leaders at once and waits for
+them together, so a batch crosses the network once per node, never once per
+rank. Everything travels as ``uint8``/``int64`` tensors: no pickle, no
 ``broadcast_object_list``::
 
-    broadcast 1  int64[6]   kind, it, nbytes, meta_len, draws, crc (-1: none)
-    broadcast 2  uint8[meta_len]   codec metadata (BATCH) or JSON (ERROR/STOP)
-    broadcast 3  uint8[nbytes]     payload, slot to slot (BATCH with nbytes > 0)
+    message 1  int64[6]         kind, it, nbytes, meta_len, draws, crc (-1: none)
+    message 2  uint8[meta_len]  codec metadata (BATCH) or JSON (ERROR/STOP)
+    message 3  uint8[nbytes]    payload, slot to slot (BATCH with nbytes > 0)
 
-Coexisting with NCCL: this group is always gloo over the CPU, whatever the
-default backend is; the batch stays on the CPU and training moves it to the
-GPU afterwards, as it would without shmloader.
+Point-to-point on the exchange group rather than a node-leader subgroup: a
+subgroup made by the node leaders alone would shift torch's group numbering
+on those ranks only, and any later group created with local synchronisation
+would then rendezvous under different names on different ranks.
+
+Coexisting with NCCL: the exchange group is gloo over the CPU whatever the
+default backend is (``loader._exchange_group``); the batch stays on the CPU
+and training moves it to the GPU afterwards, as it would without shmloader.
 """
 
 from __future__ import annotations
@@ -32,24 +37,21 @@ _FIELDS = 6
 
 
 class CrossNode:
-    """One group's node-leader broadcast. Collective: every node leader calls each step."""
+    """The leader's sends to node leaders, and a node leader's receives."""
 
     def __init__(
         self, group: dist.ProcessGroup, leader: int, node_leaders: tuple[int, ...]
     ) -> None:
         self.group = group
         self.leader = leader
-        self.node_leaders = node_leaders
+        self.peers = tuple(r for r in node_leaders if r != leader)
         self.bytes_sent = 0
+        #: set when a transfer failed: the link, not the data, is what broke
+        self.broken = False
 
-    def _bcast(self, tensor: torch.Tensor) -> None:
-        try:
-            dist.broadcast(tensor, src=self.leader, group=self.group)
-        except (RuntimeError, dist.DistBackendError) as exc:
-            others = [r for r in self.node_leaders if r != dist.get_rank()]
-            raise PeerLostError(
-                None, f"node leader(s) {others}", f"the cross-node broadcast failed: {exc}"
-            ) from None
+    def _failed(self, exc: Exception, who: str) -> PeerLostError:
+        self.broken = True
+        return PeerLostError(None, who, f"the cross-node transfer failed: {exc}")
 
     # -- leader ------------------------------------------------------------
 
@@ -64,32 +66,46 @@ class CrossNode:
         crc: int = -1,
     ) -> None:
         nbytes = 0 if payload is None else payload.nbytes
-        self._bcast(torch.tensor([kind, it, nbytes, len(meta), draws, crc], dtype=torch.int64))
+        tensors = [torch.tensor([kind, it, nbytes, len(meta), draws, crc], dtype=torch.int64)]
         if meta:
-            self._bcast(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
+            tensors.append(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
         if nbytes:
-            self._bcast(torch.from_numpy(payload))
-            self.bytes_sent += nbytes
+            tensors.append(torch.from_numpy(payload))
+        try:
+            works = [
+                dist.isend(t, dst=peer, group=self.group) for t in tensors for peer in self.peers
+            ]
+            for work in works:
+                work.wait()
+        except (RuntimeError, dist.DistBackendError) as exc:
+            raise self._failed(exc, f"node leader(s) {list(self.peers)}") from None
+        self.bytes_sent += nbytes * len(self.peers)
 
     def send_json(self, kind: int, it: int, body: dict) -> None:
         self.send(kind, it, json.dumps(body).encode())
 
     # -- node leader ---------------------------------------------------------
 
+    def _recv(self, tensor: torch.Tensor) -> None:
+        try:
+            dist.recv(tensor, src=self.leader, group=self.group)
+        except (RuntimeError, dist.DistBackendError) as exc:
+            raise self._failed(exc, f"leader rank {self.leader}") from None
+
     def receive_header(self) -> tuple[int, int, int, bytes, int, int]:
         """(kind, it, nbytes, meta, draws, crc) of the next event."""
         head = torch.zeros(_FIELDS, dtype=torch.int64)
-        self._bcast(head)
+        self._recv(head)
         kind, it, nbytes, meta_len, draws, crc = (int(x) for x in head)
         if kind not in (KIND_BATCH, KIND_END, KIND_ERROR, KIND_STOP) or nbytes < 0 or meta_len < 0:
             raise ProtocolError(f"bad cross-node header {head.tolist()}")
         meta = b""
         if meta_len:
             buf = torch.empty(meta_len, dtype=torch.uint8)
-            self._bcast(buf)
+            self._recv(buf)
             meta = buf.numpy().tobytes()
         return kind, it, nbytes, meta, draws, crc
 
     def receive_payload(self, dest: np.ndarray) -> None:
         """Receive the payload straight into ``dest`` (a ring slot's bytes)."""
-        self._bcast(torch.from_numpy(dest))
+        self._recv(torch.from_numpy(dest))

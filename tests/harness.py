@@ -21,7 +21,6 @@ import importlib
 import multiprocessing as mp
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -35,12 +34,6 @@ CLONE_NEWNS = 0x00020000
 MS_BIND = 4096
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _enter_private_shm(shm_dir: str) -> None:
@@ -67,15 +60,14 @@ def _rank_main(
     try:
         if shm_dir is not None:
             _enter_private_shm(shm_dir)
+        import datetime
+
         import torch.distributed as dist
 
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=__import__("datetime").timedelta(seconds=60),
-        )
+        timeout = datetime.timedelta(seconds=60)
+        # The store is the parent's (run_ranks): ranks may finish in any order.
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         module, name = target.split(":")
         fn = getattr(importlib.import_module(module), name)
         result = fn(rank, world, **kwargs)
@@ -156,7 +148,12 @@ def run_ranks(
     """
     target = fn if isinstance(fn, str) else f"{fn.__module__}:{fn.__qualname__}"
     ctx = mp.get_context("spawn")
-    port = free_port()
+    import torch.distributed as dist
+
+    # Hosted here rather than by rank 0, so that rank 0 finishing (or dying)
+    # first never takes the rendezvous store away from ranks still setting up.
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+    port = store.port
     outdir = tempfile.mkdtemp(prefix="shml-ranks-")
     node_of = nodes or [0] * world
     procs = []

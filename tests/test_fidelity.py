@@ -273,6 +273,7 @@ def test_state_is_validated_before_anything_changes():
     with pytest.raises(TopologyMismatchError, match="world"):
         loader.load_state_dict({**good, "topology": {**good["topology"], "world": 8}})
     loader.load_state_dict({**good, "epoch": 1, "batches": 2})
+    assert loader.state_dict()["batches"] == 2, "a loaded cursor is reported before iterating"
     resumed = [b["meta"].sample_ids for b in loader]
     fresh = ShmLoader(ranks.make_loader_factory(0, n=8), None, config=Config(enabled=False))
     fresh.set_epoch(1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import gc
 import json
+import mmap
 import os
 import stat
 import struct
@@ -126,7 +127,7 @@ def test_attach_validates_and_reads_the_same_bytes(made, token) -> None:
     mm[HEADER_SIZE : HEADER_SIZE + 5] = b"hello"
     other = Segment.attach(seg.name, kind=KIND_DATA, token=token)
     try:
-        assert other.header == seg.header and not other.owner
+        assert other.header == seg.header
         priv = other.map_private(5)
         assert priv[:5] == b"hello"
         priv.close()
@@ -336,6 +337,22 @@ def test_touch_faults_every_page(made) -> None:
     mm.close()
 
 
+def test_touch_without_madvise_populate_keeps_header_and_data(made) -> None:
+    """Kernels before 5.14 refuse MADV_POPULATE_WRITE: the per-page fallback must not write."""
+
+    class OldKernel(mmap.mmap):
+        def madvise(self, *args):
+            raise OSError(22, "Invalid argument")
+
+    seg = made("old", capacity=8 * PAGE)
+    mm = OldKernel(seg.fd, HEADER_SIZE + 8 * PAGE, flags=mmap.MAP_SHARED)
+    mm[HEADER_SIZE + PAGE : HEADER_SIZE + PAGE + 3] = b"xyz"
+    segment.touch(mm)
+    assert mm[:8] == MAGIC and mm[HEADER_SIZE + PAGE : HEADER_SIZE + PAGE + 3] == b"xyz"
+    mm.close()
+    assert segment.read_header(seg.name) == seg.header
+
+
 # --------------------------------------------------------------------- ring
 
 
@@ -389,7 +406,7 @@ def test_publish_reuse_and_growth(writer, token) -> None:
     assert s0.state == SlotState.FREE
     assert w.acquire(500) is s0  # FREE again: reused, no growth
     assert len(w.slots) == 2
-    assert w.held_by() == {1: 1, 2: 1}
+    assert [s.holders for s in w.slots] == [set(), {1, 2}]
     c = _ctl_counters(token)
     assert c["published"] == 2 and c["bytes_published"] == 1010 and c["publish_ns_total"] == 10
     assert c["slots"] == 2 and c["ring_bytes"] == w.total_bytes and c["readers"] == 2
@@ -703,3 +720,31 @@ def test_a_stale_segment_of_a_dead_owner_is_replaced_not_reused(made, token) -> 
         assert os.pread(fresh.fd, 3, segment.HEADER_SIZE) == b"\0\0\0", "old bytes reused"
     finally:
         fresh.close()
+
+
+def test_a_reader_closes_older_generations_when_a_slot_regrows(writer, token) -> None:
+    w = writer(readers={1})
+    r = RingReader(token)
+    try:
+        old = w.acquire(10)
+        assert r.open(old.segment.name)
+        w.publish(old, 0, 10, 0)
+        w.release(1, old.index, old.gen)
+        grown = w.acquire(4 * GRANULE)  # the free slot is too small: regrown as gen 1
+        assert (grown.index, grown.gen) == (old.index, old.gen + 1)
+        assert r.open(grown.segment.name)
+        assert list(r.segments) == [grown.segment.name], "gen 0's descriptor must be closed"
+    finally:
+        r.close()
+
+
+def test_a_reader_that_left_is_no_longer_waited_for(writer, token) -> None:
+    w = writer(readers={1, 2})
+    w.drop_reader(2)
+    s = w.acquire(10)
+    w.publish(s, 0, 10, 0)
+    assert s.holders == {1}
+    w.attached(1, s.segment.name)
+    assert not s.segment.linked, "unlinked once every *live* reader attached"
+    w.release(1, s.index, s.gen)
+    assert s.state == SlotState.FREE

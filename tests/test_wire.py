@@ -76,7 +76,7 @@ def test_extra_fields_are_ignored_but_kept() -> None:
 
 def test_header_layout() -> None:
     parts = wire.frames(Kind.BYE, 0x0102030405060708, rank=0)
-    assert parts[0] == b"SL\x01\x0b\x08\x07\x06\x05\x04\x03\x02\x01"
+    assert parts[0] == b"SL\x01\x09\x08\x07\x06\x05\x04\x03\x02\x01"
 
 
 # ------------------------------------------------------------------ rejects

@@ -59,10 +59,10 @@ def outcome(fn) -> dict[str, Any]:
         }
 
 
-def leader_raises(rank: int, world: int, *, exc: str, sp_nodes: bool = False) -> dict:
+def leader_raises(rank: int, world: int, *, exc: str, at: int = 3) -> dict:
     kind = {"Boom": Boom, "KeyboardInterrupt": KeyboardInterrupt}[exc]
     loader = ShmLoader(
-        lambda: Exploding(6, 3, kind), dist.group.WORLD, config=Config.from_env(enabled=True)
+        lambda: Exploding(6, at, kind), dist.group.WORLD, config=Config.from_env(enabled=True)
     )
     got: list[int] = []
 
@@ -134,3 +134,31 @@ def kill_at(rank: int, world: int, *, victim: int, point: str, timeout: float = 
     held.clear()
     loader.close()
     return out
+
+
+def make_loader_raises(rank: int, world: int) -> dict:
+    def make():
+        raise FileNotFoundError("/data/shard-000.tar is missing")
+
+    return outcome(lambda: ShmLoader(make, dist.group.WORLD, config=Config.from_env(enabled=True)))
+
+
+def leader_closes_early(rank: int, world: int) -> dict:
+    """The leader leaves its loop after 2 batches and closes; followers keep iterating."""
+    loader = ShmLoader(
+        lambda: Exploding(6, 99, Boom), dist.group.WORLD, config=Config.from_env(enabled=True)
+    )
+    got: list[int] = []
+
+    def run():
+        for batch in loader:
+            got.append(int(batch["x"][0]))
+            if rank == 0 and len(got) == 2:
+                loader.close()
+                return got
+        return got
+
+    first = outcome(run)
+    again = outcome(lambda: list(loader)) if rank != 0 else None
+    loader.close()
+    return {"first": first, "again": again, "got": got}

@@ -16,15 +16,17 @@ from tests.harness import run_ranks
 pytestmark = pytest.mark.timeout(120)
 
 
-def test_leader_error_reaches_every_follower_with_type_message_and_traceback():
-    out = run_ranks(scenarios.leader_raises, 3, kwargs={"exc": "Boom"})
-    assert out[0]["type"] == "Boom" and "sample 3 is corrupt" in out[0]["message"]
+@pytest.mark.parametrize("at", [3, 0], ids=["mid-epoch", "first-batch"])
+def test_leader_error_reaches_every_follower_with_type_message_and_traceback(at):
+    """Also at the very first batch, before followers' connections may be up."""
+    out = run_ranks(scenarios.leader_raises, 3, kwargs={"exc": "Boom", "at": at})
+    assert out[0]["type"] == "Boom" and f"sample {at} is corrupt" in out[0]["message"]
     for r in (1, 2):
         assert out[r]["type"] == "LeaderError", out[r]
         assert out[r]["attrs"]["original_type"] == "Boom"
-        assert out[r]["attrs"]["original_message"] == "sample 3 is corrupt"
+        assert out[r]["attrs"]["original_message"] == f"sample {at} is corrupt"
         assert "in __iter__" in out[r]["attrs"]["traceback_text"]
-    assert all(o["got"] == [0, 1, 2] for o in out), "every rank failed on the same step"
+    assert all(o["got"] == list(range(at)) for o in out), "every rank failed on the same step"
 
 
 def test_leader_keyboard_interrupt_is_an_orderly_stop_for_followers():
@@ -91,3 +93,20 @@ def test_leader_error_and_stop_cross_nodes():
         scenarios.leader_raises, 4, kwargs={"exc": "KeyboardInterrupt"}, nodes=[0, 0, 1, 1]
     )
     assert all(o["ok"] and o["got"] == [0, 1, 2] for o in stopped[1:]), stopped
+
+
+def test_make_loader_failure_reaches_followers_with_the_original_error():
+    out = run_ranks(scenarios.make_loader_raises, 3)
+    assert out[0]["type"] == "FileNotFoundError"
+    for o in out[1:]:
+        assert o["type"] == "LeaderError" and o["attrs"]["original_type"] == "FileNotFoundError"
+        assert "/data/shard-000.tar is missing" in o["message"]
+
+
+def test_a_leader_that_closes_early_fails_its_followers_instead_of_ending_the_epoch():
+    out = run_ranks(scenarios.leader_closes_early, 3)
+    assert out[0]["first"]["ok"] and out[0]["got"] == [0, 1]
+    for o in out[1:]:
+        assert o["first"]["type"] == "PeerLostError" and "closed" in o["first"]["message"]
+        assert o["got"] == [0, 1]
+        assert o["again"]["type"] == "PeerLostError" and o["again"]["seconds"] < 1

@@ -138,3 +138,11 @@ def test_garbage_frames_are_dropped_and_logged_never_a_crash(no_leaks, caplog):
     finally:
         peer.close(0)
         hub.close()
+
+
+def test_a_runtime_dir_too_long_for_an_ipc_socket_is_a_config_error(tmp_path):
+    deep = tmp_path / ("d" * 90)
+    deep.mkdir()
+    with pytest.raises(ConfigError, match="SHMLOADER_RUNTIME_DIR") as info:
+        socket_path(str(deep), new_token(), os.getpid())
+    assert "107" in str(info.value)

@@ -22,8 +22,10 @@ from .errors import ConfigError
 DEFAULT_TIMEOUT_S = 300.0
 
 #: Default ring depth per group and node: how many batches the leader may
-#: publish ahead of its slowest follower.
-DEFAULT_SLOTS = 4
+#: publish ahead of its slowest follower. Every slot is a batch of shared
+#: memory on the node, and the leader's DataLoader already prefetches, so the
+#: default keeps just enough to overlap one publish with one step.
+DEFAULT_SLOTS = 2
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,16 @@ One batch, leader to a follower on another node::
                                     xnode.receive_payload(slot')
     hub.send(BATCH) -> local        hub.send(BATCH) --ZeroMQ--->  spoke receives BATCH
     followers                                                     mmap slot' MAP_PRIVATE
-    yield batch (the original)      yield decode(private view)    yield codec.decode(view)
+    yield decode(private view)      yield decode(private view)    yield codec.decode(view)
                                                                   ... batch garbage ->
                                     ring.release  <--RELEASE----  weakref.finalize
+
+NOTE [no batch in the frame]
+    A generator keeps its locals alive while it is suspended at ``yield``. A
+    batch stored in a local would stay referenced one step after the user
+    dropped it: its slot would not be released and the ring would grow by one
+    slot. The loops therefore yield straight from an expression (``box.pop()``,
+    a call) and keep no batch, payload or view in a local across a ``yield``.
 
 NOTE [iteration numbers]
     Every rank counts its own ``iter()`` calls; the writer stamps each message
@@ -181,7 +188,7 @@ class ShmLoader:
                 topo.ring_token,
                 frozenset(topo.readers),
                 description,
-                self_rank=None if topo.is_leader else topo.me,
+                self_rank=topo.me,  # the writer's own batch is a view of the slot too
                 daemon=self._daemon,
             )
             if self._daemon is not None:
@@ -480,13 +487,14 @@ class ShmLoader:
         source, _ = self._open_source(skip)
         while True:
             self._mark_boundary()
+            box = []  # NOTE [no batch in the frame]
             try:
-                batch = next(source)
+                box.append(next(source))
             except StopIteration:
                 self._exhausted = True
                 return
             self._delivered += 1
-            yield batch
+            yield box.pop()
 
     def _open_source(self, skip: int) -> tuple[Iterator[Any], int]:
         """``iter()`` the user's loader and fast-forward ``skip`` batches (a resume).
@@ -532,23 +540,30 @@ class ShmLoader:
             while True:
                 self._mark_boundary()
                 before = rng.snapshot()
+                box = []  # NOTE [no batch in the frame]
                 try:
-                    batch = next(source)
+                    box.append(next(source))
                 except StopIteration:
                     self._end(it, pending + self._count(before))
                     self._exhausted = True
                     return
                 draws, pending = pending + self._count(before), 0
-                self._publish(it, batch, draws)
                 self._delivered += 1
-                yield batch
+                yield self._publish(it, box.pop(), draws)
         except GeneratorExit:
             raise
         except BaseException as exc:
             self._fail(it, exc)
             raise
 
-    def _publish(self, it: int, batch: Any, draws: int) -> None:
+    def _publish(self, it: int, batch: Any, draws: int) -> Any:
+        """Write ``batch`` once into the ring, announce it; return the leader's own copy.
+
+        The leader, too, gets a copy-on-write view of the slot (unless
+        ``SHMLOADER_COPY``), so the loader's batch can be freed at once: the
+        node holds each batch once, in the ring, and every rank of the group
+        sees the very same structure.
+        """
         enc = codec.encode(batch, allow_pickle=self.config.allow_pickle)
         self._await_readers()
         t0 = time.perf_counter_ns()
@@ -565,6 +580,18 @@ class ShmLoader:
         self._stats["bytes_published"] += enc.nbytes
         self._stats["publish_ms_total"] += (time.perf_counter_ns() - t0) / 1e6
         self._stats["write_ms_last"] = (t1 - t0) / 1e6
+        if self.config.copy:
+            if slot is not None:
+                self._ring.release(self._me, slot.index, slot.gen)  # type: ignore[union-attr]
+            return batch
+        return codec.decode(enc.meta, self._own_view(slot, enc.nbytes))
+
+    def _own_view(self, slot: Slot | None, nbytes: int) -> np.ndarray:
+        """The writer's private view of a slot it just published; releases itself."""
+        if slot is None:
+            return np.empty(0, np.uint8)
+        release = functools.partial(self._self_releases.append, (slot.index, slot.gen))
+        return private_view(slot.segment, nbytes, release)
 
     def _end(self, it: int, draws: int) -> None:
         if self._xnode is not None:
@@ -779,12 +806,7 @@ class ShmLoader:
                 if crc >= 0:
                     _check_crc(slot.payload[:nbytes], crc, self._seq)
             self._announce(it, meta, nbytes, slot, draws, time.perf_counter_ns() - t0, crc)
-            if slot is not None:
-                release = functools.partial(self._self_releases.append, (slot.index, slot.gen))
-                payload = private_view(slot.segment, nbytes, release)
-            else:
-                payload = np.empty(0, np.uint8)
-            yield self._deliver(meta, payload, draws, t0)
+            yield self._deliver(meta, self._own_view(slot, nbytes), draws, t0)
 
     def _deliver(self, meta: bytes, payload: np.ndarray, draws: int, t0: int) -> Any:
         """Decode a received batch (views of ``payload``), mirror RNG draws, count it."""
@@ -899,18 +921,21 @@ class ShmLoader:
                 log.warning("shmloader: unexpected %s from the writer; ignored", msg.kind.name)
                 continue
             t0 = time.perf_counter_ns()
-            nbytes = msg["nbytes"]
             spoke.send(wire.frames(Kind.ACK, msg.seq, rank=self._me))
-            if nbytes:
-                self._attach(msg["seg"])
-                item = (msg["slot"], msg["gen"], msg.seq)
-                release = functools.partial(self._releases.append, item)
-                payload = reader.view(msg["seg"], nbytes, release)
-                if msg["crc"] >= 0:
-                    _check_crc(payload, msg["crc"], msg.seq)
-            else:
-                payload = np.empty(0, np.uint8)
-            yield self._deliver(msg.blob, payload, msg["draws"], t0)
+            yield self._deliver(msg.blob, self._map(msg), msg["draws"], t0)
+
+    def _map(self, msg: wire.Message) -> np.ndarray:
+        """A private view of the payload a BATCH announced (empty without payload)."""
+        nbytes = msg["nbytes"]
+        if not nbytes:
+            return np.empty(0, np.uint8)
+        assert self._reader is not None
+        self._attach(msg["seg"])
+        release = functools.partial(self._releases.append, (msg["slot"], msg["gen"], msg.seq))
+        payload = self._reader.view(msg["seg"], nbytes, release)
+        if msg["crc"] >= 0:
+            _check_crc(payload, msg["crc"], msg.seq)
+        return payload
 
 
 # ------------------------------------------------------------------ helpers
@@ -983,30 +1008,35 @@ def _validate_state(state: Any, topology: dict[str, Any]) -> tuple[int, int, Any
 
 
 def _owned_copy(batch: Any) -> Any:
-    """Replace shared views by owned copies (``SHMLOADER_COPY=1``)."""
-    memo: dict[int, Any] = {}
+    """Replace shared views by owned copies (``SHMLOADER_COPY=1``).
 
-    def clone(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor | np.ndarray):
-            if id(obj) not in memo:
-                memo[id(obj)] = obj.clone() if isinstance(obj, torch.Tensor) else obj.copy()
-            return memo[id(obj)]
-        if isinstance(obj, list):
-            return [clone(v) for v in obj]
-        if type(obj) is tuple:
-            return tuple(clone(v) for v in obj)
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-            return type(obj)(*(clone(v) for v in obj))
-        if isinstance(obj, dict):
-            return {k: clone(v) for k, v in obj.items()}
-        if hasattr(obj, "__dataclass_fields__") and not isinstance(obj, type):
-            new = copy.copy(obj)
-            for name in obj.__dataclass_fields__:
-                object.__setattr__(new, name, clone(getattr(obj, name)))
-            return new
-        return obj
+    A module-level recursion with an explicit memo, not a nested closure: a
+    closure that refers to itself is a reference cycle, which would keep the
+    copies (and through them nothing else, but still memory) alive until the
+    cycle collector runs.
+    """
+    return _clone(batch, {})
 
-    return clone(batch)
+
+def _clone(obj: Any, memo: dict[int, Any]) -> Any:
+    if isinstance(obj, torch.Tensor | np.ndarray):
+        if id(obj) not in memo:  # aliases stay aliases
+            memo[id(obj)] = obj.clone() if isinstance(obj, torch.Tensor) else obj.copy()
+        return memo[id(obj)]
+    if isinstance(obj, list):
+        return [_clone(v, memo) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_clone(v, memo) for v in obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_clone(v, memo) for v in obj))
+    if isinstance(obj, dict):
+        return {k: _clone(v, memo) for k, v in obj.items()}
+    if hasattr(obj, "__dataclass_fields__") and not isinstance(obj, type):
+        new = copy.copy(obj)
+        for name in obj.__dataclass_fields__:
+            object.__setattr__(new, name, _clone(getattr(obj, name), memo))
+        return new
+    return obj
 
 
 def _crc(payload: np.ndarray) -> int:

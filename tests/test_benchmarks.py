@@ -1,0 +1,112 @@
+"""Smoke test of the benchmark harness: ``python -m benchmarks.run --quick``.
+
+Checks that the harness runs end to end and writes well-formed results. It
+asserts no timings: CI machines are too noisy for that, and the numbers are
+for ``benchmarks/README.md``, not for pass/fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import report, workload
+from benchmarks.transports import join, split
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(300)
+def test_quick_benchmark_writes_json_markdown_and_plots(tmp_path):
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    # one progress line per configuration
+    assert proc.stderr.count("] transport sp2 ") >= 8, proc.stderr[-4000:]
+
+    result = json.loads((out / "results.json").read_text())
+    assert result["failed"] == []
+    rows = result["rows"]
+    seen = {(r["run"], r["mode"], r["target_mib"]) for r in rows}
+    for mode in ("base", "broadcast", "shmloader", "objlist"):
+        for mib in (1.0, 16.0):
+            assert ("transport", mode, mib) in seen, (mode, mib)
+    for mode in ("base", "broadcast", "shmloader"):
+        assert any(r["run"] == "realistic" and r["mode"] == mode for r in rows), mode
+    for row in rows:
+        assert row["sp"] == 2
+        assert row["cpu_s"] > 0
+        assert row["node_mem_mib"] is not None and row["node_mem_mib"] > 0
+        assert all(code == 0 for code in row["exit_codes"]), row["exit_codes"]
+        if row["run"] == "transport":
+            assert row["follower_n"] > 0
+            assert row["follower_ms_p50"] > 0
+            assert row["steps_per_s"] > 0
+            if row["mode"] != "base":
+                assert row["e2e_ms_p50"] > 0
+            if row["mode"] == "shmloader":
+                assert row["publish_ms_p50"] > 0 and row["memcpy_cold_ms"] > 0
+    assert result["machine"]["cores"] >= 1
+    assert len(result["machine"]["loadavg_start"]) == 3
+    verdicts = {t["verdict"] for t in result["targets"]}
+    assert verdicts <= {"met", "MISSED", "not measured", "-"}
+
+    md = (out / "results.md").read_text()
+    assert md.startswith("# shmloader benchmark results")
+    assert "## Targets" in md and "| 2 | shmloader |" in md
+    table = [line for line in md.splitlines() if line.startswith("| 2 | ")]
+    assert len(table) == len(rows)
+    for png in ("delivery.png", "e2e.png"):
+        data = (out / png).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 1000, png
+
+
+def test_batch_spec_hits_the_requested_size():
+    for mib in (1, 16, 64, 256, 1024):
+        spec = workload.BatchSpec.for_bytes(mib * workload.MiB)
+        assert 0.9 * mib * workload.MiB <= spec.nbytes <= mib * workload.MiB
+        assert 32_768 <= spec.tokens <= 524_288
+
+
+def test_templated_batch_is_shaped_like_the_spec_with_an_alias():
+    spec = workload.BatchSpec.for_bytes(workload.MiB)
+    batch = workload.TemplatedBatches(spec, 1)[0]
+    assert batch["labels"] is batch["input_ids"]
+    assert workload.payload_bytes(batch) == spec.nbytes
+    assert len(batch["meta"]) == workload.SAMPLES
+    assert batch["pixel_values"].shape == (spec.image_patches, workload.PATCH_DIM)
+
+
+def test_realistic_batch_packs_samples():
+    spec = workload.BatchSpec.for_bytes(workload.MiB)
+    ds = workload.RealisticSamples(spec, 1, decode_scale=1)
+    batch = workload.pack([ds[i] for i in range(workload.SAMPLES)])
+    assert batch["labels"] is batch["input_ids"]
+    assert batch["input_ids"].shape == (1, spec.tokens)
+    assert batch["pixel_values"].shape == (spec.image_patches, workload.PATCH_DIM)
+    assert int(batch["cu_seqlens"][-1]) == spec.tokens
+
+
+def test_broadcast_skeleton_round_trip_keeps_aliases():
+    spec = workload.BatchSpec.for_bytes(workload.MiB)
+    batch = workload.TemplatedBatches(spec, 1)[0]
+    skeleton, found = split(batch)
+    assert len(found) == len(workload.tensors(batch)) == 7
+    back = join(skeleton, found)
+    assert back["labels"] is back["input_ids"]
+    assert back["meta"] == batch["meta"]
+
+
+def test_targets_say_not_measured_without_rows():
+    assert {t["verdict"] for t in report.targets([])} <= {"not measured", "-"}

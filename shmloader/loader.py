@@ -49,6 +49,7 @@ import functools
 import json
 import logging
 import os
+import threading
 import time
 import traceback
 import weakref
@@ -90,6 +91,58 @@ CLOSE_WAIT_S = 10.0
 #: life of the process: every ShmLoader over the same ranks shares it, so ranks
 #: never create groups in different numbers (torch names groups by count).
 _EXCHANGE_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+class _Releaser:
+    """A reader's outgoing messages, and its RELEASEs sent the moment a batch dies.
+
+    NOTE [prompt release]
+        A reader's batch dies (``weakref.finalize`` on its mapping) when the
+        user drops it, typically when ``batch`` is rebound at the top of the
+        next step. Sending RELEASE right then, instead of with the reader's
+        next request, lets the writer reuse that slot for the very next
+        batch, so a lockstep job needs two slots, not three. The finalizer
+        sends only on the thread that owns the socket and never inside one of
+        our own socket calls (a garbage collection can run a finalizer
+        anywhere): otherwise it queues, and the next call flushes the queue.
+    """
+
+    def __init__(self, spoke: Spoke, rank: int) -> None:
+        self.spoke = spoke
+        self.rank = rank
+        self.pending: collections.deque = collections.deque()
+        self.owner = threading.get_ident()
+        self.busy = False
+
+    def release(self, item: tuple[int, int, int]) -> None:
+        """The finalizer callback: queue, and send now when that is safe."""
+        self.pending.append(item)
+        if not self.busy and threading.get_ident() == self.owner:
+            self.send([])
+
+    def send(self, parts: list) -> None:
+        """Send ``parts`` (if any) after every queued RELEASE, guarded against re-entry."""
+        if self.busy:
+            raise AssertionError("re-entrant send on a reader socket")
+        self.busy = True
+        try:
+            while self.pending:
+                index, gen, seq = self.pending.popleft()
+                self.spoke.send(wire.frames(Kind.RELEASE, seq, rank=self.rank, slot=index, gen=gen))
+            if parts:
+                self.spoke.send(parts)
+        finally:
+            self.busy = False
+
+    @contextlib.contextmanager
+    def receiving(self) -> Iterator[None]:
+        """While we wait on the socket, finalizers only queue."""
+        self.send([])
+        self.busy = True
+        try:
+            yield
+        finally:
+            self.busy = False
 
 
 class ShmLoader:
@@ -204,10 +257,11 @@ class ShmLoader:
             self._spoke = Spoke(
                 socket_path(self.config.runtime_dir, topo.ring_token, writer.pid), topo.me
             )
-            self._releases: collections.deque = collections.deque()
+            self._out = _Releaser(self._spoke, topo.me)
+            self._stale: list[wire.Message] = []
             self._stash: wire.Message | None = None
             me = topo.fact(topo.me)
-            self._spoke.send(wire.frames(Kind.HELLO, rank=topo.me, pid=me.pid, start=me.start))
+            self._out.send(wire.frames(Kind.HELLO, rank=topo.me, pid=me.pid, start=me.start))
         if len(topo.nodes) > 1 and topo.me in topo.node_leaders:
             self._xnode = CrossNode(pg, topo.leader, topo.node_leaders)
 
@@ -375,8 +429,7 @@ class ShmLoader:
         self._closed = True
         if self._spoke is not None:
             with contextlib.suppress(Exception):
-                self._flush_releases()
-                self._spoke.send(wire.frames(Kind.BYE, rank=self._me))
+                self._out.send(wire.frames(Kind.BYE, rank=self._me))
         if self._hub is not None:
             with contextlib.suppress(Exception):
                 self._await_attach()
@@ -824,21 +877,14 @@ class ShmLoader:
 
     # -- follower ------------------------------------------------------------
 
-    def _flush_releases(self) -> None:
-        spoke = self._spoke
-        assert spoke is not None
-        while self._releases:
-            index, gen, seq = self._releases.popleft()
-            spoke.send(wire.frames(Kind.RELEASE, seq, rank=self._me, slot=index, gen=gen))
-
     def _next_event(self, it: int) -> wire.Message:
         """The next message of iteration ``it`` (NOTE [iteration numbers])."""
         spoke, topo = self._spoke, self._topo
         assert spoke is not None and topo is not None
-        self._flush_releases()
         if self._stash is not None:
             msg, self._stash = self._stash, None
             if self._current(msg, it):
+                self._drop_stale()
                 return msg
         found: list[wire.Message] = []
 
@@ -850,14 +896,25 @@ class ShmLoader:
 
         peer = self._peer(topo.writer)
         t0 = time.perf_counter()
-        spoke.wait(
-            handle,
-            lambda: [peer],
-            timeout=self.config.timeout,
-            doing=f"waiting for batch {self._delivered} of iteration {it}",
-        )
+        with self._out.receiving():
+            spoke.wait(
+                handle,
+                lambda: [peer],
+                timeout=self.config.timeout,
+                doing=f"waiting for batch {self._delivered} of iteration {it}",
+            )
         self._stats["wait_ms_total"] += (time.perf_counter() - t0) * 1e3
+        self._drop_stale()
         return found[0]
+
+    def _drop_stale(self) -> None:
+        """ACK and RELEASE batches of an earlier iteration, outside the receive."""
+        while self._stale:
+            msg = self._stale.pop()
+            self._out.send(wire.frames(Kind.ACK, msg.seq, rank=self._me))
+            if msg["slot"] >= 0:
+                self._attach(msg["seg"])
+                self._out.release((msg["slot"], msg["gen"], msg.seq))
 
     def _current(self, msg: wire.Message, it: int) -> bool:
         """Whether ``msg`` belongs to iteration ``it``; stale batches are released here."""
@@ -868,12 +925,7 @@ class ShmLoader:
             self._stash = msg
             return True
         if msg.kind == Kind.BATCH:  # an earlier iteration's batch we will never use
-            assert self._spoke is not None
-            self._spoke.send(wire.frames(Kind.ACK, msg.seq, rank=self._me))
-            if msg["slot"] >= 0:
-                self._attach(msg["seg"])
-                self._releases.append((msg["slot"], msg["gen"], msg.seq))
-                self._flush_releases()
+            self._stale.append(msg)
         return False
 
     def _attach(self, seg: str) -> None:
@@ -892,7 +944,7 @@ class ShmLoader:
                 "every rank finished iterating"
             ) from None
         if opened:
-            self._spoke.send(wire.frames(Kind.ATTACHED, rank=self._me, seg=seg))
+            self._out.send(wire.frames(Kind.ATTACHED, rank=self._me, seg=seg))
 
     def _follower_iteration(self, it: int) -> Iterator[Any]:
         reader, spoke, topo = self._reader, self._spoke, self._topo
@@ -921,7 +973,7 @@ class ShmLoader:
                 log.warning("shmloader: unexpected %s from the writer; ignored", msg.kind.name)
                 continue
             t0 = time.perf_counter_ns()
-            spoke.send(wire.frames(Kind.ACK, msg.seq, rank=self._me))
+            self._out.send(wire.frames(Kind.ACK, msg.seq, rank=self._me))
             yield self._deliver(msg.blob, self._map(msg), msg["draws"], t0)
 
     def _map(self, msg: wire.Message) -> np.ndarray:
@@ -931,7 +983,7 @@ class ShmLoader:
             return np.empty(0, np.uint8)
         assert self._reader is not None
         self._attach(msg["seg"])
-        release = functools.partial(self._releases.append, (msg["slot"], msg["gen"], msg.seq))
+        release = functools.partial(self._out.release, (msg["slot"], msg["gen"], msg.seq))
         payload = self._reader.view(msg["seg"], nbytes, release)
         if msg["crc"] >= 0:
             _check_crc(payload, msg["crc"], msg.seq)

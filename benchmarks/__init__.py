@@ -1,0 +1,7 @@
+"""Benchmarks of shmloader: the same workload loaded three ways.
+
+``python -m benchmarks.run [--quick] [--out DIR]`` runs every configuration in
+freshly spawned ranks (gloo on loopback, one node) and writes
+``results.json``, ``results.md`` and ``delivery.png``. See
+``benchmarks/README.md`` for what each number means.
+"""

@@ -1,0 +1,350 @@
+"""``python -m benchmarks.run [--quick] [--out DIR]``: every configuration, one run.
+
+Runs the same workload three ways (``base``: every SP rank loads its own
+batch; ``broadcast``: the leader loads and sends the batch over gloo as in the
+seed; ``shmloader``: ``ShmLoader`` embedded mode), plus the whole batch
+through ``broadcast_object_list`` (``objlist``) at the smaller sizes, then a
+"realistic workers" run for CPU and memory. Each configuration runs in
+freshly spawned ranks; a line per configuration goes to stderr. Writes
+``results.json``, ``results.md``, ``delivery.png`` and ``e2e.png`` to
+``--out`` (default ``benchmarks/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from typing import Any
+
+from . import procstat, report
+from .rank import Case, rank_main
+
+MiB = 1 << 20
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+#: Fraction of available RAM (and of free /dev/shm) a configuration may plan to use.
+MEMORY_SHARE = 0.6
+
+
+# --------------------------------------------------------------------- plan
+
+
+def _steps(mib: int) -> int:
+    """Measured steps per phase: fewer for the big batches, to keep the run bounded."""
+    return 20 if mib <= 16 else 16 if mib <= 64 else 10 if mib <= 256 else 6
+
+
+def plan(args: argparse.Namespace) -> list[Case]:
+    """Every configuration of this run, in order: per SP, per size, the ways back to back."""
+    cases: list[Case] = []
+    for sp in args.sp:
+        for mib in args.sizes:
+            steps = args.steps or _steps(mib)
+            for mode in ("base", "broadcast", "shmloader"):
+                cases.append(
+                    Case(
+                        "transport", mode, sp, mib * MiB, args.warmup, steps, args.transport_workers
+                    )
+                )
+            if mib <= args.objlist_max_mib:
+                cases.append(
+                    Case(
+                        "transport",
+                        "objlist",
+                        sp,
+                        mib * MiB,
+                        1,
+                        args.objlist_steps,
+                        args.transport_workers,
+                    )
+                )
+    for sp in args.sp:
+        for mode in ("base", "broadcast", "shmloader"):
+            cases.append(
+                Case(
+                    "realistic",
+                    mode,
+                    sp,
+                    int(args.realistic_mib * MiB),
+                    args.realistic_warmup,
+                    args.realistic_steps,
+                    args.realistic_workers,
+                    decode_scale=args.decode_scale,
+                )
+            )
+    return [
+        replace(c, timeout_s=args.timeout)
+        for c in cases
+        if c.mode in args.modes and c.run in args.runs
+    ]
+
+
+def memory_need(case: Case) -> tuple[int, int]:
+    """Rough peak (RAM, /dev/shm) bytes of a configuration, in batches times size.
+
+    Per loading rank: one batch held, one in flight from its worker; the
+    ring: up to three slots of 1.125 batches; a broadcast follower: one
+    received batch plus its buffer; pickling: the batch, its pickle and the
+    received pickle.
+    """
+    b = case.target_bytes
+    if case.mode == "base":
+        return case.sp * 3 * b, case.sp * 2 * b
+    if case.mode == "broadcast":
+        return 3 * b + (case.sp - 1) * 2 * b, 2 * b
+    if case.mode == "objlist":
+        return 3 * b + (case.sp - 1) * 4 * b, 2 * b
+    return 3 * b + 4 * b, 6 * b
+
+
+def skip_reason(case: Case) -> str | None:
+    """Why ``case`` cannot run on this machine now, or None."""
+    ram, shm = memory_need(case)
+    available = procstat.meminfo().get("MemAvailable", 0)
+    if ram > MEMORY_SHARE * available:
+        return (
+            f"needs about {ram / 2**30:.1f} GiB of RAM; "
+            f"{available / 2**30:.1f} GiB available (using at most {MEMORY_SHARE:.0%})"
+        )
+    free = procstat.shm_free()
+    if shm > MEMORY_SHARE * free:
+        return f"needs about {shm / 2**30:.1f} GiB of /dev/shm; {free / 2**30:.1f} GiB free"
+    return None
+
+
+# ------------------------------------------------------------------- launch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill(proc: mp.process.BaseProcess) -> None:
+    """Kill a rank and its DataLoader workers (the rank leads its own process group)."""
+    if proc.pid is None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+
+
+def launch(case: Case) -> tuple[list[dict] | None, str]:
+    """Run ``case`` on ``case.sp`` spawned ranks; their results, or None and why not."""
+    ctx = mp.get_context("spawn")
+    outdir = tempfile.mkdtemp(prefix="shml-bench-")
+    port = free_port()
+    procs = [
+        ctx.Process(target=rank_main, args=(r, asdict(case), port, outdir), daemon=False)
+        for r in range(case.sp)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + case.timeout_s
+        for p in procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                _kill(p)
+            p.join(10)
+    try:
+        return _collect(case, procs, outdir, hung)
+    finally:
+        shutil.rmtree(outdir, ignore_errors=True)
+
+
+def _collect(
+    case: Case, procs: list[mp.process.BaseProcess], outdir: str, hung: list[int]
+) -> tuple[list[dict] | None, str]:
+    results, errors = [], []
+    for rank in range(case.sp):
+        err, out = os.path.join(outdir, f"{rank}.err"), os.path.join(outdir, f"{rank}.json")
+        if os.path.exists(err):
+            with open(err) as f:
+                errors.append(f"rank {rank}: {f.read().strip().splitlines()[-1]}")
+        elif os.path.exists(out):
+            with open(out) as f:
+                results.append(json.load(f))
+        else:
+            errors.append(f"rank {rank}: no result (exit code {procs[rank].exitcode})")
+    if hung:
+        errors.insert(0, f"ranks {hung} still ran after {case.timeout_s:.0f} s and were killed")
+    if errors:
+        _collect_garbage()
+        return None, "; ".join(errors)
+    for r in results:
+        r["exitcode"] = procs[r["rank"]].exitcode
+    return results, ""
+
+
+def _collect_garbage() -> None:
+    """After a killed or failed configuration: remove what dead ranks left in /dev/shm."""
+    with contextlib.suppress(Exception):
+        from shmloader import admin
+
+        admin.collect_garbage(dry_run=False)
+
+
+# ------------------------------------------------------------------ progress
+
+
+def _summary(row: dict[str, Any]) -> str:
+    f = report._fmt
+    if row["run"] == "realistic":
+        return (
+            f"wait p50 {f(row.get('wait_ms_p50'))} ms, {f(row.get('steps_per_s'))} steps/s, "
+            f"cpu {f(row['cpu_s'])} s, batch mem {f(row.get('batch_mem_mib'), 0)} MiB"
+        )
+    parts = [
+        f"follower p50 {f(row.get('follower_ms_p50'), 3)} p99 {f(row.get('follower_ms_p99'), 3)} ms"
+    ]
+    if row.get("publish_ms_p50") is not None:
+        parts.append(f"publish {f(row['publish_ms_p50'])} ms")
+    if row.get("memcpy_cold_ms") is not None:
+        parts.append(f"memcpy {f(row['memcpy_cold_ms'])}/{f(row['memcpy_warm_ms'])} ms")
+    if row.get("e2e_ms_p50") is not None:
+        parts.append(f"e2e {f(row['e2e_ms_p50'])} ms")
+    parts.append(f"{f(row.get('steps_per_s'))} steps/s")
+    parts.append(f"cpu {f(row['cpu_s'])} s")
+    parts.append(f"batch mem {f(row.get('batch_mem_mib'), 0)} MiB")
+    return ", ".join(parts)
+
+
+def progress(i: int, n: int, case: Case, text: str, seconds: float) -> None:
+    print(f"[{i:2d}/{n}] {case.label}: {text} ({seconds:.1f} s)", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke test: 1 and 16 MiB, SP2, few steps")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    p.add_argument("--sizes", type=int, nargs="+", help="batch sizes in MiB")
+    p.add_argument("--sp", type=int, nargs="+", help="SP group sizes (one node)")
+    p.add_argument("--steps", type=int, help="measured steps per phase (default: by size)")
+    p.add_argument("--warmup", type=int, default=5, help="warm-up steps (ring growth, workers)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per configuration")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=("base", "broadcast", "objlist", "shmloader"),
+        default=["base", "broadcast", "objlist", "shmloader"],
+        help="only these ways (default all)",
+    )
+    p.add_argument(
+        "--runs",
+        nargs="+",
+        choices=("transport", "realistic"),
+        default=["transport", "realistic"],
+        help="only these runs (default both)",
+    )
+    args = p.parse_args(argv)
+    args.transport_workers = 1
+    args.decode_scale = 2
+    if args.quick:
+        args.sizes = args.sizes or [1, 16]
+        args.sp = args.sp or [2]
+        args.steps = args.steps or 5
+        args.warmup = 3
+        args.objlist_max_mib, args.objlist_steps = 16, 2
+        args.realistic_mib, args.realistic_steps, args.realistic_warmup = 4, 3, 1
+        args.realistic_workers = 1
+        args.timeout = min(args.timeout, 120.0)
+    else:
+        args.sizes = args.sizes or [1, 16, 64, 256, 1024]
+        args.sp = args.sp or [2, 4]
+        args.objlist_max_mib, args.objlist_steps = 256, 2
+        args.realistic_mib, args.realistic_steps, args.realistic_warmup = 32, 8, 2
+        args.realistic_workers = 2
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.makedirs(args.out, exist_ok=True)
+    machine = procstat.machine()
+    cases = plan(args)
+    started = time.monotonic()
+    rows: list[dict] = []
+    skipped: list[dict] = []
+    failed: list[dict] = []
+    loads: list[float] = []
+    for i, case in enumerate(cases, 1):
+        t0 = time.monotonic()
+        loads.append(os.getloadavg()[0])
+        reason = skip_reason(case)
+        if reason is not None:
+            skipped.append({"label": case.label, "reason": reason, "case": asdict(case)})
+            progress(i, len(cases), case, f"skipped: {reason}", 0.0)
+            continue
+        ranks, error = launch(case)
+        if ranks is None:
+            failed.append({"label": case.label, "reason": error, "case": asdict(case)})
+            progress(i, len(cases), case, f"FAILED: {error}", time.monotonic() - t0)
+            continue
+        row = report.aggregate(asdict(case), sorted(ranks, key=lambda r: r["rank"]))
+        row["loadavg_1m"] = loads[-1]
+        row["exit_codes"] = [r.get("exitcode") for r in ranks]
+        row["raw"] = ranks
+        rows.append(row)
+        progress(i, len(cases), case, _summary(row), time.monotonic() - t0)
+    machine["loadavg_end"] = list(os.getloadavg())
+    result = {
+        "command": "python -m benchmarks.run" + (" --quick" if args.quick else ""),
+        "argv": sys.argv[1:] if argv is None else argv,
+        "machine": machine,
+        "loadavg_max": max(loads, default=0.0),
+        "wall_s": time.monotonic() - started,
+        "rows": rows,
+        "skipped": skipped,
+        "failed": failed,
+    }
+    result["targets"] = report.targets(rows)
+    write(result, args.out)
+    print(f"wrote {args.out} in {result['wall_s']:.0f} s", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def write(result: dict[str, Any], out: str) -> None:
+    """``results.json`` (with raw per-rank data), ``results.md``, the plots."""
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    lean = {**result, "rows": [{k: v for k, v in r.items() if k != "raw"} for r in result["rows"]]}
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(report.markdown(lean))
+    report.plot(
+        result["rows"],
+        os.path.join(out, "delivery.png"),
+        "follower_ms_p50",
+        "follower time to a usable batch (ms)",
+        "Follower time to a usable batch",
+    )
+    report.plot(
+        result["rows"],
+        os.path.join(out, "e2e.png"),
+        "e2e_ms_p50",
+        "leader publish start -> last follower holds it (ms)",
+        "End-to-end delivery",
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

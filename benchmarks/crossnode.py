@@ -67,9 +67,7 @@ def bench(rank: int, world: int, *, size_mib: int, steps: int) -> dict:
 def main() -> None:
     from tests.harness import run_ranks
 
-    print(
-        "| batch MiB | shmloader step ms | plain broadcast to 3 ranks ms | MiB crossing nodes per batch |"
-    )
+    print("| batch MiB | shmloader step ms | plain broadcast to 3 ranks ms | MiB between nodes |")
     print("| --- | --- | --- | --- |")
     for size in (16, 64, 256):
         out = run_ranks(

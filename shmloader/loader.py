@@ -113,9 +113,12 @@ class _Releaser:
         self.pending: collections.deque = collections.deque()
         self.owner = threading.get_ident()
         self.busy = False
+        self.closed = False  # after close(): batches that die later release nothing
 
     def release(self, item: tuple[int, int, int]) -> None:
         """The finalizer callback: queue, and send now when that is safe."""
+        if self.closed:
+            return
         self.pending.append(item)
         if not self.busy and threading.get_ident() == self.owner:
             self.send([])
@@ -430,6 +433,7 @@ class ShmLoader:
         if self._spoke is not None:
             with contextlib.suppress(Exception):
                 self._out.send(wire.frames(Kind.BYE, rank=self._me))
+            self._out.closed = True
         if self._hub is not None:
             with contextlib.suppress(Exception):
                 self._await_attach()

@@ -213,3 +213,25 @@ def sharded_both(rank: int, world: int, *, sp: int) -> dict:
         "alone": sharded_indices(rank, world, sp=sp, share=False),
         "shared": sharded_indices(rank, world, sp=sp, share=True),
     }
+
+
+def keep_past_close(rank: int, world: int) -> list[str]:
+    """Hold batches past close(): their release must be silent, not a finalizer error."""
+    import gc
+    import sys
+
+    loader = ShmLoader(
+        lambda: [{"x": torch.ones(1000)}] * 3,
+        dist.group.WORLD,
+        config=Config.from_env(enabled=True),
+    )
+    kept = list(loader)
+    loader.close()
+    raised: list[str] = []
+    previous, sys.unraisablehook = sys.unraisablehook, lambda u: raised.append(repr(u.exc_value))
+    try:
+        del kept
+        gc.collect()
+    finally:
+        sys.unraisablehook = previous
+    return raised

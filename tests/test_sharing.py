@@ -97,3 +97,8 @@ def test_sharded_sampler_sp_peers_draw_identical_indices_with_and_without_sharin
         i for step in out[2]["shared"][:6] for i in step
     ]
     assert set(epoch0) == set(range(21)), "the two DP replicas together cover the dataset"
+
+
+@pytest.mark.timeout(60)
+def test_batches_held_past_close_release_silently():
+    assert run_ranks(ranks.keep_past_close, 3) == [[], [], []]

@@ -235,6 +235,8 @@ class Way:
         self.leader = rank == 0
         #: Set by phase A on the leader: measure the memcpy floor on this step's batch.
         self.floor: Floor | None = None
+        #: This rank's loader iterator, where it has one.
+        self.it: Iterator[Any] | None = None
 
     def prepare(self) -> dict[str, Any]:
         return {}
@@ -257,9 +259,13 @@ class Way:
 
     def finish(self) -> None:
         """Consume the end of the loader on every rank that has one."""
+        if self.it is not None and next(self.it, None) is not None:
+            raise RuntimeError("the loader yielded more batches than planned")
 
     def close(self) -> None:
         """Release the loader, its workers and anything shared."""
+        shutdown(self.it)
+        self.it = None
 
 
 class Base(Way):
@@ -281,14 +287,6 @@ class Base(Way):
 
     def e2e(self) -> tuple[Any, dict[str, Any]]:
         return self.take()
-
-    def finish(self) -> None:
-        if next(self.it, None) is not None:  # type: ignore[arg-type]
-            raise RuntimeError("the loader yielded more batches than planned")
-
-    def close(self) -> None:
-        shutdown(self.it)
-        self.it = None
 
 
 class Broadcast(Way):
@@ -335,14 +333,6 @@ class Broadcast(Way):
             return batch, {**fields, "start_ns": start}
         batch, fields = self._deliver(None)
         return batch, {**fields, "hold_ns": now_ns()}
-
-    def finish(self) -> None:
-        if self.leader and next(self.it, None) is not None:  # type: ignore[arg-type]
-            raise RuntimeError("the loader yielded more batches than planned")
-
-    def close(self) -> None:
-        shutdown(self.it)
-        self.it = None
 
 
 class ObjList(Broadcast):
@@ -419,10 +409,6 @@ class Shared(Way):
             return self._leader_next()
         batch = next(self.it)  # type: ignore[arg-type]
         return batch, {"hold_ns": now_ns()}
-
-    def finish(self) -> None:
-        if next(self.it, None) is not None:  # type: ignore[arg-type]
-            raise RuntimeError("the loader yielded more batches than planned")
 
     def close(self) -> None:
         self.it = None

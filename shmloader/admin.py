@@ -82,6 +82,7 @@ from .segment import (
     process_alive,
     shm_free_bytes,
     shm_path,
+    shm_size_bytes,
     unlink_name,
     validate,
 )
@@ -313,14 +314,6 @@ def empty_job(token: str) -> dict[str, Any]:
         "readers": None,
         "followers": {},
     }
-
-
-def shm_size_bytes() -> int | None:
-    try:
-        st = os.statvfs(SHM_DIR)
-    except OSError:
-        return None
-    return st.f_blocks * st.f_frsize
 
 
 def build_document(entries: list[Entry], source: str) -> dict[str, Any]:

@@ -153,11 +153,22 @@ def shm_path(name: str) -> str:
 
 
 def shm_free_bytes() -> int | None:
+    """Bytes still available in ``/dev/shm`` (None when it cannot be read)."""
+    st = _shm_statvfs()
+    return None if st is None else st.f_bavail * st.f_frsize
+
+
+def shm_size_bytes() -> int | None:
+    """Total size of ``/dev/shm`` (None when it cannot be read)."""
+    st = _shm_statvfs()
+    return None if st is None else st.f_blocks * st.f_frsize
+
+
+def _shm_statvfs() -> os.statvfs_result | None:
     try:
-        st = os.statvfs(SHM_DIR)
+        return os.statvfs(SHM_DIR)
     except OSError:
         return None
-    return st.f_bavail * st.f_frsize
 
 
 class Segment:

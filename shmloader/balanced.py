@@ -148,6 +148,12 @@ Plan = list[list[list[int]]]  # plan[step][replica] = positions into the window'
 
 
 # ---------------------------------------------------------------------------- planning
+def _ratio(costs: Sequence[Cost]) -> float:
+    """max/mean of a step's per-replica costs (1.0 for an all-zero step)."""
+    mean = sum(costs) / len(costs)
+    return float(max(costs) / mean) if mean > 0 else 1.0
+
+
 def _greedy_bins(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Sequential greedy (next-fit) packing of positions ``0..len-1`` in order."""
     bins: list[list[int]] = []
@@ -163,10 +169,14 @@ def _greedy_bins(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
 
 
 def _pack_lpt(
-    lengths: Sequence[int], costs: Sequence[Cost], nbins: int, max_tokens: int
+    lengths: Sequence[int],
+    costs: Sequence[Cost],
+    order: list[int],
+    nbins: int,
+    max_tokens: int,
 ) -> list[list[int]] | None:
-    """Largest cost first into the cheapest bin where it fits; ``None`` if one fits nowhere."""
-    order = sorted(range(len(lengths)), key=lambda p: (-costs[p], -lengths[p], p))
+    """Largest cost first (``order``) into the cheapest bin where it fits; ``None`` if one
+    fits nowhere."""
     bins: list[list[int]] = [[] for _ in range(nbins)]
     tokens = [0] * nbins
     heap: list[tuple[Cost, int, int, int]] = [(0, 0, 0, b) for b in range(nbins)]
@@ -191,6 +201,98 @@ def _pack_lpt(
     return bins
 
 
+def _pack_levels(
+    lengths: Sequence[int],
+    costs: Sequence[Cost],
+    order: list[int],
+    steps: int,
+    n: int,
+    max_tokens: int,
+) -> list[list[int]] | None:
+    """Fill every step's bins up to the step's most expensive bin; ``None`` if stuck.
+
+    Bins ``s * n .. s * n + n - 1`` form step ``s``. Samples by decreasing cost: each goes to
+    the fitting bin furthest below its step's top cost (its *deficit*) when the sample fits
+    in that deficit; otherwise it opens the next unused step (becoming its top), or, once
+    every step is in use, goes to the most deficient bin anyway. Once as many samples remain
+    as bins are empty, each goes to an empty bin. A step's top rising does not re-rank its
+    other bins (kept cheap; they are found at their old rank).
+    """
+    nbins = steps * n
+    m = len(lengths)
+    if m < nbins:
+        return None
+    bins = [[] for _ in range(nbins)]
+    cost = [0] * nbins
+    tokens = [0] * nbins
+    top = [0] * steps
+    version = [0] * nbins
+    heap: list[tuple[Cost, int, int, int]] = []  # (cost - step top, tokens, bin, version)
+    parked: list[tuple[int, tuple[Cost, int, int, int]]] = []
+    empties: list[int] = []  # empty bins of opened steps (may be stale)
+    empty = nbins
+    opened = 0
+
+    def push_step(s: int) -> None:
+        for b in range(s * n, (s + 1) * n):
+            version[b] += 1
+            heapq.heappush(heap, (cost[b] - top[s], tokens[b], b, version[b]))
+
+    for k, pos in enumerate(order):
+        c, length = costs[pos], lengths[pos]
+        while parked and -parked[0][0] >= length:
+            entry = heapq.heappop(parked)[1]
+            if entry[3] == version[entry[2]]:
+                heapq.heappush(heap, entry)
+        b = -1
+        opening = False
+        if m - k <= empty:
+            while empties and bins[empties[-1]]:
+                empties.pop()
+            if empties:
+                b = empties.pop()
+            else:
+                opening = True
+        else:
+            found = None
+            while heap:
+                entry = heapq.heappop(heap)
+                if entry[3] != version[entry[2]]:
+                    continue
+                if tokens[entry[2]] + length <= max_tokens:
+                    found = entry
+                    break
+                heapq.heappush(parked, (tokens[entry[2]] - max_tokens, entry))
+            if found is not None and (top[found[2] // n] - cost[found[2]] >= c or opened == steps):
+                b = found[2]
+            elif opened < steps:
+                opening = True
+                if found is not None:
+                    heapq.heappush(heap, found)
+            else:
+                return None
+        if opening:
+            s = opened
+            opened += 1
+            b = s * n
+            empties.extend(range((s + 1) * n - 1, s * n, -1))
+        s = b // n
+        if not bins[b]:
+            empty -= 1
+        bins[b].append(pos)
+        cost[b] += c
+        tokens[b] += length
+        if opening:
+            top[s] = cost[b]
+            push_step(s)
+        else:
+            if cost[b] > top[s]:
+                top[s] = cost[b]
+            version[b] += 1
+            heapq.heappush(heap, (cost[b] - top[s], tokens[b], b, version[b]))
+    return bins
+
+
 def _split_to(bins: list[list[int]], nbins: int) -> list[list[int]]:
     """Split bins (one sample off the fullest) until there are ``nbins`` non-empty bins."""
     bins = [list(b) for b in bins]
@@ -205,10 +307,11 @@ def _refine(
     lengths: Sequence[int],
     costs: Sequence[Cost],
     max_tokens: int,
+    cost: list[Cost],
+    tokens: list[int],
 ) -> None:
-    """Even out one step's bins in place: moves and swaps between its extremes."""
-    cost = [sum(costs[p] for p in b) for b in step]
-    tokens = [sum(lengths[p] for p in b) for b in step]
+    """Even out one step's bins in place (with their ``cost`` and ``tokens``): moves and
+    swaps between its extremes."""
     for _ in range(4 * len(step) + 8):
         hi = max(range(len(step)), key=lambda b: (cost[b], -b))
         lo = min(range(len(step)), key=lambda b: (cost[b], b))
@@ -255,6 +358,33 @@ def _refine(
         tokens[lo] += grow
 
 
+def _group_and_refine(
+    bins: list[list[int]],
+    lengths: Sequence[int],
+    costs: Sequence[Cost],
+    num_replicas: int,
+    steps: int,
+    max_tokens: int,
+) -> tuple[Plan, float]:
+    """Steps of ``num_replicas`` bins of similar cost (by decreasing cost), then refined.
+
+    Returns the plan and its score: the sum over steps of max/mean cost (lower is better).
+    """
+    bin_cost = [sum([costs[p] for p in b]) for b in bins]
+    bin_tokens = [sum([lengths[p] for p in b]) for b in bins]
+    ranked = sorted(range(len(bins)), key=lambda b: (-bin_cost[b], -bin_tokens[b], b))
+    plan: Plan = []
+    score = 0.0
+    for s in range(steps):
+        chosen = ranked[s * num_replicas : (s + 1) * num_replicas]
+        step = [bins[b] for b in chosen]
+        cost = [bin_cost[b] for b in chosen]
+        _refine(step, lengths, costs, max_tokens, cost, [bin_tokens[b] for b in chosen])
+        plan.append(step)
+        score += _ratio(cost)
+    return plan, score
+
+
 def plan_window(
     lengths: Sequence[int],
     costs: Sequence[Cost],
@@ -280,8 +410,17 @@ def plan_window(
             f"lengths of {len(lengths)} samples is not valid: a plan of {steps} steps x "
             f"{num_replicas} replicas needs at least {nbins} samples"
         )
-    bins = _pack_lpt(lengths, costs, nbins, max_tokens)
-    if bins is None:
+    order = sorted(range(len(lengths)), key=lambda p: (-costs[p], -lengths[p], p))
+    best: tuple[Plan, float] | None = None
+    for bins in (
+        _pack_lpt(lengths, costs, order, nbins, max_tokens),
+        _pack_levels(lengths, costs, order, steps, num_replicas, max_tokens),
+    ):
+        if bins is not None:
+            candidate = _group_and_refine(bins, lengths, costs, num_replicas, steps, max_tokens)
+            if best is None or candidate[1] < best[1]:
+                best = candidate
+    if best is None:
         greedy = _greedy_bins(lengths, max_tokens)
         if len(greedy) > nbins:
             raise ValueError(
@@ -289,14 +428,8 @@ def plan_window(
                 f"max_tokens={max_tokens}, more than {nbins}"
             )
         bins = _split_to(greedy, nbins)
-    bin_cost = [sum(costs[p] for p in b) for b in bins]
-    bin_tokens = [sum(lengths[p] for p in b) for b in bins]
-    ranked = sorted(range(nbins), key=lambda b: (-bin_cost[b], -bin_tokens[b], b))
-    plan = [
-        [bins[b] for b in ranked[s * num_replicas : (s + 1) * num_replicas]] for s in range(steps)
-    ]
-    for step in plan:
-        _refine(step, lengths, costs, max_tokens)
+        best = _group_and_refine(bins, lengths, costs, num_replicas, steps, max_tokens)
+    plan = best[0]
     if generator is not None:
         plan = [plan[s] for s in torch.randperm(steps, generator=generator).tolist()]
         if num_replicas > 1:
@@ -411,11 +544,6 @@ class _Stats:
     ratio_sum: float = 0.0
     ratio_max: float = 0.0
     last: dict[str, Any] = field(default_factory=dict)
-
-
-def _ratio(costs: Sequence[Cost]) -> float:
-    mean = sum(costs) / len(costs)
-    return float(max(costs) / mean) if mean > 0 else 1.0
 
 
 class BalancedBatchSampler(Sampler[list[int]]):

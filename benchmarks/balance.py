@@ -74,7 +74,10 @@ def baseline(lengths: list[int], n: int, max_tokens: int, seed: int) -> dict[str
     out["fill"] = tokens / (steps * n * max_tokens) if steps else 0.0
     for cost in TARGETS:
         f = cost_fn(cost)
-        ratios = [ratio([sum(f(lengths[i]) for i in streams[r][s]) for r in range(n)]) for s in range(steps)]
+        ratios = [
+            ratio([sum(f(lengths[i]) for i in streams[r][s]) for r in range(n)])
+            for s in range(steps)
+        ]
         out[cost] = {"ratio_mean": statistics.fmean(ratios), "ratio_max": max(ratios)}
     return out
 
@@ -92,22 +95,28 @@ def balanced(
     f = cost_fn(cost)
     ratios: list[float] = []
     plan_ms: list[float] = []
+    plan_cpu_ms: list[float] = []
     tokens = 0
     for w in range(len(seg.windows)):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         indices, plan = sampler._window_plan(seg, w, n, 0, 0)
         plan_ms.append((time.perf_counter() - t) * 1e3)
+        plan_cpu_ms.append((time.process_time() - c) * 1e3)
         for step in plan:
             costs = [sum(f(lengths[indices[p]]) for p in micro) for micro in step]
             ratios.append(ratio(costs))
             tokens += sum(lengths[indices[p]] for micro in step for p in micro)
+    last = seg.windows[-1].steps
     return {
         "steps": seg.steps,
         "windows": len(seg.windows),
         "ratio_mean": statistics.fmean(ratios),
         "ratio_max": max(ratios),
+        "ratio_max_but_last_window": max(ratios[:-last]) if len(ratios) > last else None,
         "plan_ms_median": statistics.median(plan_ms),
         "plan_ms_max": max(plan_ms),
+        "plan_cpu_ms_median": statistics.median(plan_cpu_ms),
+        "plan_cpu_ms_max": max(plan_cpu_ms),
         "layout_ms": layout_s * 1e3,
         "fill": tokens / (seg.steps * n * max_tokens),
     }
@@ -121,20 +130,25 @@ def markdown(result: dict[str, Any]) -> str:
         f"{s['samples']} samples, log-normal lengths (median {s['median']}, sigma {s['sigma']}, "
         f"clipped to [256, 131072]; mean {result['mean_length']:.0f} tokens), max_tokens "
         f"{s['max_tokens']}, seed {s['seed']}. Ratio = per-step max/mean cost over replicas; "
-        "mean over the epoch's steps, and the worst step. Baseline steps: min-max over "
-        "replicas (replicas disagree). Planning: ms per window (median / max).",
+        "mean over the epoch's steps, and the worst step (in parentheses: the worst outside "
+        "the epoch's last, padded window). Baseline steps: min-max over replicas (replicas "
+        "disagree). Planning: ms per window, median / max, wall time and (CPU time of this "
+        "process: the machine is shared, wall time includes waiting for a core).",
         "",
         "| dp | window | cost | steps | ratio mean | ratio worst | baseline mean | baseline "
-        "worst | baseline steps | fill | baseline fill | planning ms |",
+        "worst | baseline steps | fill | baseline fill | planning ms (CPU) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["rows"]:
+        inner = r["ratio_max_but_last_window"]
+        worst = f"{r['ratio_max']:.2f}" + (f" ({inner:.2f})" if inner is not None else "")
         lines.append(
             f"| {r['dp']} | {r['window']} | {r['cost']} | {r['steps']} | "
-            f"**{r['ratio_mean']:.3f}** | {r['ratio_max']:.2f} | {r['baseline_ratio_mean']:.3f} | "
+            f"**{r['ratio_mean']:.3f}** | {worst} | {r['baseline_ratio_mean']:.3f} | "
             f"{r['baseline_ratio_max']:.2f} | {r['baseline_steps_min']}-"
             f"{r['baseline_steps_max']} | {r['fill']:.2f} | {r['baseline_fill']:.2f} | "
-            f"{r['plan_ms_median']:.1f} / {r['plan_ms_max']:.1f} |"
+            f"{r['plan_ms_median']:.1f} / {r['plan_ms_max']:.1f} "
+            f"({r['plan_cpu_ms_median']:.1f} / {r['plan_cpu_ms_max']:.1f}) |"
         )
     lines += ["", "## Targets", "", "| target | measured | verdict |", "| --- | --- | --- |"]
     for t in result["targets"]:
@@ -162,13 +176,18 @@ def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
         )
     plan = [r for r in rows if r["dp"] == 32 and r["window"] == 16]
     if plan:
-        worst_ms = max(r["plan_ms_max"] for r in plan)
-        median_ms = max(r["plan_ms_median"] for r in plan)
+        wall = max(r["plan_ms_median"] for r in plan)
+        cpu = max(r["plan_cpu_ms_median"] for r in plan)
+        cpu_max = max(r["plan_cpu_ms_max"] for r in plan)
+        verdict = "met" if cpu < PLAN_TARGET_MS else "**MISSED**"
+        if wall >= PLAN_TARGET_MS:
+            verdict += " in CPU time; **MISSED** in wall time"
         out.append(
             {
                 "target": f"planning a window of 16 steps x 32 replicas < {PLAN_TARGET_MS:.0f} ms",
-                "measured": f"median {median_ms:.1f} ms, max {worst_ms:.1f} ms",
-                "verdict": "met" if median_ms < PLAN_TARGET_MS else "**MISSED**",
+                "measured": f"CPU time median {cpu:.1f} ms (max {cpu_max:.1f}); wall time "
+                f"median {wall:.1f} ms on the shared machine (worse of the two cost kinds)",
+                "verdict": verdict,
             }
         )
     return out

@@ -32,19 +32,31 @@ Windows (how samples are grouped)
 
     The last window has ``b <= window * num_replicas`` bins: it gets ``ceil(b / n)`` steps
     (``drop_last``: ``b // n`` steps, keeping only the samples of its first ``steps * n``
-    greedy bins; the rest of the epoch is dropped).
+    greedy bins; the rest of the epoch is dropped). A last window shorter than ``window``
+    steps joins the window before it (planned together, up to ``2 * window - 1`` steps), so
+    the epoch's thin tail is balanced against a full window's samples.
 
 Plan of one window (:func:`plan_window`; pure, deterministic, no RNG but the permutations)
-    1. *Pack*: the window's samples, by decreasing cost, each go to the bin of lowest
-       ``(cost, tokens, samples)`` among the ``steps * n`` bins where it fits (LPT with a
-       token budget). If some sample fits nowhere, the window's greedy bins are used instead
-       (always feasible), split until there are ``steps * n`` non-empty bins.
+    1. *Pack*, two ways, both taking the window's samples by decreasing cost:
+
+       * *LPT*: each sample goes to the bin of lowest ``(cost, tokens, samples)`` among the
+         ``steps * n`` bins where it fits in ``max_tokens``: evens out all bins;
+       * *levels*: bins ``s*n .. s*n+n-1`` form step ``s``; a sample goes to the fitting bin
+         furthest below its step's most expensive bin if it fits under that top, otherwise it
+         opens the next unused step (or, all in use, goes to that bin anyway); the last
+         samples go one per still-empty bin. This builds steps of even bins even when bins
+         cannot all be even (``"attention"`` costs with a few very long samples).
+
+       A way in which some sample fits nowhere is dropped; if both are, the window's greedy
+       bins are used (always feasible), split until there are ``steps * n`` non-empty bins.
     2. *Group*: bins sorted by decreasing cost are cut into steps of ``n`` consecutive bins,
        so every step holds bins of similar cost (the larger the window, the closer).
     3. *Refine*: in each step, while it lowers the step's most expensive bin, move one
        sample from the most to the least expensive bin, or swap a pair between them (within
        ``max_tokens``, never emptying a bin).
-    4. *Shuffle*: the steps of the window and the bins of every step are permuted by a
+    4. *Choose*: of the (up to) two plans, the one with the lower sum over steps of the
+       max/mean cost ratio (the LPT plan on a tie).
+    5. *Shuffle*: the steps of the window and the bins of every step are permuted by a
        generator seeded from ``(seed, epoch, segment, window index)``; replica ``r`` takes bin
        ``r`` of each step.
 
@@ -399,7 +411,7 @@ def plan_window(
     Every position appears exactly once, every list is non-empty and within ``max_tokens``.
     Needs ``len(lengths) >= steps * num_replicas`` and that sequential greedy packing of the
     positions in order fits in ``steps * num_replicas`` bins (as it does for the windows the
-    sampler makes). ``generator``: permute steps and bins (see the module docstring, step 4);
+    sampler makes). ``generator``: permute steps and bins (see the module docstring, step 5);
     ``None`` keeps steps by decreasing cost and bins by decreasing cost.
     """
     nbins = steps * num_replicas
@@ -642,7 +654,6 @@ class BalancedBatchSampler(Sampler[list[int]]):
         lengths, cap, per = self._lengths, self._max_tokens, self._window * n
         windows: list[_Window] = []
         start, bins, fill = 0, 0, cap + 1
-        cut = -1  # with drop_last: where bin (steps * n + 1) of the last window starts
         for pos, index in enumerate(order):
             length = lengths[index]
             if fill + length <= cap:
@@ -654,16 +665,18 @@ class BalancedBatchSampler(Sampler[list[int]]):
             bins += 1
             fill = length
         if bins:
-            if self._drop_last:
-                steps = bins // n
-                cut = start
+            steps = bins // n if self._drop_last else -(-bins // n)
+            stop = len(order)
+            if self._drop_last and bins % n:  # keep the samples of the first steps * n bins
+                stop = start
                 if steps:
                     greedy = _greedy_bins([lengths[i] for i in order[start:]], cap)
-                    cut = start + greedy[steps * n - 1][-1] + 1
-                if steps:
-                    windows.append(_Window(start, cut, steps))
-            else:
-                windows.append(_Window(start, len(order), -(-bins // n)))
+                    stop = start + greedy[steps * n - 1][-1] + 1
+            if bins < per and windows:  # a short last window joins the one before it
+                prev = windows.pop()
+                start, steps = prev.start, prev.steps + steps
+            if steps:
+                windows.append(_Window(start, stop, steps))
         first, total = [], 0
         for w in windows:
             first.append(total)

@@ -131,9 +131,10 @@ def markdown(result: dict[str, Any]) -> str:
         f"clipped to [256, 131072]; mean {result['mean_length']:.0f} tokens), max_tokens "
         f"{s['max_tokens']}, seed {s['seed']}. Ratio = per-step max/mean cost over replicas; "
         "mean over the epoch's steps, and the worst step (in parentheses: the worst outside "
-        "the epoch's last window, which holds the padded tail). Baseline steps: min-max over replicas (replicas "
-        "disagree). Planning: ms per window, median / max, wall time and (CPU time of this "
-        "process: the machine is shared, wall time includes waiting for a core).",
+        "the epoch's last window, which holds the padded tail). Baseline steps: min-max "
+        "over replicas (replicas disagree). Planning: ms per window, median / max, wall time "
+        "and (CPU time of this process: the machine is shared, wall time includes waiting "
+        "for a core).",
         "",
         "| dp | window | cost | steps | ratio mean | ratio worst | baseline mean | baseline "
         "worst | baseline steps | fill | baseline fill | planning ms (CPU) |",

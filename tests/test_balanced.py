@@ -19,7 +19,14 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 
 from shmloader import BalancedBatchSampler, TopologyMismatchError
-from shmloader.balanced import _greedy_bins, plan_window
+from shmloader.balanced import (
+    _greedy_bins,
+    _group_and_refine,
+    _pack_levels,
+    _pack_lpt,
+    _refine,
+    plan_window,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -159,6 +166,54 @@ def test_plan_window_balances_known_cases():
     # ... but never past max_tokens: here the even split by cost would need 11 tokens.
     plan = plan_window(lengths, [3, 3, 2, 2, 2], num_replicas=2, steps=1, max_tokens=7)
     assert all(sum(lengths[p] for p in m) <= 7 for m in plan[0])
+
+
+def test_refinement_never_exceeds_the_budget():
+    # Moving (or swapping) the 8-token sample would even the costs best, but the other bin
+    # has 2 tokens of room: only the 1-token samples may move.
+    lengths, costs = [1, 1, 8, 4, 4], [1, 1, 6, 0, 0]
+    step = [[0, 1, 2], [3, 4]]
+    cost, tokens = [8, 0], [10, 8]
+    _refine(step, lengths, costs, 10, cost, tokens)
+    assert sorted(p for b in step for p in b) == [0, 1, 2, 3, 4]
+    assert 2 in step[0]
+    for b, c, t in zip(step, cost, tokens, strict=True):
+        assert sum(lengths[p] for p in b) == t <= 10
+        assert sum(costs[p] for p in b) == c
+    assert max(cost) < 8
+
+
+def test_steps_group_bins_of_similar_cost():
+    bins = [[0], [1], [2], [3]]
+    lengths = [50, 40, 55, 45]
+    plan, score = _group_and_refine(bins, lengths, lengths, 2, 2, 100)
+    assert plan == [[[2], [0]], [[3], [1]]]  # (55, 50) and (45, 40), not (50, 40), (55, 45)
+    assert score == pytest.approx(55 / 52.5 + 45 / 42.5)
+
+
+@pytest.mark.parametrize("cost", ["tokens", "attention"])
+def test_plan_window_keeps_the_better_packing(cost):
+    lengths = _long_tail(1500, seed=4)
+    windows = _greedy_bins(lengths, 16384)
+    n, steps = 4, 6
+    cut = windows[n * steps - 1][-1] + 1
+    lens = lengths[:cut]
+    costs = lens if cost == "tokens" else [v * v for v in lens]
+    order = sorted(range(len(lens)), key=lambda p: (-costs[p], -lens[p], p))
+    scores = []
+    for bins in (
+        _pack_lpt(lens, costs, order, n * steps, 16384),
+        _pack_levels(lens, costs, order, steps, n, 16384),
+    ):
+        assert bins is not None
+        scores.append(_group_and_refine(bins, lens, costs, n, steps, 16384)[1])
+    plan = plan_window(lens, costs, num_replicas=n, steps=steps, max_tokens=16384)
+    got = 0.0
+    for step in plan:
+        c = [sum(costs[p] for p in m) for m in step]
+        got += max(c) / (sum(c) / n)
+    assert got == pytest.approx(min(scores))
+    assert scores[0] != pytest.approx(scores[1])  # the choice matters here
 
 
 def _long_tail(n_samples: int, seed: int = 0) -> list[int]:

@@ -137,6 +137,7 @@ STATE_VERSION = 1
 _STREAM_ORDER = 0xBA1A
 _STREAM_WINDOW = 0xB1D5
 _COST_NAMES = ("tokens", "attention")
+_REFINE_TRIES = 4  # cheapest bins of a step tried as partners of its most expensive one
 
 _STATE_KEYS = (
     "format",
@@ -323,14 +324,12 @@ def _refine(
     tokens: list[int],
 ) -> None:
     """Even out one step's bins in place (with their ``cost`` and ``tokens``): moves and
-    swaps between its extremes."""
-    for _ in range(4 * len(step) + 8):
-        hi = max(range(len(step)), key=lambda b: (cost[b], -b))
-        lo = min(range(len(step)), key=lambda b: (cost[b], b))
+    swaps between the most expensive bin and one of the cheapest few that can take them."""
+
+    def exchange(hi: int, lo: int) -> tuple[Cost, int, int] | None:
+        """Best move (``b == -1``) or swap ``(new max of the pair, a in hi, b in lo)``."""
         gap = cost[hi] - cost[lo]
-        if gap <= 0:
-            return
-        best: tuple[Cost, int, int] | None = None  # (new max of the pair, pos in hi, pos in lo)
+        best: tuple[Cost, int, int] | None = None
         room_lo, room_hi = max_tokens - tokens[lo], max_tokens - tokens[hi]
         if len(step[hi]) > 1:
             for a in step[hi]:
@@ -342,8 +341,7 @@ def _refine(
         lo_sorted = sorted(step[lo], key=lambda p: (costs[p], p))
         lo_costs = [costs[p] for p in lo_sorted]
         for a in step[hi]:
-            target = costs[a] - gap / 2
-            at = bisect.bisect_left(lo_costs, target)
+            at = bisect.bisect_left(lo_costs, costs[a] - gap / 2)
             for j in (at - 1, at):
                 if not 0 <= j < len(lo_sorted):
                     continue
@@ -354,7 +352,19 @@ def _refine(
                     new = max(cost[hi] - d, cost[lo] + d)
                     if best is None or new < best[0]:
                         best = (new, a, b)
-        if best is None or best[0] >= cost[hi]:
+        return best if best is not None and best[0] < cost[hi] else None
+
+    for _ in range(4 * len(step) + 8):
+        hi = max(range(len(step)), key=lambda b: (cost[b], -b))
+        cheapest = sorted(range(len(step)), key=lambda b: (cost[b], b))[:_REFINE_TRIES]
+        best = lo = None
+        for lo in cheapest:
+            if cost[lo] >= cost[hi]:
+                break
+            best = exchange(hi, lo)
+            if best is not None:
+                break
+        if best is None or lo is None:
             return
         _, a, b = best
         step[hi].remove(a)

@@ -52,7 +52,8 @@ Plan of one window (:func:`plan_window`; pure, deterministic, no RNG but the per
     2. *Group*: bins sorted by decreasing cost are cut into steps of ``n`` consecutive bins,
        so every step holds bins of similar cost (the larger the window, the closer).
     3. *Refine*: in each step, while it lowers the step's most expensive bin, move one
-       sample from the most to the least expensive bin, or swap a pair between them (within
+       sample from it to one of the step's cheapest bins, or swap a pair between them
+       (the cheapest bin that allows an improvement, of the 4 cheapest; within
        ``max_tokens``, never emptying a bin).
     4. *Choose*: of the (up to) two plans, the one with the lower sum over steps of the
        max/mean cost ratio (the LPT plan on a tie).
@@ -106,7 +107,8 @@ NOTE [plan determinism]
     callable cost), never with numpy reductions (their summation order depends on the CPU's
     SIMD width), and ties are broken by position; the only randomness is ``torch.randperm``
     with a private generator (so a resume across torch versions whose ``randperm`` differs
-    would see another order, as for :class:`ShardedSampler`).
+    would see another order, as for :class:`ShardedSampler`). Float costs assume the same
+    Python on every rank (``sum`` of floats is compensated from Python 3.12 on).
 """
 
 from __future__ import annotations
@@ -136,7 +138,6 @@ STATE_VERSION = 1
 
 _STREAM_ORDER = 0xBA1A
 _STREAM_WINDOW = 0xB1D5
-_COST_NAMES = ("tokens", "attention")
 _REFINE_TRIES = 4  # cheapest bins of a step tried as partners of its most expensive one
 
 _STATE_KEYS = (

@@ -660,6 +660,11 @@ def balanced_under_shmloader(rank: int, world: int, *, sp: int) -> dict:
         out["epochs"].append([(b["ids"].tolist(), b["input_ids"].tolist()) for b in loader])
     out["leader"] = loader.is_leader
     loader.close()
+    # seed=None: rank 0 draws one seed for everybody (a collective of every rank).
+    unseeded = BalancedBatchSampler(
+        LENGTHS, num_replicas=num_replicas, rank=dp_rank, max_tokens=64, seed=None
+    )
+    out["unseeded"] = (unseeded.seed, list(unseeded))
     return out
 
 
@@ -681,6 +686,10 @@ def test_sp_peers_receive_the_planned_batches():
         assert res[2]["epochs"][epoch] == res[3]["epochs"][epoch]
         assert set(flat(plans)) == set(range(len(LENGTHS)))
     assert res[0]["epochs"][0] != res[0]["epochs"][1]
+    seed = res[0]["unseeded"][0]
+    assert {r["unseeded"][0] for r in res} == {seed}
+    for rank, r in enumerate(res):
+        assert r["unseeded"][1] == list(make(LENGTHS, 2, rank // 2, max_tokens=64, seed=seed))
 
 
 # ---------------------------------------------------------------------------- benchmark

@@ -1,8 +1,8 @@
 """shmloader: one DataLoader per sequence-parallel group, batches shared once per node.
 
 Public API: :class:`ShmLoader`, :class:`Config`, :class:`ShardedSampler` (with
-:class:`ShardedBatchSampler` and :func:`dp_topology_from_group`) and the
-exceptions in :mod:`shmloader.errors`.
+:class:`ShardedBatchSampler` and :func:`dp_topology_from_group`),
+:class:`BalancedBatchSampler` and the exceptions in :mod:`shmloader.errors`.
 
 Names that need torch are imported lazily (PEP 562), so the light modules
 (``segment``, ``admin``, the daemon's client) start fast without it.
@@ -25,10 +25,12 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
+    from .balanced import BalancedBatchSampler
     from .loader import ShmLoader
     from .sampler import ShardedBatchSampler, ShardedSampler, dp_topology_from_group
 
 _LAZY = {
+    "BalancedBatchSampler": "balanced",
     "ShmLoader": "loader",
     "ShardedSampler": "sampler",
     "ShardedBatchSampler": "sampler",
@@ -46,6 +48,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "BalancedBatchSampler",
     "Config",
     "ConfigError",
     "LeaderError",

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import gc
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -604,3 +605,16 @@ def test_select_on_every_path_gives_the_same_shards():
     for r in shared + alone:
         assert same(r["batches"], alone[0]["batches"])
     assert shared[0]["batches"][0]["ids"].shape[1] == 8
+
+
+def test_gpu_benchmark_has_help_and_a_clear_error_without_cuda():
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = functools.partial(subprocess.run, capture_output=True, text=True, timeout=60, env=env)
+    helped = run([sys.executable, "-m", "benchmarks.gpu", "--help"])
+    assert helped.returncode == 0 and "--sizes" in helped.stdout
+    if not torch.cuda.is_available():
+        out = run([sys.executable, "-m", "benchmarks.gpu", "--sizes", "1"])
+        assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr

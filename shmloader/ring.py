@@ -419,7 +419,9 @@ def _view_died(address: int, entry: tuple[Segment, int], on_release: Callable[[]
 
 def view_source(address: int) -> tuple[Segment, int] | None:
     """``(segment, payload offset)`` of ``address`` inside a live private view, else None."""
-    for base, (segment, nbytes) in list(_VIEWS.items()):
+    # A copy first: a garbage collection triggered while iterating could run a
+    # view's finalizer, which removes its entry.
+    for base, (segment, nbytes) in _VIEWS.copy().items():
         if base <= address < base + nbytes:
             return segment, address - base
     return None

@@ -556,7 +556,9 @@ def same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-def deliver_on_fake_device(rank: int, world: int, *, share: bool, select: bool) -> dict:
+def deliver_on_fake_device(
+    rank: int, world: int, *, share: bool, select: bool, fake: bool = True
+) -> dict:
     """Rank function: SP group of ``world`` ranks, batches through a fake device."""
     import torch.distributed as dist
 
@@ -568,7 +570,7 @@ def deliver_on_fake_device(rank: int, world: int, *, share: bool, select: bool) 
         ranks.make_loader_factory(0, n=12),
         group,
         config=Config.from_env(enabled=share),
-        device=ops,
+        device=ops if fake else None,
         select=sp_shard if select else None,
     )
     batches = [ranks.to_plain(b) for epoch in range(2) for b in loader]
@@ -602,7 +604,11 @@ def test_every_role_delivers_the_same_batches_through_the_device_stage():
 def test_select_on_every_path_gives_the_same_shards():
     shared = run_ranks(deliver_on_fake_device, 2, kwargs={"share": True, "select": True})
     alone = run_ranks(deliver_on_fake_device, 2, kwargs={"share": False, "select": True})
-    for r in shared + alone:
+    host = run_ranks(
+        deliver_on_fake_device, 2, kwargs={"share": True, "select": True, "fake": False}
+    )
+    assert all(r["stats"]["device"] == "cpu" for r in host)
+    for r in shared + alone + host:
         assert same(r["batches"], alone[0]["batches"])
     assert shared[0]["batches"][0]["ids"].shape[1] == 8
 
@@ -618,3 +624,16 @@ def test_gpu_benchmark_has_help_and_a_clear_error_without_cuda():
     if not torch.cuda.is_available():
         out = run([sys.executable, "-m", "benchmarks.gpu", "--sizes", "1"])
         assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr
+
+
+def test_cuda_ops_and_the_fake_implement_the_same_seam():
+    import inspect
+
+    names = [n for n in vars(device.DeviceOps) if not n.startswith("_")]
+    assert {"copy", "record", "query", "wait", "register", "unregister"} <= set(names)
+    for impl in (device.CudaOps, FakeOps):
+        for name in names:
+            if name == "device":
+                continue
+            want = inspect.signature(getattr(device.DeviceOps, name)).parameters
+            assert inspect.signature(getattr(impl, name)).parameters.keys() == want.keys()

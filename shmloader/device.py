@@ -527,14 +527,15 @@ class DeviceStage:
         assert ops is not None
         if self.select is not None:
             batch = self.select(batch)
-        copy = _Copy()
+        copy = _Copy(keep=batch)
         tensors: list[torch.Tensor] = []
         with ops.side():
             copy.start = ops.record()
-            out = _map_tensors(batch, lambda t: self._to_device(t, copy, tensors), {})
-            copy.end = ops.record()
-        copy.keep = batch
-        self._inflight.append(copy)
+            try:
+                out = _map_tensors(batch, lambda t: self._to_device(t, copy, tensors), {})
+            finally:  # even a failed batch is reaped like any other: its copies may run
+                copy.end = ops.record()
+                self._inflight.append(copy)
         where = position() if position is not None else None
         return _Ready(out, copy.end, tensors, where)
 
@@ -603,7 +604,8 @@ class DeviceStage:
         ops = self._ops
         assert ops is not None
         self._stats["device_bytes"] += copy.nbytes
-        self._stats["device_copy_ms_total"] += ops.elapsed_ms(copy.start, copy.end)
+        with contextlib.suppress(Exception):  # an event that never completed has no time
+            self._stats["device_copy_ms_total"] += ops.elapsed_ms(copy.start, copy.end)
         self._stats["device_copies"] += 1
         if copy.maps:
             self._stats["device_copies_registered"] += 1

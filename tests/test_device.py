@@ -637,3 +637,23 @@ def test_cuda_ops_and_the_fake_implement_the_same_seam():
                 continue
             want = inspect.signature(getattr(device.DeviceOps, name)).parameters
             assert inspect.signature(getattr(impl, name)).parameters.keys() == want.keys()
+
+
+def test_a_copy_that_fails_midway_still_settles_and_unregisters(source):
+    class Failing(FakeOps):
+        def copy(self, dst, src):
+            if len(self.copies) == 1:
+                raise RuntimeError("CUDA out of memory (fake)")
+            super().copy(dst, src)
+
+    ops = Failing(auto=True)
+    stage = device.DeviceStage(ops, prefetch=1)
+    batches = (source.deliver({"a": torch.ones(10), "b": torch.zeros(10)}) for _ in range(3))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        next(stage.wrap(batches))
+    gc.collect()
+    assert source.held() == 0
+    # nothing still counts as reading the slot's mapping: it can go when the slot does
+    assert [m.users for m in stage._registrar._maps.values()] == [0]  # type: ignore[union-attr]
+    stage.close()
+    assert ops.registered == {} and all(ops.mapped_at_unregister)

@@ -562,8 +562,17 @@ def deliver_on_fake_device(
     """Rank function: SP group of ``world`` ranks, batches through a fake device."""
     import torch.distributed as dist
 
+    from shmloader import ring
     from tests import ranks
 
+    mapped: list[str] = []  # segments this rank mapped for registration
+    real_map = ring.map_shared_readonly
+
+    def counting_map(segment):
+        mapped.append(segment.name)
+        return real_map(segment)
+
+    ring.map_shared_readonly = counting_map
     ops = FakeOps(auto=True)
     group = dist.new_group(list(range(world)))
     loader = ShmLoader(
@@ -579,6 +588,7 @@ def deliver_on_fake_device(
         "role": loader.role,
         "stats": loader.stats(),
         "registrations": len(ops.register_calls),
+        "segments": mapped,
         "all_registered": all(ops.from_registered(a) for a, _ in ops.copies),
         "slots": loader.stats().get("ring_slots"),
     }
@@ -597,7 +607,9 @@ def test_every_role_delivers_the_same_batches_through_the_device_stage():
         assert r["unregistered"]
     for r in shared:  # every rank copies from its own registered mapping of each slot
         assert r["all_registered"] and r["stats"]["device_registered"]
-        assert 0 < r["registrations"] <= 4
+        # once per slot segment (a slot that grows is a new segment), never per batch
+        assert r["registrations"] == len(r["segments"]) == len(set(r["segments"]))
+        assert 0 < r["registrations"] < len(r["batches"]) // 2
     assert all(r["registrations"] == 0 for r in alone)  # sharing off: nothing to register
 
 

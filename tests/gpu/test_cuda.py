@@ -124,6 +124,16 @@ def gpu_rank(rank: int, world: int, *, devices: dict, write: bool, steps: int) -
         return real(self, address, nbytes)
 
     device._Cudart.register = counting  # type: ignore[method-assign]
+    from shmloader import ring
+
+    mapped: list[str] = []
+    real_map = ring.map_shared_readonly
+
+    def counting_map(segment):
+        mapped.append(segment.name)
+        return real_map(segment)
+
+    ring.map_shared_readonly = counting_map
     group = dist.new_group(list(range(world)))
 
     def make():
@@ -153,6 +163,7 @@ def gpu_rank(rank: int, world: int, *, devices: dict, write: bool, steps: int) -
         "seen": seen,
         "unchanged": unchanged,
         "registrations": calls["register"],
+        "segments": mapped,
         "ring_slots": stats.get("ring_slots"),
         "stats": {k: v for k, v in stats.items() if k.startswith("device")},
         "plain": [{k: v.cpu() for k, v in b.items()} for b in held[:3]],
@@ -169,8 +180,10 @@ def test_every_rank_gets_bit_equal_batches_and_registers_each_slot_once():
         assert r["seen"] == list(range(40)) and r["unchanged"]
         assert same(r["plain"], out[0]["plain"])
         assert r["stats"]["device_registered"]
-        # once per slot per rank: never per batch
-        assert 1 <= r["registrations"] == r["stats"]["device_registrations"] <= 4
+        # once per slot segment per rank: never per batch
+        assert r["registrations"] == r["stats"]["device_registrations"] == len(r["segments"])
+        assert len(set(r["segments"])) == len(r["segments"])
+        assert 1 <= r["registrations"] <= 6
 
 
 def test_copy_on_write_intact_while_another_rank_has_the_slots_registered():

@@ -27,6 +27,23 @@ DEFAULT_TIMEOUT_S = 300.0
 #: default keeps just enough to overlap one publish with one step.
 DEFAULT_SLOTS = 2
 
+# -- device delivery (shmloader.device) --------------------------------------
+#: Default device of delivered batches: today's host-memory views.
+DEFAULT_DEVICE = "cpu"
+#: Default batches copied to the device ahead of the one the user holds.
+DEFAULT_PREFETCH = 2
+_DEVICE_ACCEPTED = "'cpu', 'cuda', 'cuda:N' (N >= 0) or 'auto'"
+
+
+def valid_device(value: object) -> bool:
+    """Whether ``value`` names a device ``ShmLoader`` accepts (``_DEVICE_ACCEPTED``)."""
+    if not isinstance(value, str):
+        return False
+    if value in ("cpu", "cuda", "auto"):
+        return True
+    head, _, index = value.partition(":")
+    return head == "cuda" and index.isdigit() and index == str(int(index))
+
 
 @dataclass(frozen=True)
 class Config:
@@ -43,6 +60,10 @@ class Config:
         copy: followers receive owned copies instead of shared views (``SHMLOADER_COPY``).
         verify: checksum every payload end to end, CRC-32 (``SHMLOADER_VERIFY``).
         allow_pickle: pickle leaves the codec does not know. Off by default.
+        device: where delivered tensors live (``SHMLOADER_DEVICE``): ``cpu``
+            (the default), ``cuda``, ``cuda:N`` or ``auto``; see ``shmloader.device``.
+        prefetch: batches copied to the device ahead of the one the user
+            holds (``SHMLOADER_PREFETCH``, default 2); only with a CUDA device.
     """
 
     enabled: bool = False
@@ -54,6 +75,8 @@ class Config:
     copy: bool = False
     verify: bool = False
     allow_pickle: bool = False
+    device: str = DEFAULT_DEVICE
+    prefetch: int = DEFAULT_PREFETCH
 
     def __post_init__(self) -> None:
         if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 2:
@@ -74,6 +97,11 @@ class Config:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or "\0" in value):
                 raise ConfigError(name, value, "None or a string without NUL bytes")
+        if not valid_device(self.device):
+            raise ConfigError("device", self.device, _DEVICE_ACCEPTED)
+        prefetch = self.prefetch
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 1:
+            raise ConfigError("prefetch", prefetch, "an integer >= 1")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Config:
@@ -88,6 +116,8 @@ class Config:
             "daemon": _path(env, "SHMLOADER_DAEMON"),
             "copy": _flag(env, "SHMLOADER_COPY"),
             "verify": _flag(env, "SHMLOADER_VERIFY"),
+            "device": _device(env, "SHMLOADER_DEVICE"),
+            "prefetch": _int(env, "SHMLOADER_PREFETCH", DEFAULT_PREFETCH, minimum=1),
         }
         known = {f.name for f in dataclasses.fields(cls)}
         for key in overrides:
@@ -153,4 +183,14 @@ def _name(env: Mapping[str, str], name: str) -> str | None:
     value = raw.strip()
     if len(value) > 64 or not all(c.isalnum() or c in "-_.:" for c in value):
         raise ConfigError(name, raw, "up to 64 characters of letters, digits, '-', '_', '.', ':'")
+    return value
+
+
+def _device(env: Mapping[str, str], name: str) -> str:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_DEVICE
+    value = raw.strip().lower()
+    if not valid_device(value):
+        raise ConfigError(name, raw, _DEVICE_ACCEPTED)
     return value

@@ -65,6 +65,8 @@ from . import codec, rng, wire
 from .channel import Hub, Peer, Spoke, socket_path
 from .config import Config
 from .daemon_client import DaemonClient
+from .device import DeviceOps, DeviceStage, warn_pin_memory
+from .device import resolve as resolve_device
 from .errors import (
     ConfigError,
     LeaderError,
@@ -161,6 +163,14 @@ class ShmLoader:
         accumulation_steps: micro-batches per optimizer step (checkpoints
             resume at optimizer-step boundaries).
         config: a :class:`~shmloader.Config`; default ``Config.from_env()``.
+        device: ``None`` (``Config.device``, ``SHMLOADER_DEVICE``), ``"cpu"``,
+            ``"cuda"``, ``"cuda:N"`` or ``"auto"``: with a CUDA device every
+            tensor of every batch arrives on it, copied from the registered
+            ring on a side stream ``Config.prefetch`` batches ahead
+            (``shmloader.device``).
+        select: ``select(batch) -> batch``, applied to the shared CPU view
+            before any device copy, on every path (NOTE [select] in
+            ``shmloader.device``); e.g. this rank's sequence shard.
 
     Construction is collective over ``group`` when sharing is on: every rank
     of the group must construct its ``ShmLoader`` at the same point.
@@ -173,6 +183,8 @@ class ShmLoader:
         *,
         accumulation_steps: int = 1,
         config: Config | None = None,
+        device: str | torch.device | DeviceOps | None = None,
+        select: Callable[[Any], Any] | None = None,
     ) -> None:
         if not callable(make_loader):
             raise TypeError(f"make_loader must be a zero-argument callable, got {make_loader!r}")
@@ -183,6 +195,13 @@ class ShmLoader:
         ):
             raise ConfigError("accumulation_steps", accumulation_steps, "an integer >= 1")
         self.config = config if config is not None else Config.from_env()
+        # Device delivery: validated before anything is built (shmloader.device).
+        target = device
+        if not isinstance(device, DeviceOps):
+            target = resolve_device(device, self.config.device)
+        self._stage: DeviceStage | None = None
+        if target is not None or select is not None:
+            self._stage = DeviceStage(target, select=select, prefetch=self.config.prefetch)
         self.accumulation_steps = accumulation_steps
         self._epoch = 0
         self._it = 0  # NOTE [iteration numbers]
@@ -221,6 +240,8 @@ class ShmLoader:
             _close_quietly(self._closers())
             raise
         self._finalizer = weakref.finalize(self, _close_quietly, self._closers())
+        if self._role == "leader" and self._stage is not None and self._stage.on_device:
+            warn_pin_memory(self._loader)
 
     # ------------------------------------------------------------------ set-up
 
@@ -327,7 +348,7 @@ class ShmLoader:
         }
 
     def _closers(self) -> list[Callable[[], None]]:
-        parts = (self._spoke, self._reader, self._hub, self._ring)
+        parts = (self._stage, self._spoke, self._reader, self._hub, self._ring)
         closers = [c.close for c in parts if c is not None]
         if self._daemon is not None and self._topo is not None:
             if self._topo.is_writer:
@@ -408,12 +429,17 @@ class ShmLoader:
         self._delivered = cursor
         self._exhausted = False
         if self._role == "local":
-            return self._local_iteration(cursor if skip else 0)
-        if self._role == "leader":
-            return self._leader_iteration(self._it, cursor if skip else 0)
-        if self._role == "node leader":
-            return self._relay_iteration(self._it)
-        return self._follower_iteration(self._it)
+            inner = self._local_iteration(cursor if skip else 0)
+        elif self._role == "leader":
+            inner = self._leader_iteration(self._it, cursor if skip else 0)
+        elif self._role == "node leader":
+            inner = self._relay_iteration(self._it)
+        else:
+            inner = self._follower_iteration(self._it)
+        if self._stage is None:
+            return inner
+        self._stage.position = None
+        return self._stage.wrap(inner, self._position if self._stage.on_device else None)
 
     def stats(self) -> dict[str, Any]:
         """Counters of this rank: batches, bytes, times (ms), ring size."""
@@ -423,6 +449,8 @@ class ShmLoader:
             out["ring_bytes"] = self._ring.total_bytes
         if self._xnode is not None:
             out["cross_node_bytes_sent"] = self._xnode.bytes_sent
+        if self._stage is not None:
+            out.update(self._stage.stats())
         return out
 
     def close(self) -> None:
@@ -430,6 +458,8 @@ class ShmLoader:
         if self._closed:
             return
         self._closed = True
+        if self._stage is not None:
+            self._stage.close()  # copies in flight finish; unregister before unmap
         if self._spoke is not None:
             with contextlib.suppress(Exception):
                 self._out.send(wire.frames(Kind.BYE, rank=self._me))
@@ -467,8 +497,8 @@ class ShmLoader:
         if self._resume is not None and self._resume[0] == self._epoch:
             cursor = delivered = self._resume[1]  # loaded, not iterated yet
         else:
-            delivered = self._delivered
-            cursor = delivered if self._exhausted else delivered - delivered % k
+            delivered, exhausted, boundary, now = self._user_position()
+            cursor = delivered if exhausted else delivered - delivered % k
         state: dict[str, Any] = {
             "format": STATE_FORMAT,
             "epoch": self._epoch,
@@ -478,7 +508,7 @@ class ShmLoader:
         }
         if self._loader is not None and _stateful(self._loader):
             partial = cursor != delivered
-            loader_state = self._boundary_state if partial else self._loader.state_dict()  # type: ignore[union-attr]
+            loader_state = boundary if partial else now
             state["loader"] = loader_state
         return state
 
@@ -511,6 +541,24 @@ class ShmLoader:
         if restore:
             self._loader.load_state_dict(loader_state)  # type: ignore[union-attr]
         self._resume = (epoch, batches, not restore)
+
+    def _position(self) -> tuple[int, bool, Any, Any]:
+        """(delivered, exhausted, boundary state, loader state) of the iteration now."""
+        now = None
+        if self._loader is not None and _stateful(self._loader):
+            now = self._loader.state_dict()  # type: ignore[union-attr]
+        return self._delivered, self._exhausted, self._boundary_state, now
+
+    def _user_position(self) -> tuple[int, bool, Any, Any]:
+        """``_position()`` as of the last batch the user received.
+
+        With device prefetch the loop has pulled up to ``prefetch`` batches
+        more than the user has: the stage keeps the position from when the
+        batch it handed over last was pulled.
+        """
+        if self._stage is not None and self._stage.position is not None:
+            return self._stage.position
+        return self._position()
 
     def _take_resume(self) -> tuple[int, bool]:
         """(cursor, skip) this iteration starts at: a pending resume of this epoch, or (0, _)."""

@@ -383,11 +383,64 @@ def private_view(segment: Segment, nbytes: int, on_release: Callable[[], None]) 
     """A copy-on-write uint8 view of ``segment``'s first ``nbytes`` of payload.
 
     ``on_release`` runs once when the last object referring to the mapping
-    (the array, any tensor viewing it) is gone: NOTE [slot lifetime].
+    (the array, any tensor viewing it) is gone: NOTE [slot lifetime]. While
+    it lives, ``view_source`` finds its segment from an address inside it
+    (NOTE [device reads]).
     """
     mm = segment.map_private(nbytes)
-    weakref.finalize(mm, on_release)
-    return np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+    view = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+    address = view.__array_interface__["data"][0]
+    entry = (segment, nbytes)
+    _VIEWS[address] = entry
+    weakref.finalize(mm, _view_died, address, entry, on_release)
+    return view
+
+
+# NOTE [device reads]
+#     A CUDA consumer (``shmloader.device``) copies a batch to the GPU from its
+#     own long-lived, read-only MAP_SHARED mapping of the slot, registered with
+#     CUDA once, instead of from the private view: registering a private
+#     mapping would break copy-on-write or cost 5-10x more. The private view
+#     still holds the slot (NOTE [slot lifetime]) until that copy completed,
+#     so the bytes the copy reads are exactly the view's. ``_VIEWS`` maps the
+#     address of every live private view to its segment, so the device stage
+#     finds, for any tensor of a delivered batch, the slot and offset it lies
+#     in without the roles' loops passing anything along.
+_VIEWS: dict[int, tuple[Segment, int]] = {}
+
+
+def _view_died(address: int, entry: tuple[Segment, int], on_release: Callable[[], None]) -> None:
+    # The address may already belong to a newer view (munmap precedes this
+    # callback, and another thread may map in between): remove only our entry.
+    if _VIEWS.get(address) is entry:
+        del _VIEWS[address]
+    on_release()
+
+
+def view_source(address: int) -> tuple[Segment, int] | None:
+    """``(segment, payload offset)`` of ``address`` inside a live private view, else None."""
+    # A copy first: a garbage collection triggered while iterating could run a
+    # view's finalizer, which removes its entry.
+    for base, (segment, nbytes) in _VIEWS.copy().items():
+        if base <= address < base + nbytes:
+            return segment, address - base
+    return None
+
+
+def map_shared_readonly(segment: Segment) -> tuple[mmap.mmap, int]:
+    """A read-only MAP_SHARED mapping of the whole of ``segment`` and its payload offset.
+
+    What a CUDA consumer registers (NOTE [device reads]). Its pages are the
+    slot's own, so it sees every later rewrite: a reader uses it only while
+    its private view holds the slot. Needs the segment's descriptor: open
+    (``segment.fd >= 0``), i.e. the slot is not retired.
+    """
+    if segment.fd < 0:
+        raise ProtocolError(f"segment {segment.name} is closed; its slot was retired")
+    mm = mmap.mmap(
+        segment.fd, HEADER_SIZE + segment.capacity, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ
+    )
+    return mm, HEADER_SIZE
 
 
 class RingReader:

@@ -1,0 +1,509 @@
+"""``python -m benchmarks.gpu [--out DIR]``: batches to the GPU, four ways, SP ranks on one node.
+
+Needs CUDA (exits with a message otherwise). On a one-GPU machine every SP
+rank uses that one GPU, as the issue's measurements did; the report says so.
+The workload is ``benchmarks.run``'s (templated long-context batches from a
+DataLoader with ``--workers`` workers per loading rank). Ways:
+
+- ``base``: every rank loads its own batch (``pin_memory=False``) and copies
+  it with ``.cuda(non_blocking=True)``;
+- ``base_pinned``: the same with ``pin_memory=True`` (the DataLoader's pin
+  thread copies each batch into pinned memory first);
+- ``shm_views``: ``ShmLoader`` host views + ``.cuda(non_blocking=True)``;
+- ``shm_device``: ``ShmLoader(device="cuda")``: copies from the registered
+  ring on a side stream, ``SHMLOADER_PREFETCH`` ahead.
+
+One step, every rank::
+
+    t0 = now
+    batch = next(it)                                   next_ms
+    (base ways, shm_views: batch = {k: v.cuda(non_blocking=True)})
+    ready = Event(); ready.record(); ready.synchronize()
+    usable_ms = now - t0                               time to a GPU-resident batch
+    GPU work (torch.cuda._sleep, --gpu-ms) reading nothing; synchronize
+    barrier(group)                                      step_ms = now - t0
+
+Per way and size: next/usable/step p50 and p99 (over every rank's steps),
+host-to-device bandwidth (device way: the stage's event timings; other ways:
+bytes / (usable - next)), a pinned tensor's bandwidth in the same process for
+reference, node CPU seconds (ranks and workers), node memory (PSS), pinned
+host bytes allocated by torch (``torch.cuda.host_memory_stats``) and, for
+the device way, registrations against ring slots. Writes ``gpu.json``,
+``gpu.md`` and ``gpu.png`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any
+
+MiB = 1 << 20
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+WAYS = ("base", "base_pinned", "shm_views", "shm_device")
+LABELS = {
+    "base": "base, pin_memory=False",
+    "base_pinned": "base, pin_memory=True",
+    "shm_views": "shmloader views + .cuda()",
+    "shm_device": 'shmloader device="cuda"',
+}
+
+
+# ------------------------------------------------------------------- a rank
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+def _to_cuda(batch: Any) -> Any:
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return batch.cuda(non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: _to_cuda(v) for k, v in batch.items()}
+    if isinstance(batch, list):
+        return [_to_cuda(v) for v in batch]
+    return batch
+
+
+def _nbytes(batch: Any) -> int:
+    from .workload import tensors
+
+    return sum(t.numel() * t.element_size() for t in tensors(batch))
+
+
+def _pinned_gbs(nbytes: int) -> float:
+    """Host-to-device bandwidth of a pinned tensor of ``nbytes`` here (reference)."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return nbytes / statistics.median(times) / 1e6
+
+
+def _sleep_cycles_per_ms() -> float:
+    import torch
+
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 10_000_000
+    a.record()
+    torch.cuda._sleep(cycles)
+    b.record()
+    b.synchronize()
+    return cycles / max(a.elapsed_time(b), 1e-3)
+
+
+def _host_pinned() -> int | None:
+    import torch
+
+    try:
+        stats = torch.cuda.host_memory_stats()
+    except (AttributeError, RuntimeError):
+        return None
+    for key in ("allocated_bytes.peak", "allocated_bytes.all.peak", "reserved_bytes.peak"):
+        if key in stats:
+            return int(stats[key])
+    return None
+
+
+def run_rank(rank: int, cfg: dict[str, Any], port: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from shmloader import Config, ShmLoader
+
+    from . import procstat
+    from .workload import BatchSpec, TemplatedBatches, whole
+
+    torch.set_num_threads(1)
+    count = torch.cuda.device_count()
+    torch.cuda.set_device(cfg["gpu"] % count if cfg["gpu"] >= 0 else rank % count)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=cfg["sp"],
+        timeout=datetime.timedelta(seconds=cfg["timeout"]),
+    )
+    way, sp = cfg["way"], cfg["sp"]
+    spec = BatchSpec.for_bytes(cfg["mib"] * MiB)
+    length = cfg["warmup"] + cfg["steps"]
+    pin = way == "base_pinned"
+
+    def make() -> DataLoader:
+        return DataLoader(
+            TemplatedBatches(spec, length),
+            batch_size=None,
+            shuffle=False,
+            num_workers=cfg["workers"],
+            collate_fn=whole,
+            prefetch_factor=1 if cfg["workers"] else None,
+            pin_memory=pin,
+        )
+
+    try:
+        group = dist.new_group(list(range(sp)))
+        cycles = _sleep_cycles_per_ms() * cfg["gpu_ms"]
+        dist.barrier(group)
+        cpu0 = procstat.tree_cpu_seconds(os.getpid())
+        loader: Any
+        if way.startswith("base"):
+            loader = make()
+        else:
+            config = Config.from_env(enabled=True)
+            device = "cuda" if way == "shm_device" else "cpu"
+            loader = ShmLoader(make, group, config=config, device=device)
+        it = iter(loader)
+        rows: dict[str, list[float]] = {"next_ms": [], "usable_ms": [], "step_ms": [], "h2d": []}
+        mem_peak = 0
+        for step in range(length):
+            t0 = time.perf_counter()
+            batch = next(it)
+            t1 = time.perf_counter()
+            if way != "shm_device":
+                batch = _to_cuda(batch)
+            ready = torch.cuda.Event()
+            ready.record()
+            ready.synchronize()
+            t2 = time.perf_counter()
+            torch.cuda._sleep(int(cycles))
+            torch.cuda.synchronize()
+            del batch
+            dist.barrier(group)
+            t3 = time.perf_counter()
+            if step >= cfg["warmup"]:
+                rows["next_ms"].append((t1 - t0) * 1e3)
+                rows["usable_ms"].append((t2 - t0) * 1e3)
+                rows["step_ms"].append((t3 - t0) * 1e3)
+                if way != "shm_device" and t2 > t1:
+                    rows["h2d"].append(spec.nbytes / (t2 - t1) / 1e9)
+                if step in (cfg["warmup"], length - 1):
+                    mem_peak = max(mem_peak, procstat.tree_memory(os.getpid()).pss)
+        next(it, None)
+        cpu = procstat.tree_cpu_seconds(os.getpid()) - cpu0
+        pinned_host = _host_pinned()  # before the reference below pins its own tensor
+        pinned_ref = _pinned_gbs(spec.nbytes) if rank == 0 else None
+        out: dict[str, Any] = {
+            "rank": rank,
+            **rows,
+            "cpu_s": cpu,
+            "pss": mem_peak,
+            "pinned_host_bytes": pinned_host,
+            "pinned_ref_gbs": pinned_ref,
+            "payload_bytes": spec.nbytes,
+            "device_mem_allocated": torch.cuda.memory_allocated(),
+        }
+        if isinstance(loader, ShmLoader):
+            stats = loader.stats()
+            out["stats"] = {k: v for k, v in stats.items() if not isinstance(v, dict)}
+            loader.close()
+        dist.barrier(group)
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_main(rank: int, cfg: dict[str, Any], port: int, outdir: str) -> None:
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    os.environ.pop("SHMLOADER_DAEMON", None)
+    try:
+        result = run_rank(rank, cfg, port)
+        with open(os.path.join(outdir, f"{rank}.json"), "w") as f:
+            json.dump(result, f)
+    except BaseException:
+        with open(os.path.join(outdir, f"{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise SystemExit(1) from None
+
+
+# ------------------------------------------------------------------ parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(cfg: dict[str, Any]) -> tuple[list[dict] | None, str]:
+    """Run one configuration in fresh ranks; (per-rank results, or None and why)."""
+    ctx = mp.get_context("spawn")
+    outdir = tempfile.mkdtemp(prefix="shml-gpu-")
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, cfg, port, outdir)) for r in range(cfg["sp"])]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + cfg["timeout"]
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    why = ""
+    for p in procs:
+        if p.is_alive():
+            why = why or f"timed out after {cfg['timeout']:.0f} s"
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, 9)
+            p.join(5)
+    results = []
+    for r in range(cfg["sp"]):
+        path = os.path.join(outdir, f"{r}.json")
+        err = os.path.join(outdir, f"{r}.err")
+        if os.path.exists(path):
+            with open(path) as f:
+                results.append(json.load(f))
+        elif os.path.exists(err):
+            with open(err) as f:
+                why = why or f"rank {r} failed:\n{f.read()}"
+    return (results if len(results) == cfg["sp"] and not why else None), why
+
+
+def aggregate(cfg: dict[str, Any], ranks: list[dict]) -> dict[str, Any]:
+    every = {k: [v for r in ranks for v in r[k]] for k in ("next_ms", "usable_ms", "step_ms")}
+    per_rank_usable = [_pct(r["usable_ms"], 0.5) for r in ranks]
+    row: dict[str, Any] = {
+        "way": cfg["way"],
+        "mib": cfg["mib"],
+        "sp": cfg["sp"],
+        "payload_mib": ranks[0]["payload_bytes"] / MiB,
+        "next_p50": _pct(every["next_ms"], 0.5),
+        "usable_p50": _pct(every["usable_ms"], 0.5),
+        "usable_p99": _pct(every["usable_ms"], 0.99),
+        "usable_p50_worst_rank": max(v for v in per_rank_usable if v is not None),
+        "step_p50": _pct(every["step_ms"], 0.5),
+        "step_p99": _pct(every["step_ms"], 0.99),
+        "cpu_s": sum(r["cpu_s"] for r in ranks),
+        "node_pss_mib": sum(r["pss"] for r in ranks) / MiB,
+        "pinned_host_mib": (
+            sum(r["pinned_host_bytes"] for r in ranks) / MiB
+            if all(r["pinned_host_bytes"] is not None for r in ranks)
+            else None
+        ),
+        "pinned_ref_gbs": ranks[0]["pinned_ref_gbs"],
+    }
+    if cfg["way"] == "shm_device":
+        stats = [r.get("stats", {}) for r in ranks]
+        bws = [s.get("device_bandwidth_gbs") for s in stats if s.get("device_bandwidth_gbs")]
+        row["h2d_gbs"] = statistics.median(bws) if bws else None
+        row["registered"] = all(s.get("device_registered") for s in stats)
+        row["registrations"] = sum(s.get("device_registrations", 0) for s in stats)
+        row["ring_slots"] = stats[0].get("ring_slots")
+    else:
+        h2d = [v for r in ranks for v in r["h2d"]]
+        row["h2d_gbs"] = statistics.median(h2d) if h2d else None
+    return row
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The issue's targets at the largest size measured."""
+    if not rows:
+        return []
+    mib = max(r["mib"] for r in rows)
+    at = {r["way"]: r for r in rows if r["mib"] == mib}
+    dev = at.get("shm_device")
+    out = []
+
+    def add(name: str, value: Any, ok: bool | None) -> None:
+        out.append({"target": name, "value": value, "met": ok})
+
+    if dev is None:
+        return [{"target": "device way", "value": "not measured", "met": None}]
+    usable = dev["usable_p50_worst_rank"]
+    add(f"time to a GPU-resident {mib} MiB batch, p50, worst rank <= 1 ms", usable, usable <= 1.0)
+    bases = [at[w]["step_p50"] for w in ("base", "base_pinned") if w in at]
+    best = min(bases) if bases else None
+    add(
+        "step p50 no slower than the best base way",
+        f"{dev['step_p50']:.1f} vs {best:.1f} ms" if best else "no base way",
+        dev["step_p50"] <= best if best else None,
+    )
+    ref, bw = dev.get("pinned_ref_gbs"), dev.get("h2d_gbs")
+    add(
+        "ring-to-device bandwidth >= 90% of a pinned tensor's",
+        f"{bw:.1f} / {ref:.1f} GB/s" if bw and ref else "not measured",
+        (bw >= 0.9 * ref) if bw and ref else None,
+    )
+    pinned = dev.get("pinned_host_mib")
+    regs, slots = dev.get("registrations"), dev.get("ring_slots")
+    per_batch = regs is not None and slots is not None and regs <= slots * dev["sp"]
+    add(
+        "zero pin_memory() copies and zero per-batch registrations",
+        f"pinned {pinned} MiB, {regs} registrations for {slots} slots x {dev['sp']} ranks",
+        None if pinned is None else pinned == 0 and per_batch,
+    )
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    sharing = "all ranks share one GPU" if m["gpus"] == 1 else "rank r uses GPU r % GPUs"
+    lines = [
+        "# GPU delivery",
+        "",
+        f"{m['gpu']} x{m['gpus']}, {m['cpus']} CPUs, torch {m['torch']}; SP{result['sp']} on "
+        f"one node; {sharing}; {result['workers']} workers per loading rank; "
+        f"{result['gpu_ms']} ms of GPU work per step.",
+        "",
+        "| way | MiB | next p50 | usable p50 / p99 | worst rank usable p50 | step p50 / p99 "
+        "| H2D GB/s | node CPU s | node PSS MiB | pinned MiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def f(x: Any, d: int = 1) -> str:
+        return "-" if x is None else f"{x:.{d}f}" if isinstance(x, float) else str(x)
+
+    for r in result["rows"]:
+        lines.append(
+            f"| {LABELS[r['way']]} | {r['mib']} | {f(r['next_p50'], 2)} | "
+            f"{f(r['usable_p50'], 2)} / {f(r['usable_p99'], 2)} | "
+            f"{f(r['usable_p50_worst_rank'], 2)} | {f(r['step_p50'])} / {f(r['step_p99'])} | "
+            f"{f(r['h2d_gbs'])} | {f(r['cpu_s'])} | {f(r['node_pss_mib'], 0)} | "
+            f"{f(r['pinned_host_mib'], 0)} |"
+        )
+    lines += ["", "| target | value | met |", "| --- | --- | --- |"]
+    for t in result["targets"]:
+        met = {True: "yes", False: "**no**", None: "-"}[t["met"]]
+        lines.append(f"| {t['target']} | {f(t['value'], 2)} | {met} |")
+    for s in result.get("skipped", []):
+        lines.append(f"\nSkipped: {s}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key, title in (
+        (axes[0], "usable_p50", "time to a GPU-resident batch, p50 (ms)"),
+        (axes[1], "step_p50", "whole step, p50 (ms)"),
+    ):
+        for way in WAYS:
+            pts = sorted((r["mib"], r[key]) for r in rows if r["way"] == way and r[key])
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=LABELS[way])
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch MiB")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    p.add_argument("--sizes", type=int, nargs="+", default=[16, 256], help="batch sizes in MiB")
+    p.add_argument("--sp", type=int, default=4, help="SP ranks on this node (default 4)")
+    p.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS), help="ways to run")
+    p.add_argument("--steps", type=int, default=30, help="measured steps per way and size")
+    p.add_argument("--warmup", type=int, default=5, help="warm-up steps (ring, registration)")
+    p.add_argument("--workers", type=int, default=2, help="DataLoader workers per loading rank")
+    p.add_argument("--gpu-ms", type=float, default=30.0, help="GPU work per step, ms")
+    p.add_argument(
+        "--gpu", type=int, default=-1, help="one GPU index for every rank (default: rank %% GPUs)"
+    )
+    p.add_argument("--timeout", type=float, default=240.0, help="seconds per configuration")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print(
+            "benchmarks.gpu needs a CUDA GPU: torch.cuda.is_available() is False here "
+            f"(torch {torch.__version__}). Run it on a GPU node; the CPU logic of device "
+            "delivery is covered by tests/test_device.py.",
+            file=sys.stderr,
+        )
+        return 2
+    from . import procstat
+
+    machine = {
+        "gpu": torch.cuda.get_device_name(0),
+        "gpus": torch.cuda.device_count(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "host": procstat.machine(),
+    }
+    rows, skipped = [], []
+    t_all = time.monotonic()
+    for mib in args.sizes:
+        for way in args.ways:
+            cfg = {
+                "way": way,
+                "mib": mib,
+                "sp": args.sp,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "workers": args.workers,
+                "gpu_ms": args.gpu_ms,
+                "gpu": args.gpu,
+                "timeout": args.timeout,
+            }
+            t0 = time.monotonic()
+            ranks, why = launch(cfg)
+            if ranks is None:
+                skipped.append(f"{way} {mib} MiB: {why}")
+                print(f"[gpu] {way} {mib} MiB: FAILED {why}", file=sys.stderr)
+                continue
+            row = aggregate(cfg, ranks)
+            rows.append(row)
+            print(
+                f"[gpu] {way:>11} {mib:>4} MiB: usable p50 {row['usable_p50']:.2f} ms, "
+                f"step p50 {row['step_p50']:.1f} ms ({time.monotonic() - t0:.0f} s)",
+                file=sys.stderr,
+            )
+    result = {
+        "machine": machine,
+        "sp": args.sp,
+        "workers": args.workers,
+        "gpu_ms": args.gpu_ms,
+        "rows": rows,
+        "targets": targets(rows),
+        "skipped": skipped,
+        "seconds": time.monotonic() - t_all,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(args.out, "gpu.md"), "w") as f:
+        f.write(markdown(result))
+    if rows:
+        plot(rows, os.path.join(args.out, "gpu.png"))
+    print(markdown(result))
+    return 0 if rows and not skipped else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

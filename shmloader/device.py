@@ -1,0 +1,708 @@
+"""Device delivery: every tensor of a delivered batch arrives on the GPU.
+
+``ShmLoader(..., device="cuda", select=...)`` wraps the delivered-batch
+iterator of every role (local, leader, node leader, follower) in one
+:class:`DeviceStage`; the roles' loops do not change. The stage runs in the
+consuming thread (no background thread: a follower's ZeroMQ socket belongs to
+the thread that iterates, and releases are sent from it, NOTE [prompt release]
+in ``loader``).
+
+One ``next()`` on a CUDA rank::
+
+    reap      poll the end event of every copy whose CPU view still holds a slot;
+              completed: drop the view -> weakref.finalize -> RELEASE (slot FREE)
+    pull      while fewer than 1 + prefetch batches are in flight:
+                cpu = select(next(inner))           shared CPU views, still HOLDING their slots
+                on the side stream: start event
+                  per tensor leaf: slot = ring.view_source(ptr)
+                                   mapping = registered read-only MAP_SHARED map of slot
+                                             (made and cudaHostRegister'ed once per slot)
+                                   device bytes <- mapping[offset : offset + n]  (async DMA)
+                end event; keep cpu until the end event completes
+    reap      again (copies issued a step ago have usually completed)
+    hand over the oldest: current stream waits for its end event (no host sync),
+              record_stream(current) on its tensors; return it
+
+Life of one batch in the stage (zero is invalid, as for slots)::
+
+        pull + issue copies          end event completed (polled)
+    PULLED ------------------> COPYING -----------------------------> COPIED
+                                  |      CPU view dropped: the slot is RELEASEd
+                                  |
+                                  +-- hand-over may happen in COPYING or COPIED:
+                                      the consumer stream waits on the event
+
+So a GPU consumer holds ring memory for one copy's duration (plus at most one
+step until the next poll), not for as long as it keeps the batch: the device
+tensors own their memory.
+
+NOTE [registration]
+    Each rank maps each slot segment once, read-only and MAP_SHARED
+    (``ring.map_shared_readonly``), and registers that mapping once with
+    ``cudaHostRegisterReadOnly | cudaHostRegisterPortable`` (measured on an
+    H200: 51-108 ms per GiB, once; copies at 53 GB/s, like a pinned tensor;
+    default flags on a read-only mapping are refused; registering the
+    private copy-on-write view instead breaks copy-on-write or costs 5-10x).
+    The mapping lives while its segment does: when the slot is retired
+    (grown; the segment's descriptor is closed) and no copy uses it, or on
+    close, it is unregistered first and unmapped after. A refused
+    registration (no CUDA, a driver or container limit) is logged once and
+    every later copy reads the private view instead: pageable speed, same
+    bytes, never an error.
+
+    Binding: ``ctypes`` on the ``libcudart`` that torch itself loaded (found
+    in ``/proc/self/maps``), so the calls run in torch's CUDA runtime
+    instance. Chosen over ``torch.cuda.cudart()`` because that binding has no
+    ``cudaGetLastError``: a refused ``cudaHostRegister`` leaves the error
+    pending in the runtime, and torch's next kernel-launch check would raise
+    it from an unrelated operation; here it is cleared at once. Chosen over
+    ``cuda-bindings`` because it needs no new dependency and no second
+    runtime. When no ``libcudart`` is mapped (a static build) the stage
+    falls back to ``torch.cuda.cudart()``. Not measured against each other:
+    no GPU was available where this was written; the call itself is the same.
+
+NOTE [device memory reuse]
+    Device memory of each batch is allocated on the side stream (where the
+    copy writes it) and, when the batch is handed over, ``record_stream``-ed
+    on the consumer's current stream: when the user drops the batch, the
+    caching allocator reuses the block only after the consumer-stream work
+    queued until then has finished, so no later copy overwrites memory a
+    kernel still reads. Chosen over a ring of device buffers because batch
+    shapes vary (packed sequences, ``select``) and the allocator already
+    recycles blocks by size; a buffer ring would need sizing and a second
+    hand-back protocol. Chosen by reasoning, not by measurement (no GPU
+    here): ``python -m benchmarks.gpu`` watches device memory for growth.
+
+NOTE [select]
+    ``select(batch)`` runs on the shared CPU view before any copy, on every
+    path (CPU delivery too), so a script behaves the same without a GPU. It
+    must return views (slicing is free) and must not write into the batch:
+    the copy reads the slot through the registered mapping, which does not
+    see the rank's private in-place writes.
+
+The device copy sits behind :class:`DeviceOps` (empty/copy/record/query/
+wait/...): :class:`CudaOps` is the real one; tests drive the whole stage with
+a fake whose copies complete when the test says so.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import itertools
+import logging
+import math
+import mmap
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from . import ring
+from .config import _DEVICE_ACCEPTED, valid_device
+from .errors import ConfigError, ShmLoaderError
+from .segment import Segment
+
+log = logging.getLogger(__name__)
+
+#: ``cudaHostRegisterPortable | cudaHostRegisterReadOnly``.
+HOST_REGISTER_FLAGS = 0x01 | 0x08
+#: A non-contiguous tensor is copied as this many contiguous blocks at most;
+#: beyond it, it is made contiguous on the host and copied from there.
+MAX_BLOCKS = 64
+
+_warned_pin = False
+
+
+# ----------------------------------------------------------------- devices
+
+
+def resolve(spec: str | torch.device | None, default: str = "cpu") -> torch.device | None:
+    """The CUDA device batches go to, or None for host delivery.
+
+    ``spec`` None means ``default`` (``Config.device``). ``auto`` is ``cuda``
+    when ``torch.cuda.is_available()``, else host delivery. ``cuda`` is this
+    rank's current CUDA device. Raises ``ConfigError`` for a bad value or a
+    CUDA device this rank does not have.
+    """
+    value = default if spec is None else spec
+    if isinstance(value, torch.device):
+        value = str(value)
+    if not valid_device(value):
+        raise ConfigError("device", value, _DEVICE_ACCEPTED)
+    if value == "cpu":
+        return None
+    if value == "auto":
+        if not torch.cuda.is_available():
+            return None
+        value = "cuda"
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "device",
+            value,
+            "'cpu' or 'auto' on this rank: torch.cuda.is_available() is False "
+            "('auto' delivers on the GPU where there is one and in host memory elsewhere)",
+        )
+    if value == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    index = int(value.partition(":")[2])
+    if index >= torch.cuda.device_count():
+        raise ConfigError("device", value, f"a CUDA device index below {torch.cuda.device_count()}")
+    return torch.device("cuda", index)
+
+
+def warn_pin_memory(loader: object) -> bool:
+    """Say once (per process) that ``pin_memory=True`` is wasted work on the device path."""
+    global _warned_pin
+    if getattr(loader, "pin_memory", False) is not True or _warned_pin:
+        return False
+    _warned_pin = True
+    log.warning(
+        "shmloader: the leader's DataLoader has pin_memory=True, but with device= the batch "
+        "goes to the GPU from the page-locked ring, never from the loader's pinned copy: the "
+        "pin thread copies every batch for nothing (about 220 ms per 256 MiB). "
+        "Fix: DataLoader(..., pin_memory=False)"
+    )
+    return True
+
+
+@runtime_checkable
+class DeviceOps(Protocol):
+    """The seam between the stage and a device: byte copies on a side stream, events.
+
+    Every call happens in the consuming thread. ``empty`` and ``copy`` are
+    issued inside ``side()`` so that they run on the side stream in order.
+    """
+
+    device: torch.device
+
+    def side(self) -> contextlib.AbstractContextManager[Any]: ...
+    def empty(self, nbytes: int) -> torch.Tensor: ...
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+    def record(self) -> Any: ...
+    def query(self, event: Any) -> bool: ...
+    def wait(self, event: Any) -> None: ...
+    def synchronize(self, event: Any) -> None: ...
+    def elapsed_ms(self, start: Any, end: Any) -> float: ...
+    def hand_over(self, tensor: torch.Tensor) -> None: ...
+    def register(self, address: int, nbytes: int) -> str | None: ...
+    def unregister(self, address: int) -> None: ...
+
+
+class CudaOps:
+    """:class:`DeviceOps` on a CUDA device: one side stream, timing events."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        with torch.cuda.device(device):
+            self.stream = torch.cuda.Stream(device)
+        self._cudart = _Cudart(device)
+
+    def side(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(self.stream)
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        # From a registered (page-locked) source this returns at once and the
+        # DMA runs on the side stream; from pageable memory the driver stages
+        # it before returning, so the source may die right after.
+        dst.copy_(src, non_blocking=True)
+
+    def record(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.stream)
+        return event
+
+    def query(self, event: torch.cuda.Event) -> bool:
+        return event.query()
+
+    def wait(self, event: torch.cuda.Event) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def synchronize(self, event: torch.cuda.Event) -> None:
+        event.synchronize()
+
+    def elapsed_ms(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        return start.elapsed_time(end)
+
+    def hand_over(self, tensor: torch.Tensor) -> None:
+        tensor.record_stream(torch.cuda.current_stream(self.device))  # NOTE [device memory reuse]
+
+    def register(self, address: int, nbytes: int) -> str | None:
+        return self._cudart.register(address, nbytes)
+
+    def unregister(self, address: int) -> None:
+        self._cudart.unregister(address)
+
+
+class _Cudart:
+    """``cudaHostRegister`` / ``cudaHostUnregister`` in torch's runtime (NOTE [registration])."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        torch.cuda.init()
+        path = _loaded_cudart()
+        self.lib: ctypes.CDLL | None = None
+        self.torch_rt: Any = None
+        if path is not None:
+            lib = ctypes.CDLL(path)
+            lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+            lib.cudaHostRegister.restype = ctypes.c_int
+            lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
+            lib.cudaHostUnregister.restype = ctypes.c_int
+            lib.cudaGetLastError.restype = ctypes.c_int
+            lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+            lib.cudaGetErrorString.restype = ctypes.c_char_p
+            self.lib = lib
+        else:
+            self.torch_rt = torch.cuda.cudart()
+
+    def _error(self, code: int) -> str:
+        if self.lib is not None:
+            self.lib.cudaGetLastError()  # clear it: torch would raise it later
+            text = self.lib.cudaGetErrorString(code) or b"?"
+            return f"error {code} ({text.decode(errors='replace')})"
+        return f"error {code}"
+
+    def register(self, address: int, nbytes: int) -> str | None:
+        with torch.cuda.device(self.device):
+            if self.lib is not None:
+                code = self.lib.cudaHostRegister(address, nbytes, HOST_REGISTER_FLAGS)
+            else:
+                code = int(self.torch_rt.cudaHostRegister(address, nbytes, HOST_REGISTER_FLAGS))
+        return None if code == 0 else f"cudaHostRegister: {self._error(code)}"
+
+    def unregister(self, address: int) -> None:
+        with torch.cuda.device(self.device):
+            if self.lib is not None:
+                code = self.lib.cudaHostUnregister(address)
+            else:
+                code = int(self.torch_rt.cudaHostUnregister(address))
+        if code != 0:
+            log.warning("shmloader: cudaHostUnregister failed: %s", self._error(code))
+
+
+def _loaded_cudart() -> str | None:
+    """Path of the ``libcudart`` mapped into this process (torch loaded it), or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line[line.find("/") :].rstrip("\n") if "/" in line else ""
+                if "/libcudart.so" in path:
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+# ------------------------------------------------------------- registration
+
+
+@dataclass(eq=False)
+class _Mapping:
+    """One rank's registered, read-only MAP_SHARED mapping of one slot segment."""
+
+    segment: Segment
+    mm: mmap.mmap
+    base: torch.Tensor | None  # uint8 over the whole mapping
+    address: int
+    payload_at: int
+    users: int = 0  # copies in flight that read it
+
+
+class Registrar:
+    """The registered mappings of one stage, one per slot segment (NOTE [registration])."""
+
+    def __init__(self, ops: DeviceOps) -> None:
+        self._ops = ops
+        self._maps: dict[int, _Mapping] = {}  # id(segment) -> mapping; the segment is held
+        self.refused: str | None = None
+        self.registrations = 0
+        self.unregistrations = 0
+
+    @property
+    def live(self) -> int:
+        return len(self._maps)
+
+    def lookup(self, tensor: torch.Tensor) -> tuple[_Mapping, int] | None:
+        """The registered mapping ``tensor`` can be copied from and its byte offset there."""
+        if self.refused is not None:
+            return None
+        found = ring.view_source(tensor.data_ptr())
+        if found is None:
+            return None  # not a view of a slot (sharing off, SHMLOADER_COPY, no payload)
+        segment, offset = found
+        mapping = self._maps.get(id(segment))
+        if mapping is None:
+            if segment.fd < 0:
+                return None  # retired already; the private view still holds the bytes
+            mapping = self._open(segment)
+            if mapping is None:
+                return None
+        return mapping, mapping.payload_at + offset
+
+    def _open(self, segment: Segment) -> _Mapping | None:
+        mm, payload_at = ring.map_shared_readonly(segment)
+        array = np.frombuffer(mm, dtype=np.uint8)
+        address = array.__array_interface__["data"][0]
+        error = self._ops.register(address, len(mm))
+        if error is not None:
+            del array
+            mm.close()
+            self.refused = error
+            log.warning(
+                "shmloader: registering ring slot %s with CUDA was refused (%s); batches are "
+                "copied to the GPU from unregistered memory from now on (pageable speed, same "
+                "bytes). Check the GPU driver and the container's locked-memory limits",
+                segment.name,
+                error,
+            )
+            return None
+        self.registrations += 1
+        with warnings.catch_warnings():  # read-only: only the DMA engine reads it
+            warnings.simplefilter("ignore", UserWarning)
+            base = torch.from_numpy(array)
+        mapping = _Mapping(segment, mm, base, address, payload_at)
+        self._maps[id(segment)] = mapping
+        return mapping
+
+    def sweep(self) -> None:
+        """Unregister and unmap the mappings of retired slots no copy reads any more."""
+        for key, mapping in list(self._maps.items()):
+            if mapping.segment.fd < 0 and mapping.users == 0:
+                self._drop(key)
+
+    def _drop(self, key: int) -> None:
+        mapping = self._maps.pop(key)
+        try:
+            self._ops.unregister(mapping.address)  # before unmap, always
+        finally:
+            self.unregistrations += 1
+            mapping.base = None
+            with contextlib.suppress(BufferError):
+                mapping.mm.close()
+
+    def close(self) -> None:
+        for key in list(self._maps):
+            with contextlib.suppress(Exception):
+                self._drop(key)
+
+
+# ------------------------------------------------------------------- stage
+
+
+@dataclass(eq=False)
+class _Copy:
+    """The copies of one batch: what they read and the CPU views that hold its slots."""
+
+    start: Any = None
+    end: Any = None
+    keep: Any = None  # the selected CPU batch: its private views HOLD the slots
+    nbytes: int = 0
+    maps: list[_Mapping] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Ready:
+    batch: Any
+    end: Any
+    tensors: list[torch.Tensor]
+    position: Any
+
+
+class DeviceStage:
+    """``select`` and, on a CUDA device, prefetch to the device for one ``ShmLoader``.
+
+    ``device`` is a CUDA ``torch.device``, a :class:`DeviceOps` (the seam), or
+    None for host delivery (then only ``select`` applies).
+    """
+
+    def __init__(
+        self,
+        device: torch.device | DeviceOps | None,
+        *,
+        select: Callable[[Any], Any] | None = None,
+        prefetch: int = 2,
+    ) -> None:
+        if select is not None and not callable(select):
+            raise ConfigError("select", select, "None or a callable taking and returning a batch")
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 1:
+            raise ConfigError("prefetch", prefetch, "an integer >= 1")
+        self.select = select
+        self.prefetch = prefetch
+        self._ops: DeviceOps | None
+        if isinstance(device, DeviceOps):
+            self._ops = device
+        elif device is not None:
+            self._ops = CudaOps(device)
+        else:
+            self._ops = None
+        self.device = self._ops.device if self._ops is not None else None
+        self._registrar = Registrar(self._ops) if self._ops is not None else None
+        self._inflight: list[_Copy] = []  # copies whose CPU views still hold slots
+        self._stats: collections.Counter = collections.Counter()
+        self._closed = False
+        #: batches pulled from the role's iterator and not yet handed to the user
+        self.ahead = 0
+        #: what ``position()`` returned when the last handed-over batch was pulled
+        self.position: Any = None
+
+    @property
+    def on_device(self) -> bool:
+        return self._ops is not None
+
+    def wrap(
+        self, inner: Iterator[Any], position: Callable[[], Any] | None = None
+    ) -> Iterator[Any]:
+        """Iterate ``inner`` through ``select`` and, on a device, the prefetcher.
+
+        ``position()`` is called after every pull (and at the start and end)
+        so that the loader can report where the *user* is, not the stage.
+        """
+        if self._closed:
+            raise ShmLoaderError("this ShmLoader is closed; make a new one")
+        if self._ops is None:
+            return self._host(inner)
+        return self._prefetching(inner, position)
+
+    def _host(self, inner: Iterator[Any]) -> Iterator[Any]:
+        select = self.select
+        assert select is not None
+        while True:
+            box = []  # NOTE [no batch in the frame] (loader)
+            try:
+                box.append(next(inner))
+            except StopIteration:
+                return
+            yield select(box.pop())
+
+    def _prefetching(
+        self, inner: Iterator[Any], position: Callable[[], Any] | None
+    ) -> Iterator[Any]:
+        queue: collections.deque[_Ready] = collections.deque()
+        error: Exception | None = None
+        done = False
+        end_position: Any = None
+        self.position = position() if position is not None else None
+        try:
+            while True:
+                if self._closed:
+                    raise ShmLoaderError("this ShmLoader was closed while iterating")
+                self._reap()  # free slots first: the writer may need them for what we pull
+                # Errors wait behind the batches already pulled, as on the host path.
+                while not done and error is None and len(queue) <= self.prefetch:
+                    try:
+                        queue.append(self._start(next(inner), position))
+                    except StopIteration:
+                        done = True
+                        end_position = position() if position is not None else None
+                    except Exception as exc:
+                        error = exc
+                self.ahead = len(queue)
+                self._reap()
+                if not queue:
+                    if error is not None:
+                        raise error
+                    if position is not None:
+                        self.position = end_position
+                    return
+                self.ahead = len(queue) - 1
+                yield self._hand_over(queue.popleft())
+        finally:
+            self.ahead = 0
+            queue.clear()
+            with contextlib.suppress(Exception):
+                inner.close()  # type: ignore[attr-defined]
+            self._settle()
+
+    def _start(self, batch: Any, position: Callable[[], Any] | None) -> _Ready:
+        """Issue the copies of one pulled batch on the side stream."""
+        ops = self._ops
+        assert ops is not None
+        if self.select is not None:
+            batch = self.select(batch)
+        copy = _Copy(keep=batch)
+        tensors: list[torch.Tensor] = []
+        with ops.side():
+            copy.start = ops.record()
+            try:
+                out = _map_tensors(batch, lambda t: self._to_device(t, copy, tensors), {})
+            finally:  # even a failed batch is reaped like any other: its copies may run
+                copy.end = ops.record()
+                self._inflight.append(copy)
+        where = position() if position is not None else None
+        return _Ready(out, copy.end, tensors, where)
+
+    def _to_device(self, t: torch.Tensor, copy: _Copy, tensors: list[torch.Tensor]) -> torch.Tensor:
+        ops = self._ops
+        assert ops is not None
+        if t.device.type != "cpu":
+            return t
+        nbytes = t.numel() * t.element_size()
+        dst = ops.empty(nbytes)
+        at = 0
+        for src in self._sources(t, copy):
+            n = src.numel()
+            ops.copy(dst[at : at + n], src)
+            at += n
+        copy.nbytes += nbytes
+        out = dst.view(t.dtype).reshape(t.shape)
+        tensors.append(out)
+        return out
+
+    def _sources(self, t: torch.Tensor, copy: _Copy) -> list[torch.Tensor]:
+        """uint8 host tensors whose bytes, in order, are ``t``'s values row-major."""
+        if t.numel() == 0:
+            return []
+        hit = self._registrar.lookup(t) if self._registrar is not None else None
+        if hit is not None:
+            mapping, at = hit
+            blocks = _blocks(t)
+            if blocks is not None and mapping.base is not None:
+                if mapping not in copy.maps:
+                    mapping.users += 1
+                    copy.maps.append(mapping)
+                size = t.element_size()
+                offsets, inner = blocks
+                return [
+                    mapping.base[at + off * size : at + (off + inner) * size] for off in offsets
+                ]
+        contiguous = t if t.is_contiguous() else t.contiguous()
+        return [contiguous.reshape(-1).view(torch.uint8)]
+
+    def _hand_over(self, ready: _Ready) -> Any:
+        ops = self._ops
+        assert ops is not None
+        ops.wait(ready.end)  # the consumer's stream waits; the host does not
+        for tensor in ready.tensors:
+            ops.hand_over(tensor)
+        self.position = ready.position
+        self._stats["device_batches"] += 1
+        return ready.batch
+
+    def _reap(self) -> None:
+        """Drop the CPU views of completed copies: their slots are released now."""
+        ops = self._ops
+        assert ops is not None
+        still = []
+        for copy in self._inflight:
+            if ops.query(copy.end):
+                self._finish(copy)
+            else:
+                still.append(copy)
+        self._inflight = still
+        if self._registrar is not None:
+            self._registrar.sweep()
+
+    def _finish(self, copy: _Copy) -> None:
+        ops = self._ops
+        assert ops is not None
+        self._stats["device_bytes"] += copy.nbytes
+        with contextlib.suppress(Exception):  # an event that never completed has no time
+            self._stats["device_copy_ms_total"] += ops.elapsed_ms(copy.start, copy.end)
+        self._stats["device_copies"] += 1
+        if copy.maps:
+            self._stats["device_copies_registered"] += 1
+        for mapping in copy.maps:
+            mapping.users -= 1
+        copy.keep = None  # the last reference to the CPU views: RELEASE
+
+    def _settle(self) -> None:
+        """Wait for every copy still in flight and let its slots go (iteration end, close)."""
+        ops = self._ops
+        if ops is None:
+            return
+        inflight, self._inflight = self._inflight, []
+        for copy in inflight:
+            with contextlib.suppress(Exception):
+                ops.synchronize(copy.end)
+            self._finish(copy)
+        if self._registrar is not None:
+            self._registrar.sweep()
+
+    def stats(self) -> dict[str, Any]:
+        """Device counters of this rank (empty on host delivery without ``select``)."""
+        if self._ops is None:
+            return {"device": "cpu"}
+        s = self._stats
+        ms = s["device_copy_ms_total"]
+        reg = self._registrar
+        assert reg is not None
+        return {
+            "device": str(self.device),
+            "device_batches": s["device_batches"],
+            "device_bytes": s["device_bytes"],
+            "device_copy_ms_total": ms,
+            "device_bandwidth_gbs": s["device_bytes"] / ms / 1e6 if ms > 0 else None,
+            "device_registered": reg.registrations > 0 and reg.refused is None,
+            "device_registrations": reg.registrations,
+            "device_registered_slots": reg.live,
+            "device_copies_registered": s["device_copies_registered"],
+            "device_registration_refused": reg.refused,
+        }
+
+    def close(self) -> None:
+        """Wait for copies in flight, release their slots, unregister and unmap. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._settle()
+        if self._registrar is not None:
+            self._registrar.close()
+
+
+# ----------------------------------------------------------------- helpers
+
+
+def _blocks(t: torch.Tensor) -> tuple[list[int], int] | None:
+    """``t`` as contiguous runs: (element offsets from ``t``'s first element, run length).
+
+    None when it would take more than ``MAX_BLOCKS`` runs.
+    """
+    shape, stride = list(t.shape), list(t.stride())
+    run, k = 1, len(shape)
+    while k > 0 and (shape[k - 1] == 1 or stride[k - 1] == run):
+        run *= shape[k - 1]
+        k -= 1
+    outer_shape, outer_stride = shape[:k], stride[:k]
+    if math.prod(outer_shape) > MAX_BLOCKS:
+        return None
+    offsets = [
+        sum(i * s for i, s in zip(index, outer_stride, strict=True))
+        for index in itertools.product(*(range(n) for n in outer_shape))
+    ]
+    return offsets, run
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], memo: dict[int, Any]) -> Any:
+    """``obj`` with every tensor replaced by ``fn(tensor)``; aliases stay aliases.
+
+    Containers as in the batch contract (list, tuple, namedtuple, dict,
+    dataclass); numpy arrays and other leaves are returned as they are.
+    """
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in memo:
+            memo[id(obj)] = fn(obj)
+        return memo[id(obj)]
+    if isinstance(obj, list):
+        return [_map_tensors(v, fn, memo) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_map_tensors(v, fn, memo) for v in obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_map_tensors(v, fn, memo) for v in obj))
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn, memo) for k, v in obj.items()}
+    if hasattr(obj, "__dataclass_fields__") and not isinstance(obj, type):
+        import copy as _copy
+
+        new = _copy.copy(obj)
+        for name in obj.__dataclass_fields__:
+            object.__setattr__(new, name, _map_tensors(getattr(obj, name), fn, memo))
+        return new
+    return obj

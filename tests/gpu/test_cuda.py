@@ -1,0 +1,195 @@
+"""Device delivery on a real GPU. Skipped where ``torch.cuda.is_available()`` is False.
+
+Run where there is a GPU: ``python -m pytest -q tests/gpu`` (one GPU is
+enough: all ranks share it). The logic behind these tests (prefetch, events,
+release, registration counting, fallback) is covered without a GPU by
+``tests/test_device.py``; these check what only CUDA can: bit-equal device
+values, real ``cudaHostRegister`` on shared slots next to copy-on-write
+views, device memory, and a registration CUDA itself refuses.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from shmloader import Config, ShmLoader, device
+from tests.harness import run_ranks
+from tests.test_device import RingSource, _all_dtypes_batch, _assert_same, same
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA device (torch.cuda.is_available() is False); "
+    "tests/test_device.py covers the stage's logic without one",
+)
+
+
+@pytest.fixture
+def source():
+    src = RingSource()
+    yield src
+    gc.collect()
+    src.close()
+
+
+def _to_host(obj):
+    if isinstance(obj, torch.Tensor):
+        assert obj.device.type == "cuda"
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_host(v) for v in obj]
+    return obj
+
+
+def test_values_bit_equal_to_host_delivery_for_every_dtype(source):
+    stage = device.DeviceStage(torch.device("cuda"), prefetch=2)
+    want = [_all_dtypes_batch() for _ in range(4)]
+    got = list(stage.wrap(iter([source.deliver(b) for b in want])))
+    torch.cuda.synchronize()
+    for g, w in zip(got, want, strict=True):
+        assert g["ids"] is g["labels"]
+        assert isinstance(g["np"], np.ndarray)
+        _assert_same(_to_host(g), w)
+    stats = stage.stats()
+    assert stats["device_registered"] and stats["device_registrations"] >= 1
+    assert stats["device_bandwidth_gbs"] and stats["device_bandwidth_gbs"] > 0
+    stage.close()
+
+
+def test_a_batch_held_across_many_steps_never_changes(source):
+    stage = device.DeviceStage(torch.device("cuda"), prefetch=2)
+    it = stage.wrap(
+        source.deliver({"x": torch.full((1 << 16,), i, dtype=torch.int32)}) for i in range(300)
+    )
+    held = next(it)
+    expected = torch.zeros(1 << 16, dtype=torch.int32)
+    for _ in it:
+        pass  # the slot of batch 0 is rewritten about 150 times meanwhile
+    torch.cuda.synchronize()
+    assert torch.equal(held["x"].cpu(), expected)
+    assert len(source.ring.slots) <= 4
+    stage.close()
+
+
+def test_no_device_memory_growth_over_1000_steps(source):
+    stage = device.DeviceStage(torch.device("cuda"), prefetch=2)
+    batches = (source.deliver({"x": torch.full((1 << 18,), i % 7)}) for i in range(1000))
+    it = stage.wrap(batches)
+    after_warmup = None
+    for step, batch in enumerate(it):
+        y = (batch["x"] * 2).sum()  # consumer-stream work on the batch
+        if step == 50:
+            torch.cuda.synchronize()
+            after_warmup = torch.cuda.memory_allocated()
+        del batch, y
+    torch.cuda.synchronize()
+    gc.collect()
+    assert after_warmup is not None
+    assert torch.cuda.memory_allocated() <= after_warmup
+    stage.close()
+
+
+def test_refused_registration_falls_back_and_leaves_no_cuda_error(source, caplog, monkeypatch):
+    # Default flags on a read-only mapping are refused by CUDA itself.
+    monkeypatch.setattr(device, "HOST_REGISTER_FLAGS", 0)
+    stage = device.DeviceStage(torch.device("cuda"), prefetch=2)
+    with caplog.at_level(logging.WARNING, logger="shmloader.device"):
+        got = list(stage.wrap(source.deliver({"x": torch.arange(1000) + i}) for i in range(10)))
+    assert [int(b["x"][0]) for b in got] == list(range(10))
+    assert stage.stats()["device_registered"] is False
+    assert sum("refused" in r.message for r in caplog.records) == 1
+    torch.ones(4, device="cuda").add_(1)  # the refused call left no pending CUDA error
+    torch.cuda.synchronize()
+    stage.close()
+
+
+# ------------------------------------------------------------ real ranks
+
+
+def gpu_rank(rank: int, world: int, *, devices: dict, write: bool, steps: int) -> dict:
+    """One rank of an SP group on this node's GPU (``devices[rank]``: cpu or cuda)."""
+    import torch.distributed as dist
+
+    calls = {"register": 0}
+    real = device._Cudart.register
+
+    def counting(self, address: int, nbytes: int):
+        calls["register"] += 1
+        return real(self, address, nbytes)
+
+    device._Cudart.register = counting  # type: ignore[method-assign]
+    from shmloader import ring
+
+    mapped: list[str] = []
+    real_map = ring.map_shared_readonly
+
+    def counting_map(segment):
+        mapped.append(segment.name)
+        return real_map(segment)
+
+    ring.map_shared_readonly = counting_map
+    group = dist.new_group(list(range(world)))
+
+    def make():
+        return [
+            {"x": torch.full((1 << 20,), i, dtype=torch.int64), "f": torch.rand(3, 1000)}
+            for i in range(steps)
+        ]
+
+    torch.manual_seed(0)
+    loader = ShmLoader(make, group, config=Config.from_env(enabled=True), device=devices[str(rank)])
+    held, seen = [], []
+    for i, batch in enumerate(loader):
+        if write and batch["x"].device.type == "cpu":
+            batch["x"].fill_(-1)  # a private in-place write: nobody else may see it
+        held.append(batch)
+        seen.append(int(batch["x"][0]) if not write else i)
+    torch.cuda.synchronize()
+    unchanged = all(
+        int(b["x"].min())
+        == int(b["x"].max())
+        == (-1 if write and b["x"].device.type == "cpu" else i)
+        for i, b in enumerate(held)
+    )
+    stats = loader.stats()
+    out = {
+        "role": loader.role,
+        "seen": seen,
+        "unchanged": unchanged,
+        "registrations": calls["register"],
+        "segments": mapped,
+        "ring_slots": stats.get("ring_slots"),
+        "stats": {k: v for k, v in stats.items() if k.startswith("device")},
+        "plain": [{k: v.cpu() for k, v in b.items()} for b in held[:3]],
+    }
+    del held
+    loader.close()
+    return out
+
+
+def test_every_rank_gets_bit_equal_batches_and_registers_each_slot_once():
+    devices = {"0": "cuda", "1": "cuda", "2": "cuda"}
+    out = run_ranks(gpu_rank, 3, kwargs={"devices": devices, "write": False, "steps": 40})
+    for r in out:
+        assert r["seen"] == list(range(40)) and r["unchanged"]
+        assert same(r["plain"], out[0]["plain"])
+        assert r["stats"]["device_registered"]
+        # once per slot segment per rank: never per batch
+        assert r["registrations"] == r["stats"]["device_registrations"] == len(r["segments"])
+        assert len(set(r["segments"])) == len(r["segments"])
+        assert 1 <= r["registrations"] <= 6
+
+
+def test_copy_on_write_intact_while_another_rank_has_the_slots_registered():
+    devices = {"0": "cpu", "1": "cuda", "2": "cpu"}
+    out = run_ranks(gpu_rank, 3, kwargs={"devices": devices, "write": True, "steps": 20})
+    assert all(r["unchanged"] for r in out)  # held CPU batches kept their private writes
+    gpu = out[1]["plain"]
+    assert all(int(b["x"].min()) == int(b["x"].max()) == i for i, b in enumerate(gpu))
+    assert out[1]["registrations"] >= 1

@@ -72,7 +72,7 @@ class WorkerFailure:
             cls = getattr(importlib.import_module(self.module), self.name)
             if not (isinstance(cls, type) and issubclass(cls, Exception)):
                 raise TypeError(cls)
-            exc = cls.__new__(cls)
+            exc = Exception.__new__(cls)  # not cls(...): constructors differ
             Exception.__init__(exc, self.message)
             for key, value in self.attrs.items():
                 setattr(exc, key, value)

@@ -21,6 +21,7 @@ from shmloader.errors import ShmCapacityError, UnsupportedBatchError
 from shmloader.pool import FREE, WorkerPool, per_worker_slots
 from shmloader.ring import RingWriter, new_token, private_view
 from shmloader.worker import WorkerFailure, WorkerWriter, install
+from tests.harness import run_ranks
 from tests.test_sharing import assert_same
 
 
@@ -308,3 +309,169 @@ def test_pool_larger_than_dev_shm_is_a_capacity_error_before_any_batch(monkeypat
     finally:
         leader.close()
     assert FREE == 1
+
+
+# ----------------------------------------------------------------- multi-rank
+
+
+def _rank_loader(kind: str, context: str | None, persistent: bool, mib: float = 0, n: int = 16):
+    def make() -> DataLoader:
+        if mib:
+            data = [torch.full((int(mib * (1 << 20)) // 8,), float(i)) for i in range(4)]
+            return DataLoader(data, batch_size=2, num_workers=2, multiprocessing_context=context)
+        collate = _bad_collate if kind == "unsupported" else custom_collate
+        return DataLoader(
+            Sized(n),
+            batch_size=3,
+            shuffle=True,
+            num_workers=2,
+            multiprocessing_context=context,
+            persistent_workers=persistent,
+            collate_fn=collate,
+        )
+
+    return make
+
+
+def deliver_workers(
+    rank: int,
+    world: int,
+    *,
+    context: str | None = None,
+    persistent: bool = False,
+    share: bool = True,
+    kind: str = "map",
+    mib: float = 0,
+    epochs: int = 2,
+) -> dict:
+    """Every batch (owned copies), the RNG state and the stats, or what was raised."""
+    from shmloader import Config, ShmLoader
+    from tests.faults.scenarios import outcome
+
+    group = torch.distributed.new_group(list(range(world)), backend="gloo")
+    torch.manual_seed(7)
+
+    def run() -> dict:
+        loader = ShmLoader(
+            _rank_loader(kind, context, persistent, mib),
+            group,
+            config=Config.from_env(enabled=share),
+        )
+        try:
+            batches = []
+            for epoch in range(epochs):
+                loader.set_epoch(epoch)
+                batches += [_owned(b) for b in loader]
+            return {"batches": batches, "rng": torch.get_rng_state(), "stats": loader.stats()}
+        finally:
+            loader.close()
+
+    return outcome(run)
+
+
+def _check_shared_equals_unshared(world: int, **kwargs) -> list[dict]:
+    shared = run_ranks(deliver_workers, world, kwargs={**kwargs, "share": True}, timeout=150)
+    alone = run_ranks(deliver_workers, world, kwargs={**kwargs, "share": False}, timeout=150)
+    for rank in range(world):
+        s, a = shared[rank], alone[rank]
+        assert s["ok"] and a["ok"], (s, a)
+        s, a = s["value"], a["value"]
+        assert len(s["batches"]) == len(a["batches"]) > 0
+        for step, (x, y) in enumerate(zip(s["batches"], a["batches"], strict=True)):
+            assert_same(x, y, f"rank {rank} step {step}")
+        assert torch.equal(s["rng"], a["rng"]), f"rank {rank}: RNG differs from unshared"
+    lead = shared[0]["value"]["stats"]
+    assert lead["worker_written"] == lead["published"] == len(shared[0]["value"]["batches"])
+    return shared
+
+
+@pytest.mark.timeout(330)
+def test_shared_equals_unshared_with_spawned_persistent_workers():
+    _check_shared_equals_unshared(2, context="spawn", persistent=True)
+
+
+@pytest.mark.timeout(330)
+def test_copy_mode_with_worker_written_slots(monkeypatch):
+    monkeypatch.setenv("SHMLOADER_COPY", "1")
+    _check_shared_equals_unshared(2, context="forkserver")
+
+
+@pytest.mark.timeout(330)
+def test_cross_node_with_worker_written_slots():
+    shared = run_ranks(
+        deliver_workers, 4, kwargs={"context": "fork"}, nodes=[0, 0, 1, 1], timeout=150
+    )
+    alone = run_ranks(deliver_workers, 4, kwargs={"context": "fork", "share": False}, timeout=150)
+    for rank in range(4):
+        s, a = shared[rank]["value"], alone[rank]["value"]
+        assert len(s["batches"]) == len(a["batches"]) > 0
+        for step, (x, y) in enumerate(zip(s["batches"], a["batches"], strict=True)):
+            assert_same(x, y, f"rank {rank} step {step}")
+        assert torch.equal(s["rng"], a["rng"])
+    assert shared[0]["value"]["stats"]["worker_written"] > 0
+    assert shared[0]["value"]["stats"]["cross_node_bytes_sent"] > 0
+
+
+@pytest.mark.timeout(180)
+def test_unsupported_batch_in_a_worker_reaches_every_rank_with_type_and_message():
+    out = run_ranks(deliver_workers, 2, kwargs={"kind": "unsupported"}, timeout=150)
+    lead, follower = out
+    assert not lead["ok"] and lead["type"] == "UnsupportedBatchError", lead
+    assert "batch['bad'][0]" in lead["message"]
+    assert not follower["ok"] and follower["type"] == "LeaderError", follower
+    assert follower["attrs"]["original_type"] == "UnsupportedBatchError"
+    assert lead["message"] in follower["message"]
+
+
+@pytest.mark.timeout(180)
+def test_small_dev_shm_with_workers_is_a_capacity_error_on_every_rank_before_any_batch():
+    """Docker's 64 MiB /dev/shm, two workers, 16 MiB batches: typed errors, no hang."""
+    out = run_ranks(
+        deliver_workers,
+        2,
+        kwargs={"mib": 8, "context": "fork"},
+        nodes=[1, 1],
+        node_shm_size="64m",
+        timeout=150,
+    )
+    lead, follower = out
+    assert not lead["ok"] and lead["type"] == "ShmCapacityError", lead
+    assert "num_workers" in lead["message"] and "prefetch_factor" in lead["message"]
+    assert "--shm-size" in lead["message"]
+    assert not follower["ok"] and follower["type"] == "LeaderError", follower
+    assert follower["attrs"]["original_type"] == "ShmCapacityError"
+
+
+def kill_leader_holding(rank: int, world: int) -> dict:
+    """The leader SIGKILLs itself while its workers hold FILLED slots and ranks hold batches."""
+    import time
+
+    from shmloader import Config, ShmLoader
+    from tests.faults.scenarios import die, outcome
+
+    group = torch.distributed.new_group(list(range(world)), backend="gloo")
+    loader = ShmLoader(
+        _rank_loader("map", "fork", False, n=24), group, config=Config.from_env(enabled=True)
+    )
+
+    def run() -> int:
+        held = []
+        for step, batch in enumerate(loader):
+            held.append(batch)
+            if rank == 0 and step == 2:
+                time.sleep(0.5)  # let the workers fill their prefetch slots
+                die()
+        return len(held)
+
+    try:
+        return outcome(run)
+    finally:
+        loader.close()
+
+
+@pytest.mark.timeout(180)
+def test_leader_killed_while_workers_hold_slots_leaves_nothing_after_gc():
+    out = run_ranks(kill_leader_holding, 2, expect_failure=True, gc_after=True, timeout=150)
+    assert out[0] is None or isinstance(out[0], str), "the leader must have died"
+    assert not out[1]["ok"] and out[1]["type"] == "PeerLostError", out[1]
+    # no_leaks then checks that gc left no shml- segment of the job in /dev/shm

@@ -698,13 +698,17 @@ class ShmLoader:
         self._stats["worker_written"] += 1
         self._stats["bytes_published"] += ref.nbytes
         self._stats["publish_ms_total"] += (time.perf_counter_ns() - t0) / 1e6
-        self._stats["write_ms_last"] = 0.0
+        self._stats["write_ms_last"] = 0.0  # the main process wrote nothing
+        self._stats["worker_write_ms_last"] = self._pool.last_write_ns / 1e6
         view = self._own_view(slot, ref.nbytes)
         if self.config.copy:
             batch = _owned_copy(codec.decode(ref.meta, view, allow_pickle=self.config.allow_pickle))
             del view
             return batch
-        return codec.decode(ref.meta, view, allow_pickle=self.config.allow_pickle)
+        batch = codec.decode(ref.meta, view, allow_pickle=self.config.allow_pickle)
+        # the main process's own work on this batch, waiting for readers left out
+        self._stats["main_ms_last"] = (time.perf_counter_ns() - t0) / 1e6
+        return batch
 
     def _own_view(self, slot: Slot | None, nbytes: int) -> np.ndarray:
         """The writer's private view of a slot it just published; releases itself."""

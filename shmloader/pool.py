@@ -21,7 +21,7 @@ Control segment (``/shml-<token>-pool``, one page of header, then)::
     0           version          POOL_VERSION
     8           num_workers
     16          per_worker
-    64 + 64*i   slot i: state, gen, capacity, writer pid, ticket
+    64 + 64*i   slot i: state, gen, capacity, writer pid, ticket, write ns
 
 Pool slot state machine (the ``state`` word; the ring's own FREE/HELD runs
 beside it, see ``ring.py``)::
@@ -110,8 +110,8 @@ log = logging.getLogger(__name__)
 POOL_VERSION = 1
 FREE, WRITING, FILLED, HELD = 1, 2, 3, 4
 STATE_NAMES = {0: "INVALID", FREE: "FREE", WRITING: "WRITING", FILLED: "FILLED", HELD: "HELD"}
-# Word indices of a slot record.
-STATE, GEN, CAPACITY, PID, TICKET = range(5)
+# Word indices of a slot record (WRITE_NS: the worker's last encode + write, for stats).
+STATE, GEN, CAPACITY, PID, TICKET, WRITE_NS = range(6)
 _RECORD_WORDS = 8  # 64 bytes per slot: one cache line
 _RECORDS_AT = 8  # in words: slot records start at payload offset 64
 #: A worker's wait for a FREE slot polls with this backoff (seconds).
@@ -220,6 +220,7 @@ class WorkerPool:
         self.words = np.frombuffer(self._mm, np.uint64, count=words, offset=HEADER_SIZE)
         self.words[:3] = (POOL_VERSION, num_workers, per_worker)
         self._largest = 0  # largest slot capacity admitted by the daemon so far
+        self.last_write_ns = 0  # the adopted batch's write into its slot, in its worker
         self._finalizer = weakref.finalize(
             self, _unlink_all, self.control, ring.token, self.words, os.getpid()
         )
@@ -267,6 +268,7 @@ class WorkerPool:
             raise ProtocolError(f"{ref!r} overruns slot {i} of {slot.capacity} bytes")
         rec[STATE] = HELD
         ref.adopted = True
+        self.last_write_ns = int(rec[WRITE_NS])
         return slot
 
     def _install(self, i: int, gen: int) -> Slot:
@@ -517,8 +519,10 @@ class WorkerSlots:
         rec[CAPACITY] = segment.capacity
         return new
 
-    def filled(self, i: int) -> None:
-        self._record(i)[STATE] = FILLED
+    def filled(self, i: int, write_ns: int) -> None:
+        rec = self._record(i)
+        rec[WRITE_NS] = write_ns
+        rec[STATE] = FILLED
 
     def free(self, i: int) -> None:
         """Give a claimed slot back unwritten (the encode or write failed)."""

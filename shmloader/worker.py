@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -132,7 +133,9 @@ class WorkerWriter:
                 return SlotRef(self.spec.token, -1, 0, 0, 0, enc.meta, self.spec.owner_pid)
             index, ticket = claimed = slots.claim(enc.nbytes)
             dest, gen = slots.payload(index, enc.nbytes)
+            t0 = time.perf_counter_ns()
             codec.write_payload(enc, dest)
+            write_ns = time.perf_counter_ns() - t0
         except ShmLoaderError as exc:
             if claimed is not None:
                 slots.free(claimed[0])
@@ -141,7 +144,7 @@ class WorkerWriter:
             if claimed is not None:
                 slots.free(claimed[0])
             raise
-        slots.filled(index)
+        slots.filled(index, write_ns)
         return SlotRef(
             self.spec.token, index, gen, ticket, enc.nbytes, enc.meta, self.spec.owner_pid
         )

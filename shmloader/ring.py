@@ -21,6 +21,13 @@ Slot state machine (zero is invalid)::
     FREE -> RETIRED   replaced by a bigger segment with gen + 1
     any  -> RETIRED   close()
 
+    Pooled slots (``Slot.pooled``, made by ``pool.WorkerPool``) are written
+    by the leader's DataLoader workers, not by ``acquire`` (which skips them);
+    their FREE -> HELD -> FREE cycle here runs beside the pool's own
+    FREE -> WRITING -> FILLED -> HELD words (state machine in ``pool``), a
+    worker grows them (``replace_pooled`` installs the new generation), and
+    their names stay linked for the pool's life (NOTE [pool names]).
+
 NOTE [slot lifetime]
     A reader maps the slot MAP_PRIVATE for each batch and drops the mapping
     with the batch: its in-place writes stay its own, and it never sees a

@@ -176,6 +176,25 @@ class Stamped:
             yield batch
 
 
+class StampedLoader(torch.utils.data.DataLoader):
+    """A DataLoader that notes when each batch left it, and stays a DataLoader.
+
+    ``Stamped`` hides the DataLoader, which turns the worker writer off (the
+    leader's main process then copies the batch: the one-copy way). The
+    zero-copy way swaps the loader's class to this subclass instead, so that
+    ShmLoader still sees a DataLoader with workers and still gets stamps.
+    """
+
+    last_ns = 0
+    it: Iterator[Any] | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        self.it = super().__iter__()
+        for item in self.it:
+            self.last_ns = now_ns()
+            yield item
+
+
 class Floor:
     """The leader's physical floor: ``np.copyto`` of the batch into a pre-touched buffer.
 
@@ -343,16 +362,27 @@ class ObjList(Broadcast):
 
 
 class Shared(Way):
-    """``ShmLoader`` with sharing on, embedded mode (no daemon)."""
+    """``ShmLoader`` with sharing on, embedded mode (no daemon): the zero-copy way.
+
+    The leader's DataLoader workers write every batch into the ring (the
+    worker writer); the leader's main process announces it.
+    """
+
+    zero_copy = True
 
     def __init__(self, rank: int, group: dist.ProcessGroup, make: Callable[[], Any]) -> None:
         from shmloader import Config, ShmLoader
 
         super().__init__(rank, group, make)
-        self.stamped: Stamped | None = None
+        self.stamped: Stamped | StampedLoader | None = None
 
-        def factory() -> Stamped:
-            self.stamped = Stamped(make())
+        def factory() -> Stamped | StampedLoader:
+            loader = make()
+            if self.zero_copy:
+                loader.__class__ = StampedLoader
+                self.stamped = loader
+            else:
+                self.stamped = Stamped(loader)
             return self.stamped
 
         config = Config.from_env(enabled=True, daemon=None)
@@ -363,7 +393,7 @@ class Shared(Way):
     def _leader_next(self) -> tuple[Any, dict[str, Any]]:
         """The leader's ``next``: its loader's batch, published; with the publish numbers."""
         before = self.loader.stats()
-        if self.stamped is not None:
+        if isinstance(self.stamped, Stamped):
             self.stamped.hook = self.floor
         batch = next(self.it)  # type: ignore[arg-type]
         returned = now_ns()
@@ -375,7 +405,19 @@ class Shared(Way):
             "write_ms": after.get("write_ms_last"),
             "ring_slots": after.get("ring_slots"),
         }
-        if self.floor is not None and self.stamped is not None:
+        if self.zero_copy and self.stamped is not None:
+            # the main process never saw the payload: its whole time from the
+            # DataLoader's hand-over to the user's batch, and the worker's write
+            fields.update(
+                publish_ms=publish,
+                overhead_ms=(returned - start) / 1e6,
+                worker_write_ms=after.get("worker_write_ms_last"),
+                main_ms=after.get("main_ms_last"),
+                zero_copy=after.get("worker_written", 0) > before.get("worker_written", 0),
+            )
+            if self.floor is not None:  # memcpy of the same bytes (the delivered view)
+                fields.update(self.floor(batch))
+        elif self.floor is not None and self.stamped is not None:
             # the floor just read the source: this publish found it warm
             fields.update(self.stamped.fields, publish_warm_ms=publish)
         else:
@@ -390,7 +432,7 @@ class Shared(Way):
 
     def settle(self) -> None:
         if self.leader and self.stamped is not None and self.stamped.it is not None:
-            wait_ready(self.stamped.it, timeout=600)
+            wait_ready(self.stamped.it, timeout=600)  # type: ignore[arg-type]
 
     def take(self) -> tuple[Any, dict[str, Any]]:
         if self.leader:
@@ -418,11 +460,22 @@ class Shared(Way):
         self.loader.close()
 
 
+class SharedOneCopy(Shared):
+    """``ShmLoader`` whose leader main process copies each batch into the ring (one copy).
+
+    The loader is hidden behind ``Stamped`` (not a DataLoader), which is how
+    any non-DataLoader iterable is published: the way before the worker writer.
+    """
+
+    zero_copy = False
+
+
 WAYS: dict[str, type[Way]] = {
     "base": Base,
     "broadcast": Broadcast,
     "objlist": ObjList,
     "shmloader": Shared,
+    "shmloader-1copy": SharedOneCopy,
 }
 
 

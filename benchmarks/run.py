@@ -49,7 +49,7 @@ def plan(args: argparse.Namespace) -> list[Case]:
     for sp in args.sp:
         for mib in args.sizes:
             steps = args.steps or _steps(mib)
-            for mode in ("base", "broadcast", "shmloader"):
+            for mode in ("base", "broadcast", "shmloader-1copy", "shmloader"):
                 cases.append(
                     Case(
                         "transport", mode, sp, mib * MiB, args.warmup, steps, args.transport_workers
@@ -103,6 +103,9 @@ def memory_need(case: Case) -> tuple[int, int]:
         return 3 * b + (case.sp - 1) * 2 * b, 2 * b
     if case.mode == "objlist":
         return 3 * b + (case.sp - 1) * 4 * b, 2 * b
+    if case.mode == "shmloader":  # the worker pool: workers x (prefetch + ranks' share + 1)
+        slots = max(case.workers, 1) * (1 + 4 + 1)
+        return 3 * b + 4 * b, int(slots * 1.2 * b)
     return 3 * b + 4 * b, 6 * b
 
 
@@ -244,8 +247,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--modes",
         nargs="+",
-        choices=("base", "broadcast", "objlist", "shmloader"),
-        default=["base", "broadcast", "objlist", "shmloader"],
+        choices=("base", "broadcast", "objlist", "shmloader-1copy", "shmloader"),
+        default=["base", "broadcast", "objlist", "shmloader-1copy", "shmloader"],
         help="only these ways (default all)",
     )
     p.add_argument(

@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 from . import codec, rng, wire
+from . import worker as worker_writer
 from .channel import Hub, Peer, Spoke, socket_path
 from .config import Config
 from .daemon_client import DaemonClient
@@ -76,6 +77,7 @@ from .errors import (
     ShmLoaderError,
     TopologyMismatchError,
 )
+from .pool import SlotRef, WorkerPool
 from .ring import RingReader, RingWriter, Slot, new_token, private_view
 from .topology import GroupTopology, broadcast_bytes, discover
 from .wire import Kind
@@ -218,6 +220,7 @@ class ShmLoader:
         self._length: int | None = None
         self._topo: GroupTopology | None = None
         self._ring: RingWriter | None = None
+        self._pool: WorkerPool | None = None  # the leader's DataLoader workers write the ring
         self._hub: Hub | None = None
         self._reader: RingReader | None = None
         self._spoke: Spoke | None = None
@@ -270,6 +273,8 @@ class ShmLoader:
             )
             if self._daemon is not None:
                 self._daemon.register(description)
+            if topo.is_leader:
+                self._pool = self._worker_pool()
             self._hub = Hub(socket_path(self.config.runtime_dir, topo.ring_token, os.getpid()))
             self._hello: set[int] = set()
             self._acked = dict.fromkeys(topo.readers, 0)
@@ -288,6 +293,31 @@ class ShmLoader:
             self._out.send(wire.frames(Kind.HELLO, rank=topo.me, pid=me.pid, start=me.start))
         if len(topo.nodes) > 1 and topo.me in topo.node_leaders:
             self._xnode = CrossNode(pg, topo.leader, topo.node_leaders)
+
+    def _worker_pool(self) -> WorkerPool | None:
+        """A slot pool written by the leader's DataLoader workers (``worker``), or None.
+
+        Only for a ``torch.utils.data.DataLoader`` with ``num_workers > 0``;
+        any other loader is written by the leader's main process.
+        """
+        loader = self._loader
+        workers = getattr(loader, "num_workers", 0)
+        if not isinstance(loader, torch.utils.data.DataLoader) or not workers:
+            return None
+        assert self._ring is not None
+        pool = WorkerPool(
+            self._ring,
+            num_workers=workers,
+            prefetch_factor=loader.prefetch_factor or 2,
+            ring_slots=self.config.slots,
+            timeout=self.config.timeout,
+            allow_pickle=self.config.allow_pickle,
+            daemon=self._daemon,
+        )
+        if not worker_writer.install(loader, pool.spec):
+            pool.close()
+            return None
+        return pool
 
     def _agree_on_loader(
         self, make_loader: Callable[[], Iterable[Any]], pg: dist.ProcessGroup
@@ -348,7 +378,7 @@ class ShmLoader:
         }
 
     def _closers(self) -> list[Callable[[], None]]:
-        parts = (self._stage, self._spoke, self._reader, self._hub, self._ring)
+        parts = (self._stage, self._spoke, self._reader, self._hub, self._ring, self._pool)
         closers = [c.close for c in parts if c is not None]
         if self._daemon is not None and self._topo is not None:
             if self._topo.is_writer:
@@ -641,9 +671,14 @@ class ShmLoader:
 
     def _leader_iteration(self, it: int, skip: int) -> Iterator[Any]:
         try:
+            if self._pool is not None:
+                self._pool.reclaim()  # slots of workers that died in an earlier iteration
             source, pending = self._open_source(skip)
             while True:
                 self._mark_boundary()
+                if self._pool is not None:  # free what ranks released before we block on workers
+                    self._pump()
+                    self._pool.sync()
                 before = rng.snapshot()
                 box = []  # NOTE [no batch in the frame]
                 try:
@@ -667,8 +702,13 @@ class ShmLoader:
         The leader, too, gets a copy-on-write view of the slot (unless
         ``SHMLOADER_COPY``), so the loader's batch can be freed at once: the
         node holds each batch once, in the ring, and every rank of the group
-        sees the very same structure.
+        sees the very same structure. A ``SlotRef`` (a DataLoader worker wrote
+        the batch into a pool slot, ``worker``) is announced as it is.
         """
+        if isinstance(batch, worker_writer.WorkerFailure):
+            raise batch.exception()
+        if isinstance(batch, SlotRef):
+            return self._publish_ref(it, batch, draws)
         enc = codec.encode(batch, allow_pickle=self.config.allow_pickle)
         self._await_readers()
         t0 = time.perf_counter_ns()
@@ -690,6 +730,33 @@ class ShmLoader:
                 self._ring.release(self._me, slot.index, slot.gen)  # type: ignore[union-attr]
             return batch
         return codec.decode(enc.meta, self._own_view(slot, enc.nbytes))
+
+    def _publish_ref(self, it: int, ref: SlotRef, draws: int) -> Any:
+        """Announce a batch a worker wrote into a pool slot: metadata only, no payload copy."""
+        assert self._pool is not None and self._ring is not None
+        self._await_readers()
+        t0 = time.perf_counter_ns()
+        slot = self._pool.adopt(ref) if ref.nbytes else None  # no payload: no slot
+        payload = slot.payload[: ref.nbytes] if slot is not None else None
+        crc = _crc(payload) if self.config.verify and payload is not None else -1
+        if self._xnode is not None:
+            self._xnode.send(KIND_BATCH, it, ref.meta, payload, draws=draws, crc=crc)
+        self._announce(it, ref.meta, ref.nbytes, slot, draws, 0, crc)
+        self._stats["published"] += 1
+        self._stats["worker_written"] += 1
+        self._stats["bytes_published"] += ref.nbytes
+        self._stats["publish_ms_total"] += (time.perf_counter_ns() - t0) / 1e6
+        self._stats["write_ms_last"] = 0.0  # the main process wrote nothing
+        self._stats["worker_write_ms_last"] = self._pool.last_write_ns / 1e6
+        view = self._own_view(slot, ref.nbytes)
+        if self.config.copy:
+            batch = _owned_copy(codec.decode(ref.meta, view, allow_pickle=self.config.allow_pickle))
+            del view
+            return batch
+        batch = codec.decode(ref.meta, view, allow_pickle=self.config.allow_pickle)
+        # the main process's own work on this batch, waiting for readers left out
+        self._stats["main_ms_last"] = (time.perf_counter_ns() - t0) / 1e6
+        return batch
 
     def _own_view(self, slot: Slot | None, nbytes: int) -> np.ndarray:
         """The writer's private view of a slot it just published; releases itself."""

@@ -21,6 +21,13 @@ Slot state machine (zero is invalid)::
     FREE -> RETIRED   replaced by a bigger segment with gen + 1
     any  -> RETIRED   close()
 
+    Pooled slots (``Slot.pooled``, made by ``pool.WorkerPool``) are written
+    by the leader's DataLoader workers, not by ``acquire`` (which skips them);
+    their FREE -> HELD -> FREE cycle here runs beside the pool's own
+    FREE -> WRITING -> FILLED -> HELD words (state machine in ``pool``), a
+    worker grows them (``replace_pooled`` installs the new generation), and
+    their names stay linked for the pool's life (NOTE [pool names]).
+
 NOTE [slot lifetime]
     A reader maps the slot MAP_PRIVATE for each batch and drops the mapping
     with the batch: its in-place writes stay its own, and it never sees a
@@ -118,6 +125,7 @@ class Slot:
     seq: int = -1
     holders: set[int] = field(default_factory=set)
     attached: set[int] = field(default_factory=set)
+    pooled: bool = False  # written by DataLoader workers (``pool``): never acquired here
 
     @property
     def capacity(self) -> int:
@@ -205,13 +213,13 @@ class RingWriter:
         """A FREE slot that holds ``nbytes``: reuse, regrow a free one, or add one."""
         best = None
         for slot in self.slots:
-            fits = slot.state == SlotState.FREE and slot.capacity >= nbytes
+            fits = slot.state == SlotState.FREE and slot.capacity >= nbytes and not slot.pooled
             if fits and (best is None or slot.capacity < best.capacity):
                 best = slot
         if best is not None:
             return best
         for i, slot in enumerate(self.slots):
-            if slot.state == SlotState.FREE:  # too small: replace it with a bigger one
+            if slot.state == SlotState.FREE and not slot.pooled:  # too small: replace it
                 grown = self._create(i, slot.gen + 1, max(nbytes, int(slot.capacity * 1.5)))
                 self._retire(slot)
                 self.slots[i] = grown
@@ -263,6 +271,40 @@ class RingWriter:
         self._store_counters()
         return slot
 
+    def add_pooled(self, segment: Segment) -> Slot:
+        """Append a slot that DataLoader workers write (``pool``): touched here, never acquired.
+
+        Its name stays linked for the pool's life (NOTE [pool names] in ``pool``).
+        """
+        slot = self._pooled_slot(len(self.slots), 0, segment, populate=True)
+        self.slots.append(slot)
+        self._store_counters()
+        return slot
+
+    def replace_pooled(self, index: int, segment: Segment) -> Slot:
+        """Install a worker-grown generation of pooled slot ``index``, retiring the old one."""
+        old = self.slots[index]
+        if not old.pooled or old.state != SlotState.FREE:
+            raise ProtocolError(f"slot {index} is not a FREE pooled slot ({old.state.name})")
+        gen = int(segment.name.rpartition(".")[2])
+        slot = self._pooled_slot(index, gen, segment, populate=False)
+        self._retire(old)
+        self.slots[index] = slot
+        self._store_counters()
+        return slot
+
+    def _pooled_slot(self, index: int, gen: int, segment: Segment, *, populate: bool) -> Slot:
+        try:
+            mm = segment.map_shared()
+            if populate:
+                touch(mm)
+        except BaseException:
+            segment.unlink()
+            segment.close()
+            raise
+        payload = np.frombuffer(mm, dtype=np.uint8, count=segment.capacity, offset=HEADER_SIZE)
+        return Slot(index, gen, segment, mm, payload, pooled=True)
+
     def _adopt(self, name: str, capacity: int) -> Segment | None:
         """A pre-touched segment of the daemon's warm pool, renamed to ``name``, or None."""
         if self._daemon is None or self._daemon.adopt(self.token, name, capacity) is None:
@@ -303,7 +345,7 @@ class RingWriter:
         for slot in self.slots:
             if slot.segment.name == name:
                 slot.attached.add(rank)
-                if self.readers <= slot.attached:
+                if self.readers <= slot.attached and not slot.pooled:
                     slot.segment.unlink()
                 return
         if name not in self._retired:
@@ -325,7 +367,8 @@ class RingWriter:
             slot.holders.discard(rank)
             if not slot.holders and slot.state == SlotState.HELD:
                 slot.state = SlotState.FREE
-            if slot.segment.linked and slot.seq >= 0 and self.readers <= slot.attached:
+            unused = slot.seq >= 0 and self.readers <= slot.attached and not slot.pooled
+            if slot.segment.linked and unused:
                 slot.segment.unlink()
 
     def _slot(self, index: int, gen: int) -> Slot | None:

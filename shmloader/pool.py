@@ -1,0 +1,555 @@
+"""The worker slot pool: ring slots that DataLoader workers write themselves.
+
+With a ``DataLoader`` that has workers, the leader's ring gets a pool of
+``num_workers x per_worker`` slots, created and touched by the leader's main
+process before its first ``iter()``. Worker ``w`` owns the slots
+``w * per_worker ... (w + 1) * per_worker - 1`` (its *partition*): it encodes
+each collated batch straight into one of them and sends the main process a
+small :class:`SlotRef` in the batch's place. The main process never touches
+the payload: it announces the slot like any other ring slot.
+
+Per-worker size: ``prefetch_factor`` batches the DataLoader keeps in flight
+per worker, plus this worker's share of the batches ranks still hold
+(``ceil((SHMLOADER_SLOTS + 2) / num_workers)``: the reader window, the
+leader's own batch and one in transit), plus one. The DataLoader hands tasks
+to workers round robin and a worker runs its tasks in order, so that is what
+a worker needs to never wait in a lockstep job.
+
+Control segment (``/shml-<token>-pool``, one page of header, then)::
+
+    offset      field (u64 each)
+    0           version          POOL_VERSION
+    8           num_workers
+    16          per_worker
+    64 + 64*i   slot i: state, gen, capacity, writer pid, ticket, write ns
+
+Pool slot state machine (the ``state`` word; the ring's own FREE/HELD runs
+beside it, see ``ring.py``)::
+
+               claim (worker, under its          encode + write done,
+               partition's lockf lock)           SlotRef sent
+    FREE ---------------------------> WRITING ------------------> FILLED
+     ^  ^                                |                          |
+     |  |  writer dead (reclaim, main)   |           adopt (main):  |
+     |  +--------------------------------+           ring.publish   v
+     |  +--------------------------------------------------------- HELD
+     |  |  the SlotRef died unpublished (abandon, main)             |
+     |  +---- FILLED                                                |
+     +--------------------------------------------------------------+
+                 every rank released it (the ring slot is FREE again: sync, main)
+
+    FREE -> WRITING   worker only; ticket += 1, pid = the worker
+    WRITING -> FILLED worker only
+    FILLED -> HELD    main only, when it publishes the SlotRef (ticket checked)
+    HELD -> FREE      main only, once the ring slot is FREE (every holder released)
+    FILLED -> FREE    main only, a SlotRef dropped by the DataLoader (resume skip,
+                      a persistent iterator's reset drain)
+    WRITING/FILLED -> FREE  main only, at iter(), when the writer pid is dead
+
+Each transition has exactly one writer process, every word is one aligned
+8-byte store, and a worker claims under a POSIX record lock on its
+partition's byte of the control file (released by the kernel if the worker
+dies), so two live workers with the same id (two DataLoader iterators alive
+at once) never take the same slot.
+
+Growth: a batch larger than every FREE slot of the partition makes the worker
+create generation ``gen + 1`` of a FREE slot (bigger, touched once, its header
+naming the leader's main process as owner so that ``gc`` and the daemon reap
+it with the job) and record the new ``gen`` and ``capacity``; the main
+process installs that segment in the ring when it adopts the first SlotRef
+that names it, retiring the old generation. Before a worker first grows (and
+before it collates its first batch, from the samples' sizes) it checks that
+the whole pool at that size fits ``/dev/shm``: :class:`ShmCapacityError`
+naming ``num_workers`` and ``prefetch_factor`` otherwise, before any batch.
+
+NOTE [pool names]
+    Pool slot segments (and the pool's control segment) stay named in
+    ``/dev/shm`` for the life of the pool, unlike ring slots (NOTE [names in
+    /dev/shm]): a worker started later (every epoch without persistent
+    workers, any multiprocessing context) opens its slots by name. Their
+    headers name the leader's main process as owner, so a killed leader's
+    segments are reaped by ``shmloader gc`` or the daemon like the rest of
+    its ring. ``close`` unlinks every generation it knows of.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import logging
+import math
+import mmap
+import os
+import time
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import ProtocolError, ShmCapacityError, ShmLoaderError
+from .ring import GRANULE, RingWriter, Slot, SlotState, slot_capacity_for, slot_name
+from .segment import (
+    HEADER_SIZE,
+    KIND_DATA,
+    MY_START,
+    PREFIX,
+    Segment,
+    process_alive,
+    shm_free_bytes,
+    touch,
+    unlink_name,
+)
+
+if TYPE_CHECKING:
+    from .daemon_client import DaemonClient
+
+log = logging.getLogger(__name__)
+
+POOL_VERSION = 1
+FREE, WRITING, FILLED, HELD = 1, 2, 3, 4
+STATE_NAMES = {0: "INVALID", FREE: "FREE", WRITING: "WRITING", FILLED: "FILLED", HELD: "HELD"}
+# Word indices of a slot record (WRITE_NS: the worker's last encode + write, for stats).
+STATE, GEN, CAPACITY, PID, TICKET, WRITE_NS = range(6)
+_RECORD_WORDS = 8  # 64 bytes per slot: one cache line
+_RECORDS_AT = 8  # in words: slot records start at payload offset 64
+#: A worker's wait for a FREE slot polls with this backoff (seconds).
+POLL_FIRST_S, POLL_MAX_S = 50e-6, 2e-3
+
+#: Pools of this process by ring token, for SlotRef.__del__ (abandon).
+_POOLS: weakref.WeakValueDictionary[str, WorkerPool] = weakref.WeakValueDictionary()
+
+
+def pool_name(token: str) -> str:
+    return f"/{PREFIX}{token}-pool"
+
+
+def per_worker_slots(prefetch_factor: int, ring_slots: int, num_workers: int) -> int:
+    """Slots in one worker's partition (see the module docstring)."""
+    return prefetch_factor + math.ceil((ring_slots + 2) / num_workers) + 1
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """What a worker needs to find and use its partition (pickled to every worker)."""
+
+    token: str
+    num_workers: int
+    per_worker: int
+    prefetch_factor: int
+    owner_pid: int  # the leader's main process: owner in every pool segment's header
+    owner_start: int
+    timeout: float
+    allow_pickle: bool
+
+    @property
+    def total(self) -> int:
+        return self.num_workers * self.per_worker
+
+
+class SlotRef:
+    """What a worker returns in place of a batch: where it is and how to decode it.
+
+    A SlotRef that dies in the leader's main process without being published
+    (the DataLoader dropped it: a resume fast-forward, a persistent iterator's
+    reset) frees its slot (FILLED -> FREE).
+    """
+
+    __slots__ = ("adopted", "gen", "index", "meta", "nbytes", "owner_pid", "ticket", "token")
+
+    def __init__(
+        self, token: str, index: int, gen: int, ticket: int, nbytes: int, meta: bytes, owner: int
+    ) -> None:
+        self.token, self.index, self.gen, self.ticket = token, index, gen, ticket
+        self.nbytes, self.meta, self.owner_pid = nbytes, meta, owner
+        self.adopted = False
+
+    def __reduce__(self) -> tuple:
+        args = (self.token, self.index, self.gen, self.ticket, self.nbytes, self.meta)
+        return (SlotRef, (*args, self.owner_pid))
+
+    def __repr__(self) -> str:
+        return f"SlotRef(slot {self.index}.{self.gen}, ticket {self.ticket}, {self.nbytes} bytes)"
+
+    def __del__(self) -> None:
+        if self.adopted or os.getpid() != self.owner_pid:
+            return
+        pool = _POOLS.get(self.token)
+        if pool is not None:
+            pool.abandon(self)
+
+
+class WorkerPool:
+    """The main process's side: creates the pool, adopts SlotRefs, frees slots.
+
+    Drives the ring's pooled slots; never writes or reads a payload.
+    """
+
+    def __init__(
+        self,
+        ring: RingWriter,
+        *,
+        num_workers: int,
+        prefetch_factor: int,
+        ring_slots: int,
+        timeout: float,
+        allow_pickle: bool,
+        daemon: DaemonClient | None = None,
+    ) -> None:
+        self.ring = ring
+        self.daemon = daemon
+        per_worker = per_worker_slots(prefetch_factor, ring_slots, num_workers)
+        self.spec = PoolSpec(
+            ring.token,
+            num_workers,
+            per_worker,
+            prefetch_factor,
+            os.getpid(),
+            MY_START,
+            timeout,
+            allow_pickle,
+        )
+        self.base = len(ring.slots)  # pool slot i is ring slot base + i
+        if self.base != 0:
+            raise AssertionError("the worker pool must be the ring's first slots")
+        self._closed = False
+        words = _RECORDS_AT + self.spec.total * _RECORD_WORDS
+        self.control = Segment.create(pool_name(ring.token), KIND_DATA, ring.token, words * 8)
+        self._mm = self.control.map_shared()
+        self.words = np.frombuffer(self._mm, np.uint64, count=words, offset=HEADER_SIZE)
+        self.words[:3] = (POOL_VERSION, num_workers, per_worker)
+        self._largest = 0  # largest slot capacity admitted by the daemon so far
+        self.last_write_ns = 0  # the adopted batch's write into its slot, in its worker
+        self._finalizer = weakref.finalize(
+            self, _unlink_all, self.control, ring.token, self.words, os.getpid()
+        )
+        try:
+            for i in range(self.spec.total):
+                slot = ring.add_pooled(self._new_segment(i, GRANULE))
+                self._record(i)[[STATE, GEN, CAPACITY]] = (FREE, slot.gen, slot.capacity)
+        except BaseException:
+            self.close()
+            raise
+        _POOLS[ring.token] = self
+
+    def _new_segment(self, i: int, capacity: int) -> Segment:
+        name = slot_name(self.ring.token, i, 0)
+        if self.daemon is not None:
+            self.daemon.admit(self.ring.token, capacity + HEADER_SIZE)
+        segment = Segment.create(name, KIND_DATA, self.ring.token, capacity)
+        if self.daemon is not None:
+            self.daemon.add_segment(self.ring.token, name, HEADER_SIZE + segment.capacity)
+        return segment
+
+    def _record(self, i: int) -> np.ndarray:
+        at = _RECORDS_AT + i * _RECORD_WORDS
+        return self.words[at : at + _RECORD_WORDS]
+
+    def state(self, i: int) -> str:
+        return STATE_NAMES.get(int(self._record(i)[STATE]), "?")
+
+    # -- per batch ---------------------------------------------------------
+
+    def adopt(self, ref: SlotRef) -> Slot:
+        """The ring slot ``ref`` names, ready for ``ring.publish`` (FILLED -> HELD)."""
+        i = ref.index
+        if not 0 <= i < self.spec.total or ref.token != self.ring.token:
+            raise ProtocolError(f"{ref!r} does not belong to pool {self.ring.token}")
+        rec = self._record(i)
+        if int(rec[STATE]) != FILLED or int(rec[TICKET]) != ref.ticket or int(rec[GEN]) != ref.gen:
+            raise ProtocolError(
+                f"{ref!r} is stale: slot {i} is {self.state(i)} with ticket {int(rec[TICKET])}"
+            )
+        slot = self.ring.slots[self.base + i]
+        if slot.gen != ref.gen:
+            slot = self._install(i, ref.gen)
+        if ref.nbytes > slot.capacity:
+            raise ProtocolError(f"{ref!r} overruns slot {i} of {slot.capacity} bytes")
+        rec[STATE] = HELD
+        ref.adopted = True
+        self.last_write_ns = int(rec[WRITE_NS])
+        return slot
+
+    def _install(self, i: int, gen: int) -> Slot:
+        """Generation ``gen`` of slot ``i``, grown by a worker, replaces the ring's older one."""
+        name = slot_name(self.ring.token, i, gen)
+        segment = Segment.attach(name, kind=KIND_DATA, token=self.ring.token)
+        try:
+            if self.daemon is not None and segment.capacity > self._largest:
+                # the pool at this size, asked once per size step (NOTE: before publishing)
+                self.daemon.admit(self.ring.token, self.spec.total * segment.capacity)
+                self._largest = segment.capacity
+            slot = self.ring.replace_pooled(self.base + i, segment)
+        except BaseException:
+            segment.close()
+            raise
+        if self.daemon is not None:
+            self.daemon.add_segment(self.ring.token, name, HEADER_SIZE + segment.capacity)
+        log.debug("pool %s: slot %d.%d holds %d bytes", self.ring.token, i, gen, slot.capacity)
+        return slot
+
+    def sync(self) -> None:
+        """HELD -> FREE for every pool slot the ring has back (every holder released)."""
+        slots = self.ring.slots
+        for i in range(self.spec.total):
+            rec = self._record(i)
+            if int(rec[STATE]) == HELD and slots[self.base + i].state == SlotState.FREE:
+                rec[STATE] = FREE
+
+    def abandon(self, ref: SlotRef) -> None:
+        """A SlotRef died unpublished: FILLED -> FREE (from ``SlotRef.__del__``)."""
+        if self._closed or not 0 <= ref.index < self.spec.total:
+            return
+        rec = self._record(ref.index)
+        if int(rec[STATE]) == FILLED and int(rec[TICKET]) == ref.ticket:
+            rec[STATE] = FREE
+
+    def reclaim(self) -> list[int]:
+        """At ``iter()``: free slots whose writer died while WRITING or FILLED.
+
+        The half-written batch of a killed worker is never announced (its
+        SlotRef was never sent, or died with the iterator) and its slot
+        returns to the pool here. Returns the indices reclaimed.
+        """
+        done = []
+        for i in range(self.spec.total):
+            rec = self._record(i)
+            state, pid = int(rec[STATE]), int(rec[PID])
+            if state in (WRITING, FILLED) and not process_alive(pid, 0):
+                slot = self.ring.slots[self.base + i]
+                if int(rec[GEN]) != slot.gen:
+                    self._adopt_orphan(i, int(rec[GEN]))
+                rec[STATE] = FREE
+                done.append(i)
+        if done:
+            log.warning("shmloader: reclaimed pool slots %s of dead DataLoader workers", done)
+        return done
+
+    def _adopt_orphan(self, i: int, gen: int) -> None:
+        """A dead worker grew slot ``i`` to ``gen``: keep that segment, or roll back."""
+        try:
+            self._install(i, gen)
+        except (ProtocolError, OSError):
+            unlink_name(slot_name(self.ring.token, i, gen))
+            slot = self.ring.slots[self.base + i]
+            self._record(i)[[GEN, CAPACITY]] = (slot.gen, slot.capacity)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.capacity for s in self.ring.slots[self.base : self.base + self.spec.total])
+
+    def close(self) -> None:
+        """Unlink the pool's names (the ring closes its slots). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        _POOLS.pop(self.ring.token, None)
+        self._finalizer()
+
+
+def _unlink_all(control: Segment, token: str, words: np.ndarray, creator: int) -> None:
+    """Unlink generations workers created that the ring never installed, and the control.
+
+    Only in the process that made the pool: a forked child never unlinks it.
+    """
+    if os.getpid() != creator:
+        return
+    with contextlib.suppress(Exception):
+        total = int(words[1]) * int(words[2])
+        for i in range(total):
+            at = _RECORDS_AT + i * _RECORD_WORDS
+            unlink_name(slot_name(token, i, int(words[at + GEN])))
+    control.unlink()
+    control.close()
+
+
+# --------------------------------------------------------------------- worker side
+
+
+class WorkerSlots:
+    """One DataLoader worker's view of its partition: claim, grow, fill.
+
+    Lives only in the worker process that made it (``pid``); holds a shared
+    mapping of each of its slots for as long as the generation lives.
+    """
+
+    def __init__(self, spec: PoolSpec, worker_id: int) -> None:
+        if not 0 <= worker_id < spec.num_workers:
+            raise ShmLoaderError(
+                f"DataLoader worker id {worker_id} is outside the pool made for "
+                f"{spec.num_workers} workers; set num_workers before ShmLoader is built"
+            )
+        self.spec = spec
+        self.worker_id = worker_id
+        self.pid = os.getpid()
+        self.first = range(worker_id * spec.per_worker, (worker_id + 1) * spec.per_worker)
+        self.control = Segment.attach(pool_name(spec.token), kind=KIND_DATA, token=spec.token)
+        mm = self.control.map_shared()
+        self.words = np.frombuffer(mm, np.uint64, offset=HEADER_SIZE)
+        self.maps: dict[int, tuple[int, Segment, mmap.mmap, np.ndarray]] = {}
+        self.grown = False  # has this worker checked /dev/shm for the pool's size yet
+
+    def _record(self, i: int) -> np.ndarray:
+        at = _RECORDS_AT + i * _RECORD_WORDS
+        return self.words[at : at + _RECORD_WORDS]
+
+    def claim(self, nbytes: int) -> tuple[int, int]:
+        """A slot of this partition for ``nbytes``: (index, ticket), state WRITING.
+
+        Waits, polling with backoff, at most ``spec.timeout`` seconds for a
+        FREE slot (NOTE [bounded waits] in ``channel``).
+        """
+        deadline = time.monotonic() + self.spec.timeout
+        delay = POLL_FIRST_S
+        while True:
+            got = self._try_claim(nbytes)
+            if got is not None:
+                return got
+            if time.monotonic() > deadline:
+                states = [STATE_NAMES.get(int(self._record(i)[STATE])) for i in self.first]
+                raise ShmLoaderError(
+                    f"DataLoader worker {self.worker_id} waited {self.spec.timeout:.0f} s for a "
+                    f"free slot of its {self.spec.per_worker} pool slots (states {states}): ranks "
+                    "still hold every batch written there. Keep fewer delivered batches alive, "
+                    "or raise SHMLOADER_TIMEOUT if a rank is just slow"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, POLL_MAX_S)
+
+    def _try_claim(self, nbytes: int) -> tuple[int, int] | None:
+        offset = self.worker_id  # one byte of the control file per partition
+        fcntl.lockf(self.control.fd, fcntl.LOCK_EX, 1, offset)
+        try:
+            best = None
+            for i in self.first:
+                rec = self._record(i)
+                if int(rec[STATE]) != FREE:
+                    continue
+                cap = int(rec[CAPACITY])
+                if best is None:
+                    best = i
+                    continue
+                best_cap = int(self._record(best)[CAPACITY])
+                if (cap >= nbytes) and (best_cap < nbytes or cap < best_cap):
+                    best = i  # the smallest that fits
+                elif cap < nbytes and best_cap < nbytes and cap > best_cap:
+                    best = i  # none fits yet: grow the largest
+            if best is None:
+                return None
+            rec = self._record(best)
+            ticket = int(rec[TICKET]) + 1
+            rec[TICKET] = ticket
+            rec[PID] = self.pid
+            rec[STATE] = WRITING
+            return best, ticket
+        finally:
+            fcntl.lockf(self.control.fd, fcntl.LOCK_UN, 1, offset)
+
+    def payload(self, i: int, nbytes: int) -> tuple[np.ndarray, int]:
+        """Slot ``i`` (claimed) as a writable uint8 array of at least ``nbytes``; and its gen."""
+        rec = self._record(i)
+        gen, cap = int(rec[GEN]), int(rec[CAPACITY])
+        if cap < nbytes:
+            gen = self._grow(i, gen, cap, nbytes)
+        held = self.maps.get(i)
+        if held is None or held[0] != gen:
+            self._forget(i)
+            name = slot_name(self.spec.token, i, gen)
+            segment = Segment.attach(name, kind=KIND_DATA, token=self.spec.token)
+            mm = segment.map_shared()
+            touch(mm)  # populate this process's page tables once, not per batch
+            view = np.frombuffer(mm, np.uint8, count=segment.capacity, offset=HEADER_SIZE)
+            self.maps[i] = held = (gen, segment, mm, view)
+        return held[3], gen
+
+    def check_capacity(self, nbytes: int, what: str) -> None:
+        """Raise ShmCapacityError unless the whole pool at ``nbytes`` per slot fits /dev/shm."""
+        capacity = slot_capacity_for(nbytes)
+        need = 0
+        for i in range(self.spec.total):
+            have = int(self._record(i)[CAPACITY])
+            if have < capacity:
+                need += capacity - have
+        free = shm_free_bytes()
+        if need and free is not None and free < need:
+            spec = self.spec
+            raise ShmCapacityError(
+                need,
+                free,
+                f"the DataLoader workers' slot pool for {what} ({spec.total} slots = "
+                f"{spec.num_workers} workers x {spec.per_worker}: prefetch_factor "
+                f"{spec.prefetch_factor} + the batches ranks hold + 1)",
+                fix="lower the DataLoader's num_workers or prefetch_factor, lower "
+                "SHMLOADER_SLOTS, or give /dev/shm more space (docker run --shm-size=...)",
+            )
+
+    def _grow(self, i: int, gen: int, cap: int, nbytes: int) -> int:
+        """Make generation ``gen + 1`` of slot ``i``, big enough for ``nbytes``."""
+        if not self.grown:
+            self.check_capacity(nbytes, f"{nbytes}-byte batches")
+            self.grown = True
+        capacity = slot_capacity_for(max(nbytes, int(cap * 1.5)))
+        new = gen + 1
+        name = slot_name(self.spec.token, i, new)
+        rec = self._record(i)
+        rec[GEN] = new  # before the name exists: close() and reclaim() find it from here
+        try:
+            segment = Segment.create(name, KIND_DATA, self.spec.token, capacity)
+        except BaseException:
+            rec[GEN] = gen
+            raise
+        try:
+            # the job's owner is the leader's main process, not this short-lived worker
+            header = dataclasses.replace(
+                segment.header, pid=self.spec.owner_pid, start=self.spec.owner_start
+            )
+            os.pwrite(segment.fd, header.pack(), 0)
+            segment.header = header
+            mm = segment.map_shared()
+            touch(mm)
+        except BaseException:
+            segment.unlink()
+            segment.close()
+            rec[GEN] = gen
+            raise
+        self._forget(i)
+        view = np.frombuffer(mm, np.uint8, count=segment.capacity, offset=HEADER_SIZE)
+        self.maps[i] = (new, segment, mm, view)
+        rec[CAPACITY] = segment.capacity
+        return new
+
+    def filled(self, i: int, write_ns: int) -> None:
+        rec = self._record(i)
+        rec[WRITE_NS] = write_ns
+        rec[STATE] = FILLED
+
+    def free(self, i: int) -> None:
+        """Give a claimed slot back unwritten (the encode or write failed)."""
+        self._record(i)[STATE] = FREE
+
+    def _forget(self, i: int) -> None:
+        held = self.maps.pop(i, None)
+        if held is not None:
+            _gen, segment, mm, _view = held
+            del _view
+            with contextlib.suppress(BufferError):
+                mm.close()
+            segment.close()
+
+
+def estimate_bytes(obj: Any, depth: int = 0) -> int:
+    """Bytes of the tensors and arrays in ``obj`` (the samples a collate will stack)."""
+    if depth > 6:
+        return 0
+    nbytes = getattr(obj, "nbytes", None)
+    if isinstance(nbytes, int) and hasattr(obj, "shape"):
+        return nbytes
+    if isinstance(obj, dict):
+        return sum(estimate_bytes(v, depth + 1) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(estimate_bytes(v, depth + 1) for v in obj)
+    return 0
+
+
+__all__ = ["PoolSpec", "SlotRef", "WorkerPool", "WorkerSlots", "estimate_bytes"]

@@ -1,0 +1,477 @@
+"""The worker writer: DataLoader workers write batches straight into pool slots.
+
+Single-process tests drive a ``WorkerPool`` the way the leader does (adopt,
+publish, private view, release, sync) against a real DataLoader in every
+multiprocessing context; multi-rank tests check delivery, faults and the
+cross-node path through ``ShmLoader``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from shmloader import codec
+from shmloader.errors import ShmCapacityError, UnsupportedBatchError
+from shmloader.pool import FREE, WorkerPool, per_worker_slots
+from shmloader.ring import RingWriter, new_token, private_view
+from shmloader.worker import WorkerFailure, WorkerWriter, install
+from tests.harness import run_ranks
+from tests.test_sharing import assert_same
+
+
+class Sized(Dataset):
+    """Samples whose size grows with the index, so slots must grow mid-epoch."""
+
+    def __init__(self, n: int = 16, grow: bool = True) -> None:
+        self.n, self.grow = n, grow
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        g = torch.Generator().manual_seed(i)
+        length = 64 + ((i // 3) * 9000 if self.grow else 0)  # equal within a batch of 3
+        return {"x": torch.randn(length, generator=g), "i": i, "seed_draw": torch.randint(9, (1,))}
+
+
+class Stream(IterableDataset):
+    """An iterable dataset split across workers by worker id."""
+
+    def __init__(self, n: int = 12) -> None:
+        self.n = n
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        for i in range(wid, self.n, nw):
+            size = 1000 * (1 + i // 4)  # equal within each worker's batch of 2
+            yield {"x": torch.arange(size, dtype=torch.float64) + i, "rand": torch.rand(3)}
+
+
+def custom_collate(samples):
+    """A non-default collate: a dict of lists plus a numpy array."""
+    return {
+        "xs": [s["x"] * 2 for s in samples],
+        "ids": np.array([s["i"] for s in samples]),
+        "draws": torch.cat([s["seed_draw"] for s in samples]),
+    }
+
+
+def _loader(kind: str, context: str | None, persistent: bool = False, collate=None) -> DataLoader:
+    if kind == "iterable":
+        ds, kw = Stream(), {"batch_size": 2}
+    else:  # a custom collate takes samples of any size: shuffle them
+        ds, kw = Sized(), {"batch_size": 3, "shuffle": collate is not None}
+    return DataLoader(
+        ds,
+        num_workers=2,
+        multiprocessing_context=context,
+        persistent_workers=persistent,
+        collate_fn=collate,
+        generator=None,
+        **kw,
+    )
+
+
+class Leader:
+    """What ShmLoader's leader does with each SlotRef, minus the sockets."""
+
+    def __init__(self, loader: DataLoader, slots: int = 2) -> None:
+        self.ring = RingWriter(new_token(), frozenset(), {"test": True}, self_rank=0)
+        self.pool = WorkerPool(
+            self.ring,
+            num_workers=loader.num_workers,
+            prefetch_factor=loader.prefetch_factor,
+            ring_slots=slots,
+            timeout=20.0,
+            allow_pickle=False,
+        )
+        assert install(loader, self.pool.spec)
+        self.seq = 0
+
+    def deliver(self, ref) -> object:
+        if isinstance(ref, WorkerFailure):
+            raise ref.exception()
+        slot = self.pool.adopt(ref)
+        self.ring.publish(slot, self.seq, ref.nbytes, 0)
+        self.seq += 1
+        released = []
+        view = private_view(slot.segment, ref.nbytes, lambda: released.append(1))
+        batch = codec.decode(ref.meta, view)
+        out = _owned(batch)
+        del batch, view
+        assert released, "the private view must die with the batch"
+        self.ring.release(0, slot.index, slot.gen)
+        self.pool.sync()
+        return out
+
+    def close(self) -> None:
+        self.ring.close()
+        self.pool.close()
+
+
+def _owned(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, np.ndarray):
+        return obj.copy()
+    if isinstance(obj, dict):
+        return {k: _owned(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_owned(v) for v in obj]
+    return obj
+
+
+def _epochs(
+    loader: DataLoader, leader: Leader | None, epochs: int = 2
+) -> tuple[list, torch.Tensor]:
+    torch.manual_seed(1234)
+    out = []
+    for _ in range(epochs):
+        for item in loader:
+            out.append(leader.deliver(item) if leader else item)
+    return out, torch.get_rng_state()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "kind,context,persistent,collate",
+    [
+        ("map", "fork", False, None),
+        ("map", "forkserver", True, custom_collate),
+        ("map", "spawn", False, custom_collate),
+        ("iterable", "spawn", True, None),
+        ("iterable", "fork", False, None),
+    ],
+    ids=[
+        "map-fork",
+        "map-forkserver-persistent-custom",
+        "map-spawn-custom",
+        "iter-spawn-persistent",
+        "iter-fork",
+    ],
+)
+def test_worker_written_batches_equal_plain_dataloader_and_rng(kind, context, persistent, collate):
+    if context == "forkserver":  # the server outlives the test: stop it (no_leaks counts it)
+        import multiprocessing.forkserver as fs
+
+        request_stop = fs._forkserver._stop
+    else:
+        request_stop = None
+    try:
+        _check_equal(kind, context, persistent, collate)
+    finally:
+        if request_stop is not None:
+            request_stop()
+
+
+def _check_equal(kind, context, persistent, collate):
+    plain, plain_rng = _epochs(_loader(kind, context, persistent, collate), None)
+    loader = _loader(kind, context, persistent, collate)
+    leader = Leader(loader)
+    try:
+        got, rng = _epochs(loader, leader)
+        grown = [s.gen for s in leader.ring.slots]
+        del loader  # shuts persistent workers down before the pool goes
+    finally:
+        leader.close()
+    assert len(got) == len(plain) > 0
+    for step, (a, b) in enumerate(zip(got, plain, strict=True)):
+        assert_same(a, b, f"step {step}")
+    assert torch.equal(rng, plain_rng), "the main process's RNG must advance exactly as without us"
+    assert leader.seq == len(plain), "every batch must have come through a pool slot"
+    if kind == "map":
+        assert max(grown) > 0, "growing samples must have grown some slot"
+
+
+def test_pool_is_sized_for_prefetch_plus_what_ranks_hold():
+    assert per_worker_slots(prefetch_factor=2, ring_slots=2, num_workers=2) == 2 + 2 + 1
+    assert per_worker_slots(prefetch_factor=4, ring_slots=2, num_workers=8) == 4 + 1 + 1
+
+
+def test_main_process_collate_is_the_users_collate():
+    ring = RingWriter(new_token(), frozenset(), {}, self_rank=0)
+    pool = WorkerPool(
+        ring, num_workers=1, prefetch_factor=2, ring_slots=2, timeout=5, allow_pickle=False
+    )
+    try:
+        writer = WorkerWriter(custom_collate, pool.spec)
+        batch = writer(
+            [{"x": torch.ones(2), "i": 1, "seed_draw": torch.zeros(1, dtype=torch.int64)}]
+        )
+        assert isinstance(batch["ids"], np.ndarray), "outside a worker: the batch, unchanged"
+        assert all(pool.state(i) == "FREE" for i in range(pool.spec.total))
+    finally:
+        ring.close()
+        pool.close()
+
+
+def _bad_collate(samples):
+    return {"ok": torch.zeros(4), "bad": [lambda: None]}
+
+
+def test_unsupported_batch_in_a_worker_raises_the_same_type_and_message_on_the_leader():
+    loader = DataLoader(Sized(4, grow=False), batch_size=2, num_workers=1, collate_fn=_bad_collate)
+    leader = Leader(loader)
+    try:
+        with pytest.raises(UnsupportedBatchError) as info:
+            for item in loader:
+                leader.deliver(item)
+        assert "batch['bad'][0]" in str(info.value)
+        assert "function" in str(info.value)
+        assert "DataLoader worker 0" in "".join(info.value.__notes__)
+        assert all(leader.pool.state(i) == "FREE" for i in range(leader.pool.spec.total))
+    finally:
+        leader.close()
+
+
+def _kill_while_writing(worker_id):
+    """worker_init_fn: the worker SIGKILLs itself half-way through its second write."""
+    import shmloader.worker as w
+
+    real = w.codec.write_payload
+    calls = {"n": 0}
+
+    def write_then_die(enc, dest):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            dest[: enc.nbytes // 2] = 0xAB
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(enc, dest)
+
+    w.codec = type(
+        "codec", (), {"encode": staticmethod(codec.encode), "write_payload": write_then_die}
+    )
+
+
+def test_worker_killed_mid_write_raises_and_its_slot_is_reclaimed():
+    loader = DataLoader(
+        Sized(12, grow=False), batch_size=2, num_workers=1, worker_init_fn=_kill_while_writing
+    )
+    leader = Leader(loader)
+    delivered = []
+    it = iter(loader)
+    try:
+        with pytest.raises(RuntimeError, match=r"exited unexpectedly|killed by signal"):
+            for item in it:
+                delivered.append(leader.deliver(item))
+        it._shutdown_workers()  # the traceback keeps the iterator: unregister its SIGCHLD pids
+        # the first batch may or may not arrive before SIGCHLD; the second never does
+        assert len(delivered) <= 1, "the half-written batch must never be delivered"
+        for batch in delivered:
+            assert torch.equal(
+                batch["x"], torch.stack([Sized(12, grow=False)[i]["x"] for i in (0, 1)])
+            )
+        stuck = [i for i in range(leader.pool.spec.total) if leader.pool.state(i) != "FREE"]
+        assert stuck, "the killed worker's slot is WRITING until reclaimed"
+        assert leader.pool.reclaim() == stuck
+        assert all(leader.pool.state(i) == "FREE" for i in range(leader.pool.spec.total))
+    finally:
+        it._shutdown_workers()
+        leader.close()
+
+
+def test_a_dropped_slotref_frees_its_slot():
+    loader = DataLoader(Sized(8, grow=False), batch_size=2, num_workers=1)
+    leader = Leader(loader)
+    try:
+        it = iter(loader)
+        ref = next(it)
+        assert leader.pool.state(ref.index) == "FILLED"
+        index = ref.index
+        del ref  # what a resume fast-forward does with skipped batches
+        assert leader.pool.state(index) == "FREE"
+        del it
+    finally:
+        leader.close()
+
+
+def test_pool_larger_than_dev_shm_is_a_capacity_error_before_any_batch(monkeypatch):
+    import shmloader.pool as pool_mod
+
+    big = [torch.full((1 << 18,), float(i)) for i in range(4)]  # 1 MiB samples
+    loader = DataLoader(big, batch_size=2, num_workers=1, multiprocessing_context="fork")
+    leader = Leader(loader)
+    monkeypatch.setattr(pool_mod, "shm_free_bytes", lambda: 1 << 10)  # inherited by fork
+    try:
+        with pytest.raises(ShmCapacityError) as info:
+            for item in loader:
+                leader.deliver(item)
+        message = str(info.value)
+        assert "num_workers" in message and "prefetch_factor" in message and "/dev/shm" in message
+        assert leader.seq == 0
+    finally:
+        leader.close()
+    assert FREE == 1
+
+
+# ----------------------------------------------------------------- multi-rank
+
+
+def _rank_loader(kind: str, context: str | None, persistent: bool, mib: float = 0, n: int = 16):
+    def make() -> DataLoader:
+        if mib:
+            data = [torch.full((int(mib * (1 << 20)) // 8,), float(i)) for i in range(4)]
+            return DataLoader(data, batch_size=2, num_workers=2, multiprocessing_context=context)
+        collate = _bad_collate if kind == "unsupported" else custom_collate
+        return DataLoader(
+            Sized(n),
+            batch_size=3,
+            shuffle=True,
+            num_workers=2,
+            multiprocessing_context=context,
+            persistent_workers=persistent,
+            collate_fn=collate,
+        )
+
+    return make
+
+
+def deliver_workers(
+    rank: int,
+    world: int,
+    *,
+    context: str | None = None,
+    persistent: bool = False,
+    share: bool = True,
+    kind: str = "map",
+    mib: float = 0,
+    epochs: int = 2,
+) -> dict:
+    """Every batch (owned copies), the RNG state and the stats, or what was raised."""
+    from shmloader import Config, ShmLoader
+    from tests.faults.scenarios import outcome
+
+    group = torch.distributed.new_group(list(range(world)), backend="gloo")
+    torch.manual_seed(7)
+
+    def run() -> dict:
+        loader = ShmLoader(
+            _rank_loader(kind, context, persistent, mib),
+            group,
+            config=Config.from_env(enabled=share),
+        )
+        try:
+            batches = []
+            for epoch in range(epochs):
+                loader.set_epoch(epoch)
+                batches += [_owned(b) for b in loader]
+            return {"batches": batches, "rng": torch.get_rng_state(), "stats": loader.stats()}
+        finally:
+            loader.close()
+
+    return outcome(run)
+
+
+def _check_shared_equals_unshared(world: int, **kwargs) -> list[dict]:
+    shared = run_ranks(deliver_workers, world, kwargs={**kwargs, "share": True}, timeout=150)
+    alone = run_ranks(deliver_workers, world, kwargs={**kwargs, "share": False}, timeout=150)
+    for rank in range(world):
+        s, a = shared[rank], alone[rank]
+        assert s["ok"] and a["ok"], (s, a)
+        s, a = s["value"], a["value"]
+        assert len(s["batches"]) == len(a["batches"]) > 0
+        for step, (x, y) in enumerate(zip(s["batches"], a["batches"], strict=True)):
+            assert_same(x, y, f"rank {rank} step {step}")
+        assert torch.equal(s["rng"], a["rng"]), f"rank {rank}: RNG differs from unshared"
+    lead = shared[0]["value"]["stats"]
+    assert lead["worker_written"] == lead["published"] == len(shared[0]["value"]["batches"])
+    return shared
+
+
+@pytest.mark.timeout(330)
+def test_shared_equals_unshared_with_spawned_persistent_workers():
+    _check_shared_equals_unshared(2, context="spawn", persistent=True)
+
+
+@pytest.mark.timeout(330)
+def test_copy_mode_with_worker_written_slots(monkeypatch):
+    monkeypatch.setenv("SHMLOADER_COPY", "1")
+    _check_shared_equals_unshared(2, context="forkserver")
+
+
+@pytest.mark.timeout(330)
+def test_cross_node_with_worker_written_slots():
+    shared = run_ranks(
+        deliver_workers, 4, kwargs={"context": "fork"}, nodes=[0, 0, 1, 1], timeout=150
+    )
+    alone = run_ranks(deliver_workers, 4, kwargs={"context": "fork", "share": False}, timeout=150)
+    for rank in range(4):
+        s, a = shared[rank]["value"], alone[rank]["value"]
+        assert len(s["batches"]) == len(a["batches"]) > 0
+        for step, (x, y) in enumerate(zip(s["batches"], a["batches"], strict=True)):
+            assert_same(x, y, f"rank {rank} step {step}")
+        assert torch.equal(s["rng"], a["rng"])
+    assert shared[0]["value"]["stats"]["worker_written"] > 0
+    assert shared[0]["value"]["stats"]["cross_node_bytes_sent"] > 0
+
+
+@pytest.mark.timeout(180)
+def test_unsupported_batch_in_a_worker_reaches_every_rank_with_type_and_message():
+    out = run_ranks(deliver_workers, 2, kwargs={"kind": "unsupported"}, timeout=150)
+    lead, follower = out
+    assert not lead["ok"] and lead["type"] == "UnsupportedBatchError", lead
+    assert "batch['bad'][0]" in lead["message"]
+    assert not follower["ok"] and follower["type"] == "LeaderError", follower
+    assert follower["attrs"]["original_type"] == "UnsupportedBatchError"
+    assert lead["message"] in follower["message"]
+
+
+@pytest.mark.timeout(180)
+def test_small_dev_shm_with_workers_is_a_capacity_error_on_every_rank_before_any_batch():
+    """Docker's 64 MiB /dev/shm, two workers, 16 MiB batches: typed errors, no hang."""
+    out = run_ranks(
+        deliver_workers,
+        2,
+        kwargs={"mib": 8, "context": "fork"},
+        nodes=[1, 1],
+        node_shm_size="64m",
+        timeout=150,
+    )
+    lead, follower = out
+    assert not lead["ok"] and lead["type"] == "ShmCapacityError", lead
+    assert "num_workers" in lead["message"] and "prefetch_factor" in lead["message"]
+    assert "--shm-size" in lead["message"]
+    assert not follower["ok"] and follower["type"] == "LeaderError", follower
+    assert follower["attrs"]["original_type"] == "ShmCapacityError"
+
+
+def kill_leader_holding(rank: int, world: int) -> dict:
+    """The leader SIGKILLs itself while its workers hold FILLED slots and ranks hold batches."""
+    import time
+
+    from shmloader import Config, ShmLoader
+    from tests.faults.scenarios import die, outcome
+
+    group = torch.distributed.new_group(list(range(world)), backend="gloo")
+    loader = ShmLoader(
+        _rank_loader("map", "fork", False, n=24), group, config=Config.from_env(enabled=True)
+    )
+
+    def run() -> int:
+        held = []
+        for step, batch in enumerate(loader):
+            held.append(batch)
+            if rank == 0 and step == 2:
+                time.sleep(0.5)  # let the workers fill their prefetch slots
+                die()
+        return len(held)
+
+    try:
+        return outcome(run)
+    finally:
+        loader.close()
+
+
+@pytest.mark.timeout(180)
+def test_leader_killed_while_workers_hold_slots_leaves_nothing_after_gc():
+    out = run_ranks(kill_leader_holding, 2, expect_failure=True, gc_after=True, timeout=150)
+    assert out[0] is None or isinstance(out[0], str), "the leader must have died"
+    assert not out[1]["ok"] and out[1]["type"] == "PeerLostError", out[1]
+    # no_leaks then checks that gc left no shml- segment of the job in /dev/shm

@@ -275,6 +275,7 @@ class ShmLoader:
         self._seq = 0  # batches announced by this writer
         self._pos = 0  # writer: position stamped on the next message of this epoch
         self._left: dict[int, tuple[int, int]] = {}  # reader: it -> (epoch, pos) when left
+        self._iter_epoch = 0  # the epoch the current iteration started in
         self._ring_warned = 0  # ring size last warned about (NOTE [ring growth])
         self._delivered = 0  # position in the epoch: batches the user received (or skipped)
         self._exhausted = False  # the current iteration ran to its end
@@ -498,10 +499,11 @@ class ShmLoader:
                 "it closed its ShmLoader: no more batches will come",
             )
         if not self._exhausted and self._it > 0:
-            self._left[self._it] = (self._epoch, self._delivered)  # NOTE [iteration numbers]
+            self._left[self._it] = (self._iter_epoch, self._delivered)  # NOTE [iteration numbers]
             for old in [k for k in self._left if k < self._it - 4]:
                 del self._left[old]
         self._it += 1
+        self._iter_epoch = self._epoch
         cursor, skip = self._take_resume()
         self._delivered = cursor
         self._pos = cursor

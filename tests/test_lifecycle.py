@@ -160,6 +160,11 @@ def empty_epochs_and_cursors(rank: int, world: int) -> dict:
 
 
 def same_claim_two_nodes(rank: int, world: int) -> dict:
+    import shmloader.topology as topology
+
+    # Equal claims on both simulated nodes (as two hosts with one boot id and one
+    # SHMLOADER_NODE, or a claim collision): only the probe can tell them apart.
+    topology.node_claim = lambda override: "one-claim-for-all"
     loader = ShmLoader(
         ranks.make_loader_factory(0, n=8), dist.group.WORLD, config=Config.from_env(enabled=True)
     )
@@ -231,12 +236,7 @@ def test_empty_epochs_keep_rng_and_a_finished_epoch_counts_every_batch():
 
 def test_node_identity_follows_the_probe_when_claims_are_equal():
     """Two simulated nodes claim the same identity: only the probe can tell them apart."""
-    out = run_ranks(
-        same_claim_two_nodes,
-        4,
-        nodes=[0, 0, 1, 1],
-        rank_env={r: {"SHMLOADER_NODE": "same"} for r in range(4)},
-    )
+    out = run_ranks(same_claim_two_nodes, 4, nodes=[0, 0, 1, 1])
     for o in out:
         assert o["nodes"] == [[0, 1], [2, 3]], o["nodes"]
         assert o["batches"] == out[0]["batches"]

@@ -6,9 +6,9 @@ import multiprocessing as mp
 import os
 
 import pytest
+from shmloaderd.registry import Job, Registry
 
 from shmloader.segment import proc_start_time
-from shmloaderd.registry import Job, Registry
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -62,7 +62,7 @@ def prefetched(rank: int, world: int) -> dict:
     for _epoch in range(2):
         q: queue.Queue = queue.Queue(maxsize=2)
 
-        def pull() -> None:
+        def pull(q: queue.Queue = q) -> None:
             try:
                 for batch in loader:
                     q.put(batch)
@@ -158,9 +158,9 @@ def test_a_follower_that_leaves_early_neither_deadlocks_nor_loses_the_next_epoch
         assert o["seconds"] < 20, f"rank {rank} waited {o['seconds']:.1f} s"
         first = list(range(at)) if rank == 1 else list(range(N))
         assert o["epochs"] == [first, list(range(N))], (rank, o["epochs"])
-    assert any(
-        f"left iteration 1 (epoch 0) after {at} batches" in m for m in out[1]["warnings"]
-    ), out[1]["warnings"]
+    assert any(f"left iteration 1 (epoch 0) after {at} batches" in m for m in out[1]["warnings"]), (
+        out[1]["warnings"]
+    )
 
 
 def test_the_leaders_error_reaches_followers_although_it_exits_at_once():

@@ -97,9 +97,9 @@ def test_leader_error_and_stop_cross_nodes():
     stopped = run_ranks(
         scenarios.leader_raises, 4, kwargs={"exc": "KeyboardInterrupt"}, nodes=[0, 0, 1, 1]
     )
-    assert all(
-        o["type"] == "LeaderStoppedError" and o["got"] == [0, 1, 2] for o in stopped[1:]
-    ), stopped
+    assert all(o["type"] == "LeaderStoppedError" and o["got"] == [0, 1, 2] for o in stopped[1:]), (
+        stopped
+    )
 
 
 def test_make_loader_failure_reaches_followers_with_the_original_error():

@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 from .config import Config
 from .errors import (
     ConfigError,
+    DivergenceError,
     LeaderError,
+    LeaderStoppedError,
     PeerLostError,
     ShmCapacityError,
     ShmLoaderError,
@@ -48,7 +50,9 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "Config",
     "ConfigError",
+    "DivergenceError",
     "LeaderError",
+    "LeaderStoppedError",
     "PeerLostError",
     "ShardedBatchSampler",
     "ShardedSampler",

@@ -121,7 +121,9 @@ class Config:
             if key not in known:
                 raise TypeError(f"Config has no field {key!r}; fields are {sorted(known)}")
         values.update(overrides)
-        return cls(**values)  # type: ignore[arg-type]
+        config = cls(**values)  # type: ignore[arg-type]
+        object.__setattr__(config, "_from_env", True)  # see ShmLoader's SHMLOADER check
+        return config
 
 
 _TRUE = {"1", "true", "yes", "on"}

@@ -786,7 +786,6 @@ class ShmLoader:
             if stop:
                 kind = KIND_STOP
                 body = {"reason": f"{type(exc).__name__} on the leader"}
-                body.update(epoch=self._epoch, pos=self._pos)
                 parts = self._stamped(Kind.STOP, it, closed=0, reason=body["reason"])
             else:
                 kind, body = KIND_ERROR, _error_body(it, exc)
@@ -1325,7 +1324,7 @@ def _resolve_config(config: Config | None, group: dist.ProcessGroup | None) -> C
     """
     if config is None:
         config = Config.from_env()
-    elif not config.enabled and _env_enabled():
+    elif not config.enabled and not getattr(config, "_from_env", False) and _env_enabled():
         log.warning(
             "shmloader: config=%r has enabled=False although SHMLOADER is set: sharing is off "
             "for this ShmLoader. A Config built directly does not read the environment; use "

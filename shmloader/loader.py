@@ -353,7 +353,6 @@ class ShmLoader:
                 socket_path(self.config.runtime_dir, topo.ring_token, writer.pid), topo.me
             )
             self._out = _Releaser(self._spoke, topo.me)
-            self._stale: list[wire.Message] = []
             self._stash: wire.Message | None = None
             me = topo.fact(topo.me)
             self._out.send(wire.frames(Kind.HELLO, rank=topo.me, pid=me.pid, start=me.start))

@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 from .config import Config
 from .errors import (
     ConfigError,
+    DivergenceError,
     LeaderError,
+    LeaderStoppedError,
     PeerLostError,
     ShmCapacityError,
     ShmLoaderError,
@@ -51,7 +53,9 @@ __all__ = [
     "BalancedBatchSampler",
     "Config",
     "ConfigError",
+    "DivergenceError",
     "LeaderError",
+    "LeaderStoppedError",
     "PeerLostError",
     "ShardedBatchSampler",
     "ShardedSampler",

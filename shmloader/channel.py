@@ -14,7 +14,10 @@ NOTE [bounded waits]
     alive (pid plus start time, see ``segment.process_alive``) and raises
     :class:`~shmloader.errors.PeerLostError` as soon as one is dead, or once
     the configured timeout has passed without an answer. A dead peer is thus
-    detected within about ``SLICE_S`` whatever the timeout is.
+    detected within about ``SLICE_S`` whatever the timeout is. Before it
+    concludes that a peer died, a wait drains what is already queued (for up
+    to ``DRAIN_S``): a peer's last word (the leader's ERROR) is handled, not
+    lost to the race between its send and its exit.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from .wire import Message, parse
 log = logging.getLogger(__name__)
 
 SLICE_S = 0.2
+#: How long a wait keeps draining queued messages once a peer is seen dead.
+DRAIN_S = 0.05
 
 
 def runtime_dir(parent: str | None) -> str:
@@ -114,12 +119,14 @@ class _Endpoint:
         *,
         timeout: float,
         doing: str,
+        idle: Callable[[], None] | None = None,
     ) -> None:
         """Receive and ``handle`` messages until it returns True (NOTE [bounded waits]).
 
         ``handle(msg, sender_rank)`` returns True when the wait is over.
         ``peers()`` are the processes whose death ends the wait with
-        :class:`PeerLostError`.
+        :class:`PeerLostError`. ``idle()`` runs once per slice on the waiting
+        thread (a reader flushes RELEASEs queued by other threads there).
         """
         deadline = time.monotonic() + timeout
         next_check = 0.0
@@ -128,11 +135,17 @@ class _Endpoint:
             msg = self.receive(min(SLICE_S, max(deadline - now, 0)))
             if msg is not None and handle(*msg):
                 return
+            if idle is not None:
+                idle()
             now = time.monotonic()
             if now >= next_check:  # liveness at most every slice, even under a stream
                 next_check = now + SLICE_S
                 for peer in peers():
                     if not peer.alive():
+                        # Its last messages may be queued behind the liveness check.
+                        while (msg := self.receive(DRAIN_S)) is not None:
+                            if handle(*msg):
+                                return
                         raise PeerLostError(
                             peer.rank, peer.role, f"process {peer.pid} died while we were {doing}"
                         )

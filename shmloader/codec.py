@@ -404,10 +404,13 @@ def _itemsize(kind: str, dtype: str) -> int:
 
 
 class _Decoder:
-    def __init__(self, leaves: list[Leaf], payload: np.ndarray, allow_pickle: bool) -> None:
+    def __init__(
+        self, leaves: list[Leaf], payload: np.ndarray, allow_pickle: bool, own_below: int = 0
+    ) -> None:
         self.leaves = leaves
         self.payload = payload
         self.allow_pickle = allow_pickle
+        self.own_below = own_below
         self.built: dict[int, Any] = {}
 
     def leaf(self, index: Any) -> Any:
@@ -417,6 +420,8 @@ class _Decoder:
             return self.built[index]
         lf = self.leaves[index]
         window = self.payload[lf.offset : lf.offset + lf.nbytes]
+        if lf.kind in ("t", "a") and 0 < lf.nbytes <= self.own_below:
+            window = window.copy()  # owned: keeping it keeps nothing of the payload
         if lf.kind == "t" and lf.nbytes == 0:
             # torch.from_numpy of an empty payload has stride 0, which view(dtype)
             # refuses: a zero-size tensor needs no bytes of the payload anyway.
@@ -540,14 +545,22 @@ def _resolve(name: Any, what: str) -> type:
     return obj
 
 
-def decode(meta: bytes | memoryview, payload: np.ndarray, *, allow_pickle: bool = False) -> Any:
+def decode(
+    meta: bytes | memoryview,
+    payload: np.ndarray,
+    *,
+    allow_pickle: bool = False,
+    own_below: int = 0,
+) -> Any:
     """Rebuild the batch described by ``meta`` with tensors viewing ``payload``.
 
     ``payload`` is a 1-D uint8 numpy array (a mapping of a ring slot, or a
     received buffer). Tensors and arrays are views into it: no payload byte is
-    copied. Leaves that were one object on the leader are one object here.
+    copied, except that tensors and arrays of at most ``own_below`` bytes are
+    owned copies (keeping one keeps nothing of ``payload`` alive). Leaves that
+    were one object on the leader are one object here.
     """
     if payload.dtype != np.uint8 or payload.ndim != 1:
         raise TypeError(f"payload must be a 1-D uint8 array, got {payload.dtype} {payload.shape}")
     doc, leaves = parse_meta(meta, payload.nbytes)
-    return _Decoder(leaves, payload, allow_pickle).node(doc.get("t"), 0)
+    return _Decoder(leaves, payload, allow_pickle, own_below).node(doc.get("t"), 0)

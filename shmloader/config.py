@@ -14,12 +14,21 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-#: Default seconds a rank waits for a peer that is alive but silent. Liveness
-#: (pid checks, heartbeats) detects a *dead* peer within about a second
-#: whatever this is; the timeout only bounds how long a live but stuck peer is
-#: tolerated, so it is generous enough for a slow first batch (worker start,
-#: dataset open) on a busy node.
-DEFAULT_TIMEOUT_S = 300.0
+#: Seconds a rank waits for a peer that is alive but silent when neither
+#: ``SHMLOADER_TIMEOUT`` nor the process group says otherwise: torch's own
+#: default process-group timeout (30 min). Liveness (pid checks) detects a
+#: *dead* peer within about a second whatever this is; the timeout only bounds
+#: how long a live but busy peer is tolerated. By default (``timeout=None``) a
+#: ShmLoader follows its process group's timeout (``loader.group_timeout``),
+#: so a leader that evaluates or checkpoints alone is tolerated exactly as long
+#: as the training job's own collectives would tolerate it.
+DEFAULT_TIMEOUT_S = 1800.0
+
+#: Leaves of at most this many bytes are delivered as owned copies rather than
+#: views of the shared slot, so that keeping one (labels for an epoch-level
+#: metric) keeps nothing else of the batch alive. Copying 64 KiB costs a few
+#: microseconds; the slot's memory is what a kept view would pin.
+DEFAULT_SMALL_COPY_BYTES = 64 << 10
 
 #: Default ring depth per group and node: how many batches the leader may
 #: publish ahead of its slowest follower. Every slot is a batch of shared
@@ -52,7 +61,11 @@ class Config:
     Attributes:
         enabled: share batches (``SHMLOADER=1``). Off: every rank loads its own.
         slots: ring depth, the batches the leader may run ahead (``SHMLOADER_SLOTS``).
-        timeout: seconds to wait for a live but silent peer (``SHMLOADER_TIMEOUT``).
+        timeout: seconds to wait for a live but silent peer (``SHMLOADER_TIMEOUT``);
+            ``None`` (the default): the process group's own timeout, else
+            ``DEFAULT_TIMEOUT_S``. The same bound applies to set-up: a rank that
+            does not construct its ShmLoader within it is named in a
+            ``PeerLostError`` on the others.
         runtime_dir: parent of the per-job 0700 socket directory
             (``SHMLOADER_RUNTIME_DIR``; default ``$XDG_RUNTIME_DIR`` or ``/tmp``).
         node: node identity override (``SHMLOADER_NODE``), see ``topology``.
@@ -64,11 +77,18 @@ class Config:
             (the default), ``cuda``, ``cuda:N`` or ``auto``; see ``shmloader.device``.
         prefetch: batches copied to the device ahead of the one the user
             holds (``SHMLOADER_PREFETCH``, default 2); only with a CUDA device.
+        small_copy_bytes: leaves of at most this many bytes are owned copies, not
+            views of shared memory (``SHMLOADER_SMALL_COPY``; 0: none).
+
+    A ``Config`` built directly holds exactly its arguments: it does not read
+    the environment, so ``Config(allow_pickle=True)`` means sharing off
+    (``enabled=False``) even under ``SHMLOADER=1``. To change one setting and
+    keep the launcher's, use ``Config.from_env(allow_pickle=True)``.
     """
 
     enabled: bool = False
     slots: int = DEFAULT_SLOTS
-    timeout: float = DEFAULT_TIMEOUT_S
+    timeout: float | None = None
     runtime_dir: str | None = None
     node: str | None = None
     daemon: str | None = None
@@ -77,12 +97,13 @@ class Config:
     allow_pickle: bool = False
     device: str = DEFAULT_DEVICE
     prefetch: int = DEFAULT_PREFETCH
+    small_copy_bytes: int = DEFAULT_SMALL_COPY_BYTES
 
     def __post_init__(self) -> None:
         if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 2:
             raise ConfigError("slots", self.slots, "an integer >= 2")
         # bool is an int: timeout=True would silently mean one second.
-        if (
+        if self.timeout is not None and (
             not isinstance(self.timeout, int | float)
             or isinstance(self.timeout, bool)
             or not self.timeout > 0
@@ -90,6 +111,9 @@ class Config:
             raise ConfigError("timeout", self.timeout, "a number of seconds > 0")
         if self.timeout == float("inf"):
             raise ConfigError("timeout", self.timeout, "a finite number of seconds")
+        small = self.small_copy_bytes
+        if not isinstance(small, int) or isinstance(small, bool) or small < 0:
+            raise ConfigError("small_copy_bytes", small, "an integer >= 0 (bytes)")
         for name in ("enabled", "copy", "verify", "allow_pickle"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "True or False")
@@ -110,7 +134,7 @@ class Config:
         values: dict[str, object] = {
             "enabled": _flag(env, "SHMLOADER"),
             "slots": _int(env, "SHMLOADER_SLOTS", DEFAULT_SLOTS, minimum=2),
-            "timeout": _seconds(env, "SHMLOADER_TIMEOUT", DEFAULT_TIMEOUT_S),
+            "timeout": _seconds(env, "SHMLOADER_TIMEOUT", None),
             "runtime_dir": _path(env, "SHMLOADER_RUNTIME_DIR"),
             "node": _name(env, "SHMLOADER_NODE"),
             "daemon": _path(env, "SHMLOADER_DAEMON"),
@@ -118,13 +142,18 @@ class Config:
             "verify": _flag(env, "SHMLOADER_VERIFY"),
             "device": _device(env, "SHMLOADER_DEVICE"),
             "prefetch": _int(env, "SHMLOADER_PREFETCH", DEFAULT_PREFETCH, minimum=1),
+            "small_copy_bytes": _int(
+                env, "SHMLOADER_SMALL_COPY", DEFAULT_SMALL_COPY_BYTES, minimum=0
+            ),
         }
         known = {f.name for f in dataclasses.fields(cls)}
         for key in overrides:
             if key not in known:
                 raise TypeError(f"Config has no field {key!r}; fields are {sorted(known)}")
         values.update(overrides)
-        return cls(**values)  # type: ignore[arg-type]
+        config = cls(**values)  # type: ignore[arg-type]
+        object.__setattr__(config, "_from_env", True)  # see ShmLoader's SHMLOADER check
+        return config
 
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -154,7 +183,7 @@ def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int) -> in
     return value
 
 
-def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+def _seconds(env: Mapping[str, str], name: str, default: float | None) -> float | None:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default

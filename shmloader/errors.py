@@ -40,7 +40,9 @@ class UnsupportedBatchError(ShmLoaderError, TypeError):
         super().__init__(
             f"{path} is a {self.type_name}, which shmloader cannot share: {reason}. "
             "Convert it in your collate_fn (e.g. to a tensor or a str), or opt in to "
-            "pickling it with Config(allow_pickle=True)."
+            "pickling it with ShmLoader(..., config=Config.from_env(allow_pickle=True)) on "
+            "every rank (from_env keeps SHMLOADER and the other variables; a bare Config() "
+            "does not read the environment)."
         )
 
 
@@ -82,6 +84,73 @@ class PeerLostError(ShmLoaderError):
             f"lost {who}: {detail}. If that process is merely slow (a slow dataset, a "
             "long first batch), raise SHMLOADER_TIMEOUT; otherwise look at its log for "
             "the reason it died."
+        )
+
+
+class LeaderStoppedError(LeaderError):
+    """The leader's iteration stopped (``KeyboardInterrupt``/``SystemExit`` inside
+    its loader): followers' epochs did not end, so they raise this instead of
+    ending their loop as if the epoch were complete.
+
+    ``leader_position`` and ``position`` are ``(iteration, epoch, batch)`` of the
+    leader when it stopped and of this rank when it learnt it.
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        leader_rank: int | None,
+        leader_position: tuple[int, int, int] | None,
+        position: tuple[int, int, int],
+    ) -> None:
+        self.leader_position = leader_position
+        self.position = position
+        where = (
+            f"at batch {leader_position[2]} of epoch {leader_position[1]} "
+            f"(iteration {leader_position[0]})"
+            if leader_position is not None
+            else "mid-epoch"
+        )
+        super().__init__(
+            "LeaderStopped",
+            f"the leader stopped ({reason}) {where}; this rank had received "
+            f"{position[2]} batches of epoch {position[1]} (iteration {position[0]}), "
+            "so its epoch did not end: stop this rank too",
+            "",
+            leader_rank=leader_rank,
+        )
+
+
+class DivergenceError(ShmLoaderError):
+    """Ranks of one group iterate differently: one left an epoch the other did not,
+    or they are at different epochs or positions.
+
+    Every rank of a group must iterate the same way (same ``set_epoch`` calls,
+    same early ``break``s, same resume). ``leader_position`` and ``position``
+    are ``(iteration, epoch, batch)`` of the writer and of this rank.
+    """
+
+    def __init__(
+        self,
+        what: str,
+        *,
+        rank: int | None,
+        leader_rank: int | None,
+        leader_position: tuple[int, int, int],
+        position: tuple[int, int, int],
+    ) -> None:
+        self.rank = rank
+        self.leader_rank = leader_rank
+        self.leader_position = leader_position
+        self.position = position
+        lit, lep, lpos = leader_position
+        it, ep, pos = position
+        super().__init__(
+            f"ranks of one group diverged: {what}. The writer (rank {leader_rank}) is at "
+            f"iteration {lit}, epoch {lep}, batch {lpos}; this rank ({rank}) is at iteration "
+            f"{it}, epoch {ep}, batch {pos}. Every rank of a group must iterate the same way: "
+            "the same set_epoch() calls, the same early breaks, the same load_state_dict()"
         )
 
 

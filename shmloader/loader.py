@@ -33,10 +33,47 @@ NOTE [no batch in the frame]
 
 NOTE [iteration numbers]
     Every rank counts its own ``iter()`` calls; the writer stamps each message
-    with its count (``it``). All ranks of a group iterate in the same pattern
-    (same epochs, same early ``break``s), so equal counts mean the same
-    iteration. A reader drops (and releases) batches of an earlier iteration,
-    and ends its current iteration when a later one starts.
+    with (``it``: its count, ``epoch``: its ``set_epoch``, ``pos``: the
+    batch's index in the epoch, resumed cursor included). All ranks of a group
+    must iterate in the same pattern (same epochs, same early ``break``s, same
+    resume), so equal counts mean the same iteration. A reader asking for
+    batch ``p`` of iteration ``it`` at epoch ``e``:
+
+    - BATCH/END of ``it`` stamped ``(e, p)``: the batch, or the normal end;
+    - any other ``(epoch, pos)`` in ``it``, or a message of a *later*
+      iteration (the writer broke out of ``it`` while this rank did not):
+      ``DivergenceError`` naming both positions, never a silent short epoch
+      (the later message is kept for this rank's next iteration);
+    - STOP (``KeyboardInterrupt``/``SystemExit`` in the leader's loader):
+      ``LeaderStoppedError``, not a normal end; ERROR: ``LeaderError``;
+    - a message of an *earlier* iteration: this rank broke out of that one
+      before the writer did. Its batches are ACKed and released inside the
+      receive path (the writer may be waiting for exactly those ACKs), a
+      warning names both positions once, and the wait goes on: the current
+      iteration is received whole.
+
+    An early ``break`` on every rank at the same point sends nothing extra
+    (the leader publishes only what its user takes) and needs no message.
+    A node leader applies the same rules to the leader's cross-node stamps.
+
+NOTE [small leaves]
+    Tensors and arrays of at most ``Config.small_copy_bytes`` (64 KiB) are
+    decoded as owned copies, not views of the slot, on every rank: keeping
+    ``batch["labels"]`` for an epoch-level metric then keeps nothing of the
+    slot, which is released as soon as the large leaves die. A batch made
+    only of small leaves is released right at delivery.
+
+NOTE [ring growth]
+    The ring's expected depth is ``SHMLOADER_SLOTS + 1``: the window of
+    unconsumed batches plus the one in use. Past that, some rank keeps old
+    batches (or parts of them) alive; the writer warns, naming each held
+    batch and its holders, at the first growth and each doubling after.
+
+NOTE [same failure in both modes]
+    With sharing off every rank still runs each batch through the codec's
+    checks (``codec.encode``, which builds metadata only and copies no
+    payload), and ``len()``/``next()`` after ``close()`` raise the same
+    ``ShmLoaderError``: a bug shows up the same way whatever the launcher sets.
 """
 
 from __future__ import annotations
@@ -44,6 +81,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import dataclasses
 import datetime
 import functools
 import json
@@ -64,21 +102,24 @@ import torch.distributed as dist
 from . import codec, rng, wire
 from . import worker as worker_writer
 from .channel import Hub, Peer, Spoke, socket_path
-from .config import Config
+from .config import DEFAULT_TIMEOUT_S, Config
 from .daemon_client import DaemonClient
 from .device import DeviceOps, DeviceStage, warn_pin_memory
 from .device import resolve as resolve_device
 from .errors import (
     ConfigError,
+    DivergenceError,
     LeaderError,
+    LeaderStoppedError,
     LoaderStateError,
     PeerLostError,
     ProtocolError,
     ShmLoaderError,
     TopologyMismatchError,
+    human_bytes,
 )
 from .pool import SlotRef, WorkerPool
-from .ring import RingReader, RingWriter, Slot, new_token, private_view
+from .ring import RingReader, RingWriter, Slot, SlotState, new_token, private_view
 from .topology import GroupTopology, broadcast_bytes, discover
 from .wire import Kind
 from .xnode import KIND_BATCH, KIND_END, KIND_ERROR, KIND_STOP, CrossNode
@@ -105,51 +146,96 @@ class _Releaser:
         user drops it, typically when ``batch`` is rebound at the top of the
         next step. Sending RELEASE right then, instead of with the reader's
         next request, lets the writer reuse that slot for the very next
-        batch, so a lockstep job needs two slots, not three. The finalizer
-        sends only on the thread that owns the socket and never inside one of
-        our own socket calls (a garbage collection can run a finalizer
-        anywhere): otherwise it queues, and the next call flushes the queue.
+        batch, so a lockstep job needs two slots, not three.
+
+    NOTE [one thread per socket]
+        ZeroMQ sockets are not thread-safe, and a finalizer runs on whichever
+        thread drops the last reference (a prefetch thread iterates while
+        the main thread drops batches; a garbage collection runs finalizers
+        anywhere, even inside one of our own socket calls). So:
+
+        - the *owner* is the thread that iterates: every ``next()`` claims
+          the socket for its thread (``claim``);
+        - a finalizer only appends to ``pending`` (a deque: atomic appends),
+          and sends at once only when it runs on the owner thread and takes
+          ``lock`` without blocking, i.e. when no socket call is under way;
+        - every socket call holds ``lock`` and first flushes ``pending``, and
+          a wait flushes it once per slice: releases queued by other threads
+          leave with the owner's next call or within one slice of a wait.
     """
 
     def __init__(self, spoke: Spoke, rank: int) -> None:
         self.spoke = spoke
         self.rank = rank
         self.pending: collections.deque = collections.deque()
+        self.lock = threading.Lock()
+        self.holder = 0  # the thread holding ``lock``, 0 when free
         self.owner = threading.get_ident()
-        self.busy = False
         self.closed = False  # after close(): batches that die later release nothing
+
+    def claim(self) -> None:
+        """The calling thread iterates: it owns the socket from now on."""
+        self.owner = threading.get_ident()
 
     def release(self, item: tuple[int, int, int]) -> None:
         """The finalizer callback: queue, and send now when that is safe."""
         if self.closed:
             return
         self.pending.append(item)
-        if not self.busy and threading.get_ident() == self.owner:
-            self.send([])
+        if threading.get_ident() == self.owner and self.lock.acquire(blocking=False):
+            self.holder = threading.get_ident()
+            try:
+                self._flush()
+            finally:
+                self.holder = 0
+                self.lock.release()
 
     def send(self, parts: list) -> None:
-        """Send ``parts`` (if any) after every queued RELEASE, guarded against re-entry."""
-        if self.busy:
-            raise AssertionError("re-entrant send on a reader socket")
-        self.busy = True
-        try:
-            while self.pending:
-                index, gen, seq = self.pending.popleft()
-                self.spoke.send(wire.frames(Kind.RELEASE, seq, rank=self.rank, slot=index, gen=gen))
+        """Send ``parts`` (if any) after every queued RELEASE."""
+        me = threading.get_ident()
+        if self.holder == me:  # inside our own wait (a handler): the socket is ours
+            self._flush()
             if parts:
                 self.spoke.send(parts)
-        finally:
-            self.busy = False
+            return
+        with self._holding():
+            self._flush()
+            if parts:
+                self.spoke.send(parts)
+
+    def flush(self) -> None:
+        """Send what other threads queued; only from inside ``receiving``."""
+        if self.holder == threading.get_ident():
+            self._flush()
+
+    def _flush(self) -> None:
+        while True:
+            try:
+                index, gen, seq = self.pending.popleft()
+            except IndexError:
+                return
+            self.spoke.send(wire.frames(Kind.RELEASE, seq, rank=self.rank, slot=index, gen=gen))
 
     @contextlib.contextmanager
-    def receiving(self) -> Iterator[None]:
-        """While we wait on the socket, finalizers only queue."""
-        self.send([])
-        self.busy = True
+    def _holding(self) -> Iterator[None]:
+        if not self.lock.acquire(timeout=CLOSE_WAIT_S):
+            raise ShmLoaderError(
+                "a reader's socket stayed busy for 10 s: two threads iterate one ShmLoader "
+                "at once; iterate it from one thread (a prefetch thread is fine)"
+            )
+        self.holder = threading.get_ident()
         try:
             yield
         finally:
-            self.busy = False
+            self.holder = 0
+            self.lock.release()
+
+    @contextlib.contextmanager
+    def receiving(self) -> Iterator[None]:
+        """Hold the socket for a wait; finalizers meanwhile only queue."""
+        with self._holding():
+            self._flush()
+            yield
 
 
 class ShmLoader:
@@ -196,7 +282,7 @@ class ShmLoader:
             or accumulation_steps < 1
         ):
             raise ConfigError("accumulation_steps", accumulation_steps, "an integer >= 1")
-        self.config = config if config is not None else Config.from_env()
+        self.config = _resolve_config(config, group)
         # Device delivery: validated before anything is built (shmloader.device).
         target = device
         if not isinstance(device, DeviceOps):
@@ -208,6 +294,10 @@ class ShmLoader:
         self._epoch = 0
         self._it = 0  # NOTE [iteration numbers]
         self._seq = 0  # batches announced by this writer
+        self._pos = 0  # writer: position stamped on the next message of this epoch
+        self._left: dict[int, tuple[int, int]] = {}  # reader: it -> (epoch, pos) when left
+        self._iter_epoch = 0  # the epoch the current iteration started in
+        self._ring_warned = 0  # ring size last warned about (NOTE [ring growth])
         self._delivered = 0  # position in the epoch: batches the user received (or skipped)
         self._exhausted = False  # the current iteration ran to its end
         # (epoch, cursor, skip) from load_state_dict; skip is False when the
@@ -225,6 +315,7 @@ class ShmLoader:
         self._reader: RingReader | None = None
         self._spoke: Spoke | None = None
         self._xnode: CrossNode | None = None
+        self._xstash: tuple | None = None  # node leader: a header of the next iteration
         self._daemon: DaemonClient | None = None
         self._next_report = 0.0
         self._stats: collections.Counter = collections.Counter()
@@ -249,6 +340,7 @@ class ShmLoader:
     # ------------------------------------------------------------------ set-up
 
     def _setup(self, make_loader: Callable[[], Iterable[Any]], group: dist.ProcessGroup) -> None:
+        _arrive(self._group_ranks or [], self.config.timeout)  # NOTE [set-up is bounded]
         pg = self._exchange_group(group)
         try:
             topo = discover(pg, new_token(), node_override=self.config.node)
@@ -287,7 +379,6 @@ class ShmLoader:
                 socket_path(self.config.runtime_dir, topo.ring_token, writer.pid), topo.me
             )
             self._out = _Releaser(self._spoke, topo.me)
-            self._stale: list[wire.Message] = []
             self._stash: wire.Message | None = None
             me = topo.fact(topo.me)
             self._out.send(wire.frames(Kind.HELLO, rank=topo.me, pid=me.pid, start=me.start))
@@ -429,6 +520,7 @@ class ShmLoader:
         return self._topo
 
     def __len__(self) -> int:
+        self._check_open()
         if self._role == "local":
             return len(self._loader)  # type: ignore[arg-type]
         if self._length is None:
@@ -442,6 +534,8 @@ class ShmLoader:
         if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
             raise ConfigError("epoch", epoch, "an integer >= 0")
         self._epoch = epoch
+        if self._xnode is not None:
+            self._xnode.position = (epoch, self._pos)
         if self._loader is not None:
             _forward_set_epoch(self._loader, epoch)
 
@@ -454,9 +548,17 @@ class ShmLoader:
                 "writer",
                 "it closed its ShmLoader: no more batches will come",
             )
+        if not self._exhausted and self._it > 0:
+            self._left[self._it] = (self._iter_epoch, self._delivered)  # NOTE [iteration numbers]
+            for old in [k for k in self._left if k < self._it - 4]:
+                del self._left[old]
         self._it += 1
+        self._iter_epoch = self._epoch
         cursor, skip = self._take_resume()
         self._delivered = cursor
+        self._pos = cursor
+        if self._xnode is not None:  # the leader's cross-node stamps
+            self._xnode.position = (self._epoch, self._pos)
         self._exhausted = False
         if self._role == "local":
             inner = self._local_iteration(cursor if skip else 0)
@@ -497,11 +599,16 @@ class ShmLoader:
         if self._hub is not None:
             with contextlib.suppress(Exception):
                 self._await_attach()
-                stop = wire.frames(Kind.STOP, reason="the writer closed", closed=1)
+                stop = self._stamped(Kind.STOP, self._it, reason="the writer closed", closed=1)
                 self._tell_readers(stop, best_effort=True)
         if self._role != "local":
             self._finalizer()
         self._loader = None
+
+    def _check_open(self) -> None:
+        """The same error in every mode and role once ``close()`` ran."""
+        if self._closed:
+            raise ShmLoaderError("this ShmLoader is closed; make a new one")
 
     def __enter__(self) -> ShmLoader:
         return self
@@ -621,6 +728,7 @@ class ShmLoader:
     def _local_iteration(self, skip: int) -> Iterator[Any]:
         source, _ = self._open_source(skip)
         while True:
+            self._check_open()
             self._mark_boundary()
             box = []  # NOTE [no batch in the frame]
             try:
@@ -628,6 +736,9 @@ class ShmLoader:
             except StopIteration:
                 self._exhausted = True
                 return
+            # NOTE [same failure in both modes]: a batch sharing could not carry
+            # fails here too, whatever the launcher sets.
+            codec.encode(box[0], allow_pickle=self.config.allow_pickle)
             self._delivered += 1
             yield box.pop()
 
@@ -675,6 +786,7 @@ class ShmLoader:
                 self._pool.reclaim()  # slots of workers that died in an earlier iteration
             source, pending = self._open_source(skip)
             while True:
+                self._check_open()
                 self._mark_boundary()
                 if self._pool is not None:  # free what ranks released before we block on workers
                     self._pump()
@@ -729,7 +841,12 @@ class ShmLoader:
             if slot is not None:
                 self._ring.release(self._me, slot.index, slot.gen)  # type: ignore[union-attr]
             return batch
-        return codec.decode(enc.meta, self._own_view(slot, enc.nbytes))
+        return codec.decode(
+            enc.meta,
+            self._own_view(slot, enc.nbytes),
+            allow_pickle=self.config.allow_pickle,
+            own_below=self.config.small_copy_bytes,
+        )
 
     def _publish_ref(self, it: int, ref: SlotRef, draws: int) -> Any:
         """Announce a batch a worker wrote into a pool slot: metadata only, no payload copy."""
@@ -753,7 +870,12 @@ class ShmLoader:
             batch = _owned_copy(codec.decode(ref.meta, view, allow_pickle=self.config.allow_pickle))
             del view
             return batch
-        batch = codec.decode(ref.meta, view, allow_pickle=self.config.allow_pickle)
+        batch = codec.decode(
+            ref.meta,
+            view,
+            allow_pickle=self.config.allow_pickle,
+            own_below=self.config.small_copy_bytes,
+        )
         # the main process's own work on this batch, waiting for readers left out
         self._stats["main_ms_last"] = (time.perf_counter_ns() - t0) / 1e6
         return batch
@@ -769,7 +891,7 @@ class ShmLoader:
         if self._xnode is not None:
             self._xnode.send(KIND_END, it, b"", draws=draws)
         self._await_readers(window=False)
-        self._tell_readers(wire.frames(Kind.END, it=it, draws=draws))
+        self._tell_readers(self._stamped(Kind.END, it, draws=draws))
 
     def _fail(self, it: int, exc: BaseException) -> None:
         """Tell every reader (and from the leader every node leader) that this iteration failed.
@@ -781,17 +903,18 @@ class ShmLoader:
         try:
             stop = isinstance(exc, KeyboardInterrupt | SystemExit)
             if stop:
-                kind, body = KIND_STOP, {"reason": f"{type(exc).__name__} on the leader"}
-                parts = wire.frames(Kind.STOP, closed=0, **body)
+                kind = KIND_STOP
+                body = {"reason": f"{type(exc).__name__} on the leader"}
+                parts = self._stamped(Kind.STOP, it, closed=0, reason=body["reason"])
             else:
                 kind, body = KIND_ERROR, _error_body(it, exc)
-                parts = wire.frames(Kind.ERROR, **body)
+                parts = wire.frames(Kind.ERROR, self._seq, **body)
             link_broken = self._xnode is not None and self._xnode.broken
             if self._xnode is not None and self._role == "leader" and not link_broken:
                 self._xnode.send_json(kind, it, body)
             with contextlib.suppress(PeerLostError):
                 self._await_readers(window=False, timeout=min(self.config.timeout, CLOSE_WAIT_S))
-            self._tell_readers(parts, best_effort=True)
+            self._tell_last(parts)
         except Exception as notify_error:  # the original error matters more
             log.warning("shmloader: could not tell followers about %r: %s", exc, notify_error)
 
@@ -807,11 +930,11 @@ class ShmLoader:
         self._seq += 1
         if slot is not None:
             ring.publish(slot, seq, nbytes, ns)
-        parts = wire.frames(
+        parts = self._stamped(
             Kind.BATCH,
+            it,
             seq,
             meta,
-            it=it,
             slot=-1 if slot is None else slot.index,
             gen=0 if slot is None else slot.gen,
             seg="" if slot is None else slot.segment.name,
@@ -819,8 +942,79 @@ class ShmLoader:
             draws=draws,
             crc=crc,
         )
+        self._pos += 1
+        if self._xnode is not None:
+            self._xnode.position = (self._epoch, self._pos)
         self._tell_readers(parts)
+        self._warn_growth()
         self._report()
+
+    def _stamped(
+        self, kind: Kind, it: int, seq: int | None = None, blob: bytes | None = None, **body: Any
+    ) -> list:
+        """A writer message stamped with (iteration, epoch, position) (NOTE [iteration numbers]).
+
+        ERROR and STOP carry the next batch number as ``seq``: readers ACK it
+        (``_tell_last``).
+        """
+        return wire.frames(
+            kind,
+            self._seq if seq is None else seq,
+            blob,
+            it=it,
+            epoch=self._epoch,
+            pos=self._pos,
+            **body,
+        )
+
+    def _tell_last(self, parts: list) -> None:
+        """Send a writer's last word (ERROR, STOP) and wait, bounded, until each reader has it.
+
+        The process may exit right after (the error propagates): a message
+        still in ZeroMQ's queue would be lost, and readers would report the
+        writer dead instead of its error. Readers ACK it with its ``seq``.
+        """
+        self._tell_readers(parts, best_effort=True)
+        seq = wire.parse(parts).seq
+        try:
+            self._wait_for(
+                lambda: [
+                    r for r in self._topo.readers if r not in self._gone and self._acked[r] <= seq
+                ],
+                min(self.config.timeout, CLOSE_WAIT_S),
+                "making sure followers received the leader's error",
+            )
+        except PeerLostError as exc:
+            log.warning("shmloader: not every follower confirmed the error: %s", exc)
+
+    def _warn_growth(self) -> None:
+        """NOTE [ring growth]: say what is held when the ring outgrows its depth."""
+        ring = self._ring
+        assert ring is not None
+        live = [s for s in ring.slots if s.state != SlotState.RETIRED]
+        depth = self.config.slots + 1
+        if len(live) <= max(depth, 2 * self._ring_warned):
+            return
+        self._ring_warned = len(live)
+        held = [
+            f"batch {s.seq} by rank(s) {sorted(s.holders)}"
+            for s in sorted(live, key=lambda s: s.seq)
+            if s.state == SlotState.HELD
+        ]
+        log.warning(
+            "shmloader: the ring of group %s on this node grew to %d slots (%s), past its depth of "
+            "%d (SHMLOADER_SLOTS=%d + the batch in use): still held: %s. A rank keeps parts of "
+            "old batches alive (a metric keeping a tensor, a prefetch queue): keep .clone() "
+            "copies of what you keep (leaves of at most %d bytes already are copies), or raise "
+            "SHMLOADER_SLOTS to the batches a rank keeps in flight",
+            list(self._topo.ranks) if self._topo else "?",
+            len(live),
+            human_bytes(ring.total_bytes),
+            depth,
+            self.config.slots,
+            "; ".join(held) or "nothing (released since)",
+            self.config.small_copy_bytes,
+        )
 
     def _tell_readers(self, parts: list, *, best_effort: bool = False) -> None:
         """Send to every live reader; a lost one raises after all others were told."""
@@ -952,24 +1146,41 @@ class ShmLoader:
         xnode, ring = self._xnode, self._ring
         assert xnode is not None and ring is not None
         while True:
-            kind, _leader_it, nbytes, meta, draws, crc = xnode.receive_header()
+            self._check_open()
+            head, self._xstash = self._xstash or xnode.receive_header(), None
+            kind, leader_it, nbytes, meta, draws, crc, epoch, pos = head
+            theirs = (leader_it, epoch, pos)
+            mine = (it, self._epoch, self._delivered)
+            terminal = kind in (KIND_ERROR, KIND_STOP)
+            if leader_it < it and not terminal:  # this node left that iteration early
+                if nbytes:
+                    xnode.receive_payload(np.empty(nbytes, np.uint8))
+                self._left_behind(leader_it, pos, kind == KIND_END)
+                continue
+            if leader_it > it:  # the leader left our iteration: keep its message for the next
+                self._xstash = head
+                raise self._diverged("left", theirs, mine)
             if kind == KIND_END:
+                if (epoch, pos) != mine[1:]:
+                    raise self._diverged("ended", theirs, mine)
                 self._await_readers(window=False)
-                self._tell_readers(wire.frames(Kind.END, it=it, draws=draws))
+                self._tell_readers(self._stamped(Kind.END, it, draws=draws))
                 rng.mirror_draws(draws)
                 self._exhausted = True
                 return
-            if kind in (KIND_ERROR, KIND_STOP):
+            if terminal:
                 body = _json_body(meta)
                 if kind == KIND_STOP:
                     reason = str(body.get("reason", ""))
-                    parts = wire.frames(Kind.STOP, reason=reason, closed=0)
-                    self._tell_readers(parts, best_effort=True)
-                    log.warning("shmloader: the leader stopped: %s", reason)
-                    return
+                    self._tell_last(self._stamped(Kind.STOP, it, reason=reason, closed=0))
+                    raise self._stopped(reason, theirs, mine)
                 body["it"] = it
-                self._tell_readers(wire.frames(Kind.ERROR, **_error_fields(body)), best_effort=True)
+                self._tell_last(wire.frames(Kind.ERROR, self._seq, **_error_fields(body)))
                 raise _leader_error(body, self._topo.leader if self._topo else None)
+            if (epoch, pos) != mine[1:]:
+                if nbytes:
+                    xnode.receive_payload(np.empty(nbytes, np.uint8))
+                raise self._diverged("batch", theirs, mine)
             t0 = time.perf_counter_ns()
             self._await_readers()
             slot = ring.acquire(nbytes) if nbytes else None
@@ -980,9 +1191,71 @@ class ShmLoader:
             self._announce(it, meta, nbytes, slot, draws, time.perf_counter_ns() - t0, crc)
             yield self._deliver(meta, self._own_view(slot, nbytes), draws, t0)
 
+    def _diverged(
+        self, how: str, theirs: tuple[int, int, int], mine: tuple[int, int, int]
+    ) -> DivergenceError:
+        """NOTE [iteration numbers]: this rank and its writer iterate differently."""
+        what = {
+            "left": (
+                f"the leader left iteration {mine[0]} after {mine[2]} batches and went on to "
+                f"iteration {theirs[0]}, while this rank still asked for batch {mine[2]} "
+                "(one rank broke out of its loop, another did not)"
+            ),
+            "ended": (
+                f"the leader's epoch ended after {theirs[2]} batches, while this rank "
+                f"received {mine[2]}"
+            ),
+            "batch": (
+                f"the leader sent batch {theirs[2]} of epoch {theirs[1]}, while this rank "
+                f"expected batch {mine[2]} of epoch {mine[1]} (a set_epoch() or "
+                "load_state_dict() made on some ranks only?)"
+            ),
+        }[how]
+        topo = self._topo
+        return DivergenceError(
+            what,
+            rank=topo.me if topo else None,
+            leader_rank=topo.leader if topo else None,
+            leader_position=theirs,
+            position=mine,
+        )
+
+    def _stopped(
+        self, reason: str, theirs: tuple[int, int, int], mine: tuple[int, int, int]
+    ) -> LeaderStoppedError:
+        log.warning("shmloader: the leader stopped: %s", reason)
+        return LeaderStoppedError(
+            reason,
+            leader_rank=self._topo.leader if self._topo else None,
+            leader_position=theirs,
+            position=mine,
+        )
+
+    def _left_behind(self, it: int, pos: int, end: bool) -> None:
+        """A message of iteration ``it``, which this rank left early: warn once, naming both."""
+        left = self._left.pop(it, None)
+        if left is None:
+            return
+        log.warning(
+            "shmloader: rank %s left iteration %d (epoch %d) after %d batches, but the leader "
+            "went on (%s); those batches were released unused. Ranks of one group that break "
+            "out of an epoch must break at the same point, or they train on different batches",
+            self._topo.me if self._topo else "?",
+            it,
+            left[0],
+            left[1],
+            f"its epoch ended after {pos} batches" if end else f"it sent batch {pos}",
+        )
+
     def _deliver(self, meta: bytes, payload: np.ndarray, draws: int, t0: int) -> Any:
         """Decode a received batch (views of ``payload``), mirror RNG draws, count it."""
-        batch = codec.decode(meta, payload, allow_pickle=self.config.allow_pickle)
+        batch = codec.decode(
+            meta,
+            payload,
+            allow_pickle=self.config.allow_pickle,
+            own_below=self.config.small_copy_bytes,
+        )
+        del payload  # NOTE [small leaves]: a batch of small leaves only is released here
         if self.config.copy:
             batch = _owned_copy(batch)
         rng.mirror_draws(draws)
@@ -997,18 +1270,25 @@ class ShmLoader:
     # -- follower ------------------------------------------------------------
 
     def _next_event(self, it: int) -> wire.Message:
-        """The next message of iteration ``it`` (NOTE [iteration numbers])."""
+        """The next message that matters to iteration ``it`` (NOTE [iteration numbers]).
+
+        That is a message of iteration ``it``, the writer's last word (ERROR,
+        STOP) or a message of a later iteration (then also kept in
+        ``_stash`` for the next one). Leftovers of earlier iterations are
+        ACKed and released right here, inside the receive path: the writer
+        may be waiting for exactly those.
+        """
         spoke, topo = self._spoke, self._topo
         assert spoke is not None and topo is not None
+        self._out.claim()  # NOTE [one thread per socket]: the iterating thread owns it
         if self._stash is not None:
             msg, self._stash = self._stash, None
-            if self._current(msg, it):
-                self._drop_stale()
+            if self._sort(msg, it):
                 return msg
         found: list[wire.Message] = []
 
         def handle(msg: wire.Message, _rank: int | None) -> bool:
-            if self._current(msg, it):
+            if self._sort(msg, it):
                 found.append(msg)
                 return True
             return False
@@ -1021,31 +1301,39 @@ class ShmLoader:
                 lambda: [peer],
                 timeout=self.config.timeout,
                 doing=f"waiting for batch {self._delivered} of iteration {it}",
+                idle=self._out.flush,
             )
         self._stats["wait_ms_total"] += (time.perf_counter() - t0) * 1e3
-        self._drop_stale()
         return found[0]
 
-    def _drop_stale(self) -> None:
-        """ACK and RELEASE batches of an earlier iteration, outside the receive."""
-        while self._stale:
-            msg = self._stale.pop()
+    def _sort(self, msg: wire.Message, it: int) -> bool:
+        """Whether ``msg`` ends the wait for iteration ``it``; drop an earlier one's leftovers."""
+        terminal = msg.kind in (Kind.ERROR, Kind.STOP)
+        if terminal:  # the writer waits (bounded) until it knows we have it: _tell_last
             self._out.send(wire.frames(Kind.ACK, msg.seq, rank=self._me))
-            if msg["slot"] >= 0:
-                self._attach(msg["seg"])
-                self._out.release((msg["slot"], msg["gen"], msg.seq))
-
-    def _current(self, msg: wire.Message, it: int) -> bool:
-        """Whether ``msg`` belongs to iteration ``it``; stale batches are released here."""
         msg_it = msg.body.get("it", it)
-        if msg.kind == Kind.STOP or msg_it == it:
+        if msg_it == it:
             return True
-        if msg_it > it:  # the writer moved on: end ours, keep the message for the next
+        closed = msg.kind == Kind.STOP and msg["closed"]
+        if terminal and (msg_it < it or closed):  # the writer's last word, in any iteration
+            return True
+        if msg_it > it:  # the writer moved on: keep the message for the next iteration
             self._stash = msg
             return True
-        if msg.kind == Kind.BATCH:  # an earlier iteration's batch we will never use
-            self._stale.append(msg)
+        self._drop(msg)
+        if msg.kind in (Kind.BATCH, Kind.END):
+            self._left_behind(msg_it, msg["pos"], msg.kind == Kind.END)
         return False
+
+    def _drop(self, msg: wire.Message) -> None:
+        """ACK and RELEASE a batch this rank will not use (its iteration is over)."""
+        if msg.kind != Kind.BATCH:
+            return
+        self._out.send(wire.frames(Kind.ACK, msg.seq, rank=self._me))
+        if msg["slot"] >= 0:
+            self._attach(msg["seg"])
+            self._out.pending.append((msg["slot"], msg["gen"], msg.seq))
+            self._out.send([])
 
     def _attach(self, seg: str) -> None:
         assert self._reader is not None and self._spoke is not None
@@ -1069,10 +1357,15 @@ class ShmLoader:
         reader, spoke, topo = self._reader, self._spoke, self._topo
         assert reader is not None and spoke is not None and topo is not None
         while True:
+            self._check_open()
             msg = self._next_event(it)
-            if msg is self._stash:  # a later iteration started: ours is over
-                return
+            mine = (it, self._epoch, self._delivered)
+            theirs = (msg.body.get("it", it), msg.body.get("epoch", -1), msg.body.get("pos", -1))
+            if msg is self._stash:  # a later iteration started while we still iterate
+                raise self._diverged("left", theirs, mine)
             if msg.kind == Kind.END:
+                if theirs[1:] != mine[1:]:
+                    raise self._diverged("ended", theirs, mine)
                 rng.mirror_draws(msg["draws"])
                 self._exhausted = True
                 return
@@ -1084,13 +1377,15 @@ class ShmLoader:
                         topo.role(topo.writer),
                         "it closed its ShmLoader while this rank was still iterating",
                     )
-                log.warning("shmloader: the leader stopped: %s", msg["reason"])
-                return
+                raise self._stopped(msg["reason"], theirs, mine)
             if msg.kind == Kind.ERROR:
                 raise _leader_error(msg.body, topo.leader)
             if msg.kind != Kind.BATCH:
                 log.warning("shmloader: unexpected %s from the writer; ignored", msg.kind.name)
                 continue
+            if theirs[1:] != mine[1:]:
+                self._drop(msg)
+                raise self._diverged("batch", theirs, mine)
             t0 = time.perf_counter_ns()
             self._out.send(wire.frames(Kind.ACK, msg.seq, rank=self._me))
             yield self._deliver(msg.blob, self._map(msg), msg["draws"], t0)
@@ -1110,6 +1405,101 @@ class ShmLoader:
 
 
 # ------------------------------------------------------------------ helpers
+
+#: ShmLoaders constructed so far per group (rank tuple): the set-up arrival keys.
+_ARRIVALS: dict[tuple[int, ...], int] = {}
+
+
+def group_timeout(group: dist.ProcessGroup | None) -> float | None:
+    """Seconds of ``group``'s own collective timeout, or None when it cannot be read.
+
+    torch keeps it per backend in the backend's options (``ProcessGroupGloo`` /
+    ``ProcessGroupNCCL`` ``options._timeout``, a ``timedelta``); the group's
+    CPU backend is asked first, then its CUDA one.
+    """
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    for device in ("cpu", "cuda"):
+        try:
+            backend = group._get_backend(torch.device(device))
+            seconds = backend.options._timeout.total_seconds()
+        except Exception:  # no backend for that device, or a torch without these internals
+            continue
+        if seconds > 0:
+            return float(seconds)
+    return None
+
+
+def _resolve_config(config: Config | None, group: dist.ProcessGroup | None) -> Config:
+    """The config a ShmLoader runs with: the environment's by default, timeout resolved.
+
+    NOTE [set-up is bounded]
+        ``timeout=None`` (``SHMLOADER_TIMEOUT`` unset) follows the process
+        group's own timeout, else torch's default (30 min): a leader busy
+        alone (evaluation, a checkpoint) is tolerated as long as the job's
+        collectives would tolerate it. Set-up starts with an arrival check at
+        the default store bounded by that timeout (``_arrive``), so a rank
+        that never constructs its ShmLoader is named, not waited for forever.
+    """
+    if config is None:
+        config = Config.from_env()
+    elif not config.enabled and not getattr(config, "_from_env", False) and _env_enabled():
+        log.warning(
+            "shmloader: config=%r has enabled=False although SHMLOADER is set: sharing is off "
+            "for this ShmLoader. A Config built directly does not read the environment; use "
+            "Config.from_env(...) to change some settings and keep the launcher's",
+            config,
+        )
+    if config.timeout is None:
+        timeout = group_timeout(group)
+        if timeout is None:
+            timeout = group_timeout(dist.group.WORLD) if dist.is_initialized() else None
+        config = dataclasses.replace(config, timeout=timeout or DEFAULT_TIMEOUT_S)
+    return config
+
+
+def _env_enabled() -> bool:
+    try:
+        return Config.from_env().enabled
+    except ConfigError:
+        return False
+
+
+def _arrive(ranks: list[int], timeout: float) -> None:
+    """Check in at the default store; raise ``PeerLostError`` naming ranks that never do.
+
+    Every member of the group sets its key and waits, at most ``timeout``
+    seconds, for the others' keys: the collectives that follow would
+    otherwise wait, silently, for the process group's own timeout.
+    """
+    if len(ranks) < 2:
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # no default store (a world of one, or internals changed)
+        return
+    key = tuple(ranks)
+    n = _ARRIVALS[key] = _ARRIVALS.get(key, 0) + 1
+    prefix = f"shmloader/arrive/{'-'.join(map(str, ranks))}/{n}/"
+    store.set(prefix + str(dist.get_rank()), b"1")
+    keys = [prefix + str(r) for r in ranks]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except (RuntimeError, dist.DistError) as exc:
+        try:
+            missing = [r for r in ranks if not store.check([prefix + str(r)])]
+        except (RuntimeError, dist.DistError):
+            missing = []
+        if not missing and "timeout" not in str(exc).lower():
+            raise PeerLostError(None, "peer", f"the set-up arrival check failed: {exc}") from None
+        if missing:
+            raise PeerLostError(
+                None,
+                f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}",
+                f"they did not construct their ShmLoader over ranks {ranks} within "
+                f"{timeout:.0f} s (SHMLOADER_TIMEOUT, default the process group's timeout); "
+                "every rank of the group must construct it at the same point",
+            ) from None
 
 
 def _group_ranks(group: dist.ProcessGroup | None) -> list[int] | None:

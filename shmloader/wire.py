@@ -10,18 +10,25 @@ Payload bytes never travel here: a BATCH names the slot that holds them.
 
     kind      direction  body fields
     HELLO     R -> W     rank, pid, start
-    BATCH     W -> R     it, slot, gen, seg, nbytes, draws, crc   (+ blob: metadata)
+    BATCH     W -> R     it, epoch, pos, slot, gen, seg, nbytes, draws, crc   (+ blob: metadata)
     ACK       R -> W     rank                    (seq: the batch received)
     RELEASE   R -> W     rank, slot, gen         (seq: the batch dropped)
     ATTACHED  R -> W     rank, seg
-    END       W -> R     it, draws               (the leader's iterator ended)
-    ERROR     W -> R     it, type, message, traceback
-    STOP      W -> R     reason, closed          (orderly stop: KeyboardInterrupt on the
-                                                 leader, or closed=1: the writer closed)
+    END       W -> R     it, epoch, pos, draws   (the leader's iterator ended after pos batches)
+    ERROR     W -> R     it, type, message, traceback           (readers ACK it: seq)
+    STOP      W -> R     it, epoch, pos, reason, closed         (readers ACK it: seq)
+                                      (KeyboardInterrupt/SystemExit in the leader's loader,
+                                       or closed=1: the writer closed)
     BYE       R -> W     rank                    (a reader closes)
 
-``it`` numbers the leader's ``iter()`` calls so that a reader which restarted
-iteration drops what belongs to an earlier one. ``draws`` is the number of
+Every writer message is stamped with the writer's position: ``it`` numbers its
+``iter()`` calls, ``epoch`` is its ``set_epoch`` value and ``pos`` the batch's
+index in that epoch (resumed cursors included). A reader drops what belongs to
+an earlier iteration and refuses, with a typed error naming both positions,
+anything that shows the ranks iterate differently (``loader``, NOTE
+[iteration numbers]). ERROR and STOP carry as ``seq`` the writer's next batch
+number; readers ACK that number, so the writer knows its last word arrived
+before its process may exit. ``draws`` is the number of
 default-generator draws the leader's loader made (see ``rng``). ``crc`` is the
 payload's CRC-32 with ``SHMLOADER_VERIFY=1``, else -1.
 
@@ -64,6 +71,8 @@ SCHEMA: dict[Kind, dict[str, type]] = {
     Kind.HELLO: {"rank": _INT, "pid": _INT, "start": _INT},
     Kind.BATCH: {
         "it": _INT,
+        "epoch": _INT,
+        "pos": _INT,
         "slot": _INT,
         "gen": _INT,
         "seg": _STR,
@@ -74,9 +83,9 @@ SCHEMA: dict[Kind, dict[str, type]] = {
     Kind.ACK: {"rank": _INT},
     Kind.RELEASE: {"rank": _INT, "slot": _INT, "gen": _INT},
     Kind.ATTACHED: {"rank": _INT, "seg": _STR},
-    Kind.END: {"it": _INT, "draws": _INT},
+    Kind.END: {"it": _INT, "epoch": _INT, "pos": _INT, "draws": _INT},
     Kind.ERROR: {"it": _INT, "type": _STR, "message": _STR, "traceback": _STR},
-    Kind.STOP: {"reason": _STR, "closed": _INT},
+    Kind.STOP: {"it": _INT, "epoch": _INT, "pos": _INT, "reason": _STR, "closed": _INT},
     Kind.BYE: {"rank": _INT},
 }
 

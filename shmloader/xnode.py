@@ -5,10 +5,11 @@ point-to-point over the group's gloo exchange group, the payload straight into
 a slot of its own ring, and then announces it on its node exactly as a leader
 would. The leader posts the sends to all node leaders at once and waits for
 them together, so a batch crosses the network once per node, never once per
-rank. Everything travels as ``uint8``/``int64`` tensors: no pickle, no
-``broadcast_object_list``::
+rank. ``it``, ``epoch`` and ``pos`` stamp the leader's position (``loader``,
+NOTE [iteration numbers]); the loader keeps ``position`` current. Everything
+travels as ``uint8``/``int64`` tensors: no pickle, no ``broadcast_object_list``::
 
-    message 1  int64[6]         kind, it, nbytes, meta_len, draws, crc (-1: none)
+    message 1  int64[8]         kind, it, nbytes, meta_len, draws, crc (-1: none), epoch, pos
     message 2  uint8[meta_len]  codec metadata (BATCH) or JSON (ERROR/STOP)
     message 3  uint8[nbytes]    payload, slot to slot (BATCH with nbytes > 0)
 
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from .errors import PeerLostError, ProtocolError
 
 KIND_BATCH, KIND_END, KIND_ERROR, KIND_STOP = 1, 2, 3, 4
-_FIELDS = 6
+_FIELDS = 8
 
 
 class CrossNode:
@@ -48,6 +49,8 @@ class CrossNode:
         self.bytes_sent = 0
         #: set when a transfer failed: the link, not the data, is what broke
         self.broken = False
+        #: (epoch, pos) stamped on the next header the leader sends
+        self.position = (0, 0)
 
     def _failed(self, exc: Exception, who: str) -> PeerLostError:
         self.broken = True
@@ -66,7 +69,8 @@ class CrossNode:
         crc: int = -1,
     ) -> None:
         nbytes = 0 if payload is None else payload.nbytes
-        tensors = [torch.tensor([kind, it, nbytes, len(meta), draws, crc], dtype=torch.int64)]
+        head = [kind, it, nbytes, len(meta), draws, crc, *self.position]
+        tensors = [torch.tensor(head, dtype=torch.int64)]
         if meta:
             tensors.append(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
         if nbytes:
@@ -92,11 +96,11 @@ class CrossNode:
         except (RuntimeError, dist.DistBackendError) as exc:
             raise self._failed(exc, f"leader rank {self.leader}") from None
 
-    def receive_header(self) -> tuple[int, int, int, bytes, int, int]:
-        """(kind, it, nbytes, meta, draws, crc) of the next event."""
+    def receive_header(self) -> tuple[int, int, int, bytes, int, int, int, int]:
+        """(kind, it, nbytes, meta, draws, crc, epoch, pos) of the next event."""
         head = torch.zeros(_FIELDS, dtype=torch.int64)
         self._recv(head)
-        kind, it, nbytes, meta_len, draws, crc = (int(x) for x in head)
+        kind, it, nbytes, meta_len, draws, crc, epoch, pos = (int(x) for x in head)
         if kind not in (KIND_BATCH, KIND_END, KIND_ERROR, KIND_STOP) or nbytes < 0 or meta_len < 0:
             raise ProtocolError(f"bad cross-node header {head.tolist()}")
         meta = b""
@@ -104,7 +108,7 @@ class CrossNode:
             buf = torch.empty(meta_len, dtype=torch.uint8)
             self._recv(buf)
             meta = buf.numpy().tobytes()
-        return kind, it, nbytes, meta, draws, crc
+        return kind, it, nbytes, meta, draws, crc, epoch, pos
 
     def receive_payload(self, dest: np.ndarray) -> None:
         """Receive the payload straight into ``dest`` (a ring slot's bytes)."""

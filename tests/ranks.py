@@ -152,7 +152,8 @@ def hold_and_write(rank: int, world: int, *, sp: int, steps: int, copy: bool = F
     loader = ShmLoader(
         make_loader_factory(0, n=steps * 2),
         group,
-        config=Config.from_env(enabled=True, slots=2, copy=copy),
+        # small_copy_bytes=0: every leaf a view of the slot, the case this test is about
+        config=Config.from_env(enabled=True, slots=2, copy=copy, small_copy_bytes=0),
     )
     held, snapshots = [], []
     for batch in loader:

@@ -463,6 +463,41 @@ def test_same_numpy_array_and_bytes_twice_is_one_object() -> None:
     assert out[2] is out[3][0]
 
 
+def test_aliasing_is_by_identity_not_by_address() -> None:
+    """Other objects over the same memory (same address, even same shape) stay apart:
+    merging them by address would change the dtype of one, or make two tensors that
+    the user keeps apart one object."""
+    t = torch.arange(6.0)
+    same_bytes = t.view(6)  # another tensor object: same address, shape and dtype
+    as_int = t.view(torch.int32)  # same address, another dtype
+    a = np.arange(3)
+    a_view = a.view()
+    batch = {"t": t, "v": same_bytes, "i": as_int, "a": a, "av": a_view, "t2": t}
+    out, enc, _ = roundtrip(batch)
+    assert len(enc.leaves) == 5
+    assert out["t"] is out["t2"]
+    assert out["t"] is not out["v"] and out["a"] is not out["av"]
+    assert out["i"].dtype == torch.int32 and out["v"].dtype == torch.float32
+    out["t"][0] = 7.0
+    assert out["v"][0] == 0.0, "two objects on the leader are two objects here"
+
+
+def test_small_leaves_are_owned_copies_large_ones_views() -> None:
+    """NOTE [small leaves]: keeping a small leaf keeps nothing of the payload."""
+    small = torch.arange(16)  # 128 bytes
+    batch = {"big": torch.zeros(4096), "labels": small, "again": small, "np": np.ones(4)}
+    enc = codec.encode(batch)
+    buf = np.zeros(enc.nbytes, np.uint8)
+    codec.write_payload(enc, buf)
+    out = codec.decode(enc.meta, buf, own_below=1024)
+    assert np.shares_memory(out["big"].numpy(), buf)
+    assert not np.shares_memory(out["labels"].numpy(), buf)
+    assert not np.shares_memory(out["np"], buf)
+    assert out["labels"] is out["again"] and torch.equal(out["labels"], small)
+    plain = codec.decode(enc.meta, buf)  # default: every leaf a view
+    assert np.shares_memory(plain["labels"].numpy(), buf)
+
+
 # ------------------------------------------------------------------- layout
 
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from shmloader.config import DEFAULT_SLOTS, DEFAULT_TIMEOUT_S, Config
+from shmloader.config import DEFAULT_SLOTS, DEFAULT_SMALL_COPY_BYTES, Config
 from shmloader.errors import ConfigError, ShmLoaderError
 
 pytestmark = pytest.mark.timeout(60)
@@ -19,12 +19,14 @@ def from_env(**env: str) -> Config:
 def test_defaults_with_an_empty_environment() -> None:
     c = from_env()
     assert c == Config()
-    assert (c.enabled, c.slots, c.timeout, c.copy, c.allow_pickle) == (
+    # timeout None: the loader follows its process group's timeout (test_setup.py)
+    assert (c.enabled, c.slots, c.timeout, c.copy, c.allow_pickle, c.small_copy_bytes) == (
         False,
         DEFAULT_SLOTS,
-        DEFAULT_TIMEOUT_S,
+        None,
         False,
         False,
+        DEFAULT_SMALL_COPY_BYTES,
     )
     assert c.runtime_dir is None and c.node is None and c.daemon is None
 
@@ -45,6 +47,7 @@ def test_blank_values_mean_unset() -> None:
         SHMLOADER_RUNTIME_DIR="",
         SHMLOADER_DAEMON=" ",
         SHMLOADER_COPY="",
+        SHMLOADER_SMALL_COPY=" ",
     )
     assert c == Config()
 
@@ -112,6 +115,8 @@ BAD = [
     ("SHMLOADER_TIMEOUT", "1e400"),
     ("SHMLOADER_TIMEOUT", "abc"),
     ("SHMLOADER_TIMEOUT", "5s"),
+    ("SHMLOADER_SMALL_COPY", "-1"),
+    ("SHMLOADER_SMALL_COPY", "64k"),
     ("SHMLOADER_NODE", "my node"),
     ("SHMLOADER_NODE", "n" * 65),
     ("SHMLOADER_NODE", "a/b"),
@@ -200,6 +205,8 @@ def test_config_is_frozen() -> None:
         ("runtime_dir", b"/tmp"),
         ("daemon", "/x\0y"),
         ("timeout", float("inf")),
+        ("small_copy_bytes", -1),
+        ("small_copy_bytes", 1.5),
     ],
 )
 def test_fields_set_directly_are_validated_too(field, value):
@@ -207,3 +214,8 @@ def test_fields_set_directly_are_validated_too(field, value):
         Config(**{field: value})
     with pytest.raises(ConfigError, match=field):
         Config.from_env({}, **{field: value})
+
+
+def test_small_copy_bytes_from_the_environment() -> None:
+    assert from_env(SHMLOADER_SMALL_COPY="0").small_copy_bytes == 0
+    assert from_env(SHMLOADER_SMALL_COPY="1048576").small_copy_bytes == 1 << 20

@@ -748,3 +748,20 @@ def test_a_reader_that_left_is_no_longer_waited_for(writer, token) -> None:
     assert not s.segment.linked, "unlinked once every *live* reader attached"
     w.release(1, s.index, s.gen)
     assert s.state == SlotState.FREE
+
+
+@pytest.mark.parametrize("order", ["dies-then-attach", "attach-then-dies"])
+def test_a_reader_that_dies_before_mapping_leaves_no_name_once_the_others_opened(
+    writer, token, order
+) -> None:
+    """Readers 1 and 2 are told about a slot; 2 dies before opening it. Once 1 opened
+    it the name must go: nobody else will ever attach, and nobody would unlink it."""
+    w = writer()
+    slot = w.acquire(1000)
+    w.publish(slot, 0, 1000, 0)
+    name = slot.segment.name
+    steps = [lambda: w.drop_reader(2), lambda: w.attached(1, name)]
+    for step in steps if order == "dies-then-attach" else steps[::-1]:
+        step()
+    assert not slot.segment.linked
+    assert name not in names(token)

@@ -139,11 +139,22 @@ def _shutdown(*iterators) -> None:
 
 
 def _measured_iter(loader: DataLoader):
-    """Predicate before, then the number of default-generator draws ``iter()`` made."""
+    """Predicate before, then the draws the product counted for ``iter()``.
+
+    The count comes from the leader's own path (``ShmLoader._open_source``:
+    snapshot, ``iter()``, ``count_draws``), the number followers replay; the
+    mirror is checked to land exactly where ``iter()`` left the generator.
+    """
+    from shmloader import Config, ShmLoader
+
     predicted = rng.will_consume_base_seed(loader)
-    before = rng.snapshot()
-    it = iter(loader)
-    draws = rng.count_draws(before, rng.snapshot())
+    shm = ShmLoader(lambda: loader, None, config=Config(enabled=False))
+    before = torch.get_rng_state()
+    it, draws = shm._open_source(0)
+    after = torch.get_rng_state()
+    torch.set_rng_state(before)
+    rng.mirror_draws(draws)  # what a follower does with the count
+    assert torch.equal(torch.get_rng_state(), after), "the mirror must land where iter() did"
     return predicted, draws, it
 
 

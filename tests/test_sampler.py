@@ -84,6 +84,26 @@ def test_one_order_cyclic_padding_strided_shares(n_items, n, seed, epoch, drop_l
 
 
 @SETTINGS
+@given(data=st.data(), seed=seeds, epoch=epochs, drop_last=st.booleans())
+def test_cyclic_padding_with_fewer_items_than_half_the_replicas(data, seed, epoch, drop_last):
+    """Every example has 1 <= items < replicas / 2: the order wraps around several times
+    (the general property test above rarely draws such a case)."""
+    n = data.draw(st.integers(4, 64), label="replicas")
+    n_items = data.draw(st.integers(1, (n - 1) // 2), label="items")
+    assert 2 * n_items < n
+    per_rank = shares(n_items, n, epoch, seed=seed, drop_last=drop_last)
+    order = epoch_order(n_items, seed, epoch)
+    length = padded_len(n_items, n, drop_last)
+    assert length == (0 if drop_last else n)
+    assert all(len(share) == length // n for share in per_rank)
+    assert interleave(per_rank) == [order[p % n_items] for p in range(length)]
+    if not drop_last:  # every item is repeated, each about equally often
+        counts = Counter(itertools.chain.from_iterable(per_rank))
+        assert set(counts) == set(range(n_items))
+        assert max(counts.values()) - min(counts.values()) <= 1
+
+
+@SETTINGS
 @given(n_items=st.integers(1, 60), n=replicas, seed=seeds, epoch=epochs)
 def test_nothing_lost_and_padding_spread(n_items, n, seed, epoch):
     per_rank = shares(n_items, n, epoch, seed=seed)

@@ -29,11 +29,16 @@ def test_leader_error_reaches_every_follower_with_type_message_and_traceback(at)
     assert all(o["got"] == list(range(at)) for o in out), "every rank failed on the same step"
 
 
-def test_leader_keyboard_interrupt_is_an_orderly_stop_for_followers():
+def test_leader_keyboard_interrupt_stops_followers_with_a_typed_error_not_a_short_epoch():
+    """Ctrl-C inside the leader's next(): followers' epochs did not end, so their loops
+    must not end as if they had (a silent epoch of 3 batches out of 6)."""
     out = run_ranks(scenarios.leader_raises, 3, kwargs={"exc": "KeyboardInterrupt"})
     assert out[0]["type"] == "KeyboardInterrupt"
     for r in (1, 2):
-        assert out[r]["ok"] and out[r]["got"] == [0, 1, 2], out[r]
+        assert out[r]["type"] == "LeaderStoppedError" and out[r]["got"] == [0, 1, 2], out[r]
+        assert "KeyboardInterrupt on the leader" in out[r]["message"]
+        assert "at batch 3 of epoch 0" in out[r]["message"], out[r]["message"]
+        assert "received 3 batches of epoch 0" in out[r]["message"]
 
 
 @pytest.mark.parametrize(
@@ -92,7 +97,9 @@ def test_leader_error_and_stop_cross_nodes():
     stopped = run_ranks(
         scenarios.leader_raises, 4, kwargs={"exc": "KeyboardInterrupt"}, nodes=[0, 0, 1, 1]
     )
-    assert all(o["ok"] and o["got"] == [0, 1, 2] for o in stopped[1:]), stopped
+    assert all(o["type"] == "LeaderStoppedError" and o["got"] == [0, 1, 2] for o in stopped[1:]), (
+        stopped
+    )
 
 
 def test_make_loader_failure_reaches_followers_with_the_original_error():

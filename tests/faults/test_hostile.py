@@ -117,7 +117,18 @@ def test_garbage_frames_are_dropped_and_logged_never_a_crash(no_leaks, caplog):
         [b"SL\x01\x03" + b"\x00" * 8, b"not json"],
         [b"SL\x09\x01" + b"\x00" * 8, b"{}"],  # unknown version
         wire.frames(
-            wire.Kind.BATCH, 0, b"", it=1, slot=-5, gen=0, seg="", nbytes=-1, draws=0, crc=-1
+            wire.Kind.BATCH,
+            0,
+            b"",
+            it=1,
+            epoch=0,
+            pos=0,
+            slot=-5,
+            gen=0,
+            seg="",
+            nbytes=-1,
+            draws=0,
+            crc=-1,
         ),
         [b"SL\x01\x05" + b"\x00" * 8, b'{"rank": 1, "slot": "x", "gen": 0}'],  # wrong type
     ]

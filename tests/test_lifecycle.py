@@ -1,0 +1,261 @@
+"""Issue 14: kept leaves, set-up bounds, the same failure in both modes, and
+behaviours no test pinned before (empty epochs, finished-epoch cursors, node
+identity by probe, a daemon job with one live pid)."""
+
+from __future__ import annotations
+
+import datetime
+import fractions
+import logging
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from shmloader import Config, ShmLoader
+from shmloader.errors import ShmLoaderError, UnsupportedBatchError
+from tests import ranks
+from tests.faults.scenarios import outcome
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _labelled(n: int = 20):
+    """A 256 KiB leaf (shared) and 128 bytes of labels (an owned copy) per batch."""
+    return lambda: [{"big": torch.zeros(1 << 16), "labels": torch.arange(16) + i} for i in range(n)]
+
+
+# ------------------------------------------------------------------ rank code
+
+
+def keep_small_then_whole(rank: int, world: int) -> dict:
+    """Every rank keeps the labels of every batch; then rank 1 keeps 6 whole batches."""
+    warnings = _Warnings()
+    logging.getLogger("shmloader").addHandler(warnings)
+    loader = ShmLoader(_labelled(), dist.group.WORLD, config=Config.from_env(enabled=True))
+    kept = [batch["labels"] for batch in loader]
+    small = {"slots": loader.stats().get("ring_slots"), "labels": [int(t[0]) for t in kept]}
+    loader.close()
+    loader = ShmLoader(_labelled(8), dist.group.WORLD, config=Config.from_env(enabled=True))
+    whole = []
+    for batch in loader:
+        if rank == 1:
+            whole.append(batch)
+        dist.barrier()  # lockstep: the leader cannot reuse what rank 1 keeps
+    whole.clear()
+    loader.close()
+    return {"small": small, "warnings": warnings.messages}
+
+
+def resolved_timeouts(rank: int, world: int) -> dict:
+    group = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=123))
+    out = {}
+    for name, g, cfg in [
+        ("group", group, Config.from_env(enabled=True)),
+        ("world", dist.group.WORLD, Config.from_env(enabled=True)),
+        ("set", group, Config.from_env(enabled=True, timeout=7.0)),
+    ]:
+        loader = ShmLoader(lambda: [1], g, config=cfg)
+        out[name] = loader.config.timeout
+        loader.close()
+    return out
+
+
+def absent_rank(rank: int, world: int) -> dict:
+    if rank == 2:
+        time.sleep(6)  # never constructs its loader
+        return {"ok": True}
+    return outcome(
+        lambda: ShmLoader(
+            lambda: [1], dist.group.WORLD, config=Config.from_env(enabled=True, timeout=2.0)
+        )
+    )
+
+
+def pickled_leaves(rank: int, world: int) -> dict:
+    loader = ShmLoader(
+        lambda: [{"f": fractions.Fraction(i, 3), "x": torch.ones(2)} for i in range(3)],
+        dist.group.WORLD,
+        config=Config.from_env(enabled=True, allow_pickle=True),
+    )
+    out = outcome(lambda: [b["f"] for b in loader])
+    loader.close()
+    return out
+
+
+def after_close(rank: int, world: int) -> dict:
+    out = {}
+    for share in (False, True):
+        loader = ShmLoader(
+            ranks.make_loader_factory(0, n=8),
+            dist.group.WORLD,
+            config=Config.from_env(enabled=share),
+        )
+        it = iter(loader)
+        next(it)
+        dist.barrier()
+        loader.close()
+        out[share] = {
+            "next": outcome(lambda it=it: next(it)),
+            "len": outcome(lambda loader=loader: len(loader)),
+            "iter": outcome(lambda loader=loader: iter(loader)),
+        }
+    return out
+
+
+def empty_epochs_and_cursors(rank: int, world: int) -> dict:
+    """RNG after empty epochs, and the cursor after a finished epoch (k=2), both modes."""
+    out = {}
+    for share in (False, True):
+        torch.manual_seed(100 + rank)
+        empty = ShmLoader(
+            lambda: DataLoader([], batch_size=2),  # iter() still draws a base seed
+            dist.group.WORLD,
+            config=Config.from_env(enabled=share),
+        )
+        got = [b for epoch in range(2) for b in empty]
+        empty.close()
+        state_after_empty = torch.get_rng_state()
+        loader = ShmLoader(
+            ranks.make_loader_factory(0, n=10),
+            dist.group.WORLD,
+            accumulation_steps=2,
+            config=Config.from_env(enabled=share),
+        )
+        n = sum(1 for _ in loader)  # 5 batches: the last optimizer step is partial
+        finished = loader.state_dict()
+        loader.close()
+        # a resume at the epoch's end is an empty iteration too
+        resumed = ShmLoader(
+            ranks.make_loader_factory(0, n=10),
+            dist.group.WORLD,
+            accumulation_steps=2,
+            config=Config.from_env(enabled=share),
+        )
+        resumed.load_state_dict(finished)
+        rest = sum(1 for _ in resumed)
+        resumed.close()
+        out[share] = {
+            "got": got,
+            "rng_empty": state_after_empty,
+            "rng_end": torch.get_rng_state(),
+            "n": n,
+            "cursor": finished["batches"],
+            "rest": rest,
+        }
+    return out
+
+
+def same_claim_two_nodes(rank: int, world: int) -> dict:
+    import shmloader.topology as topology
+
+    # Equal claims on both simulated nodes (as two hosts with one boot id and one
+    # SHMLOADER_NODE, or a claim collision): only the probe can tell them apart.
+    topology.node_claim = lambda override: "one-claim-for-all"
+    loader = ShmLoader(
+        ranks.make_loader_factory(0, n=8), dist.group.WORLD, config=Config.from_env(enabled=True)
+    )
+    batches = [ranks.to_plain(b)["meta"].sample_ids for b in loader]
+    topo = loader.topology
+    out = {"nodes": [list(n) for n in topo.nodes], "role": loader.role, "batches": batches}
+    loader.close()
+    return out
+
+
+# ------------------------------------------------------------------ tests
+
+
+def test_kept_small_leaves_keep_nothing_and_kept_batches_are_named_in_a_warning():
+    out = run_ranks(keep_small_then_whole, 2)
+    for o in out:
+        assert o["small"]["labels"] == list(range(20)), o["small"]
+    # every rank kept 20 labels, yet the ring stayed at its depth (slots + 1)
+    assert out[0]["small"]["slots"] <= 3, out[0]["small"]
+    warned = [m for m in out[0]["warnings"] if "past its depth" in m]
+    assert warned, out[0]["warnings"]
+    assert "batch 0 by rank(s) [1]" in warned[0] and "SHMLOADER_SLOTS" in warned[0], warned[0]
+
+
+def test_the_timeout_follows_the_process_group_unless_set():
+    out = run_ranks(resolved_timeouts, 2)
+    for o in out:
+        assert o == {"group": 123.0, "world": 60.0, "set": 7.0}, o  # harness: world 60 s
+
+
+def test_a_rank_that_never_constructs_is_named_within_the_timeout():
+    out = run_ranks(absent_rank, 3)
+    for o in out[:2]:
+        assert o["type"] == "PeerLostError", o
+        assert "rank 2" in o["message"] and "did not construct" in o["message"], o
+        assert o["seconds"] < 5, o
+
+
+def test_allow_pickle_with_sharing_on_reaches_every_rank():
+    out = run_ranks(pickled_leaves, 2)
+    for o in out:
+        assert o["ok"] and o["value"] == [fractions.Fraction(i, 3) for i in range(3)], o
+
+
+def test_next_len_and_iter_after_close_fail_the_same_way_in_both_modes():
+    out = run_ranks(after_close, 2)
+    for o in out:
+        for share in (False, True):
+            for call in ("next", "len", "iter"):
+                got = o[share][call]
+                assert got["type"] == "ShmLoaderError" and "closed" in got["message"], (
+                    share,
+                    call,
+                    got,
+                )
+
+
+def test_empty_epochs_keep_rng_and_a_finished_epoch_counts_every_batch():
+    out = run_ranks(empty_epochs_and_cursors, 2)
+    for rank, o in enumerate(out):
+        alone, shared = o[False], o[True]
+        assert shared["got"] == alone["got"] == []
+        assert torch.equal(shared["rng_empty"], alone["rng_empty"]), f"rank {rank}: empty epoch"
+        assert shared["n"] == alone["n"] == 5
+        assert shared["cursor"] == alone["cursor"] == 5, "a resume would replay the last batch"
+        assert shared["rest"] == alone["rest"] == 0
+        assert torch.equal(shared["rng_end"], alone["rng_end"]), f"rank {rank}: resumed at end"
+
+
+def test_node_identity_follows_the_probe_when_claims_are_equal():
+    """Two simulated nodes claim the same identity: only the probe can tell them apart."""
+    out = run_ranks(same_claim_two_nodes, 4, nodes=[0, 0, 1, 1])
+    for o in out:
+        assert o["nodes"] == [[0, 1], [2, 3]], o["nodes"]
+        assert o["batches"] == out[0]["batches"]
+    assert [o["role"] for o in out] == ["leader", "follower", "node leader", "follower"]
+
+
+def test_unsupported_leaves_fail_with_sharing_off_too():
+    with open(os.devnull) as handle:
+        loader = ShmLoader(lambda: [{"f": handle}], None, config=Config(enabled=False))
+        with pytest.raises(UnsupportedBatchError, match=r"batch\['f'\]") as info:
+            next(iter(loader))
+    assert "Config.from_env(allow_pickle=True)" in str(info.value)
+    loader.close()
+    with pytest.raises(ShmLoaderError, match="closed"):
+        len(loader)
+
+
+def test_a_direct_config_that_switches_sharing_off_under_shmloader_warns(monkeypatch, caplog):
+    monkeypatch.setenv("SHMLOADER", "1")
+    with caplog.at_level(logging.WARNING, logger="shmloader"):
+        ShmLoader(lambda: [1], None, config=Config(allow_pickle=True)).close()
+    assert any("Config.from_env" in r.getMessage() for r in caplog.records), caplog.records

@@ -1,7 +1,8 @@
 """shmloader: one DataLoader per sequence-parallel group, batches shared once per node.
 
 Public API: :class:`ShmLoader`, :class:`Config`, :class:`ShardedSampler` (with
-:class:`ShardedBatchSampler` and :func:`dp_topology_from_group`) and the
+:class:`ShardedBatchSampler`, :func:`dp_topology_from_group` and, for a
+``DeviceMesh``, :func:`dp_topology`) and the
 exceptions in :mod:`shmloader.errors`.
 
 Names that need torch are imported lazily (PEP 562), so the light modules
@@ -26,6 +27,7 @@ from .errors import (
 
 if TYPE_CHECKING:
     from .loader import ShmLoader
+    from .mesh import dp_topology
     from .sampler import ShardedBatchSampler, ShardedSampler, dp_topology_from_group
 
 _LAZY = {
@@ -33,6 +35,7 @@ _LAZY = {
     "ShardedSampler": "sampler",
     "ShardedBatchSampler": "sampler",
     "dp_topology_from_group": "sampler",
+    "dp_topology": "mesh",
 }
 
 
@@ -57,6 +60,7 @@ __all__ = [
     "ShmLoaderError",
     "TopologyMismatchError",
     "UnsupportedBatchError",
+    "dp_topology",
     "dp_topology_from_group",
 ]
 

@@ -55,7 +55,7 @@ import traceback
 import weakref
 import zlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -74,10 +74,14 @@ from .errors import (
     ShmLoaderError,
     TopologyMismatchError,
 )
+from .mesh import resolve_group
 from .ring import RingReader, RingWriter, Slot, new_token, private_view
 from .topology import GroupTopology, broadcast_bytes, discover
 from .wire import Kind
 from .xnode import KIND_BATCH, KIND_END, KIND_ERROR, KIND_STOP, CrossNode
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +160,12 @@ class ShmLoader:
             usually a ``torch.utils.data.DataLoader``. With sharing on only the
             group's leader calls it.
         group: the ``torch.distributed`` process group whose ranks must receive
-            identical batches. ``None``, a group of size 1, or sharing off
-            (``SHMLOADER`` unset): every rank calls ``make_loader`` itself.
+            identical batches, or a ``DeviceMesh``: a one-dimensional one
+            (``mesh["sp"]``) or any mesh with ``mesh_dim``. ``None``, a group
+            of size 1, or sharing off (``SHMLOADER`` unset): every rank calls
+            ``make_loader`` itself.
+        mesh_dim: with ``group=mesh``, the dimension whose ranks share batches
+            (``"sp"``); see :mod:`shmloader.mesh`.
         accumulation_steps: micro-batches per optimizer step (checkpoints
             resume at optimizer-step boundaries).
         config: a :class:`~shmloader.Config`; default ``Config.from_env()``.
@@ -169,8 +177,9 @@ class ShmLoader:
     def __init__(
         self,
         make_loader: Callable[[], Iterable[Any]],
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | DeviceMesh | None = None,
         *,
+        mesh_dim: str | int | None = None,
         accumulation_steps: int = 1,
         config: Config | None = None,
     ) -> None:
@@ -207,6 +216,7 @@ class ShmLoader:
         self._next_report = 0.0
         self._stats: collections.Counter = collections.Counter()
         self._warned_rng = False
+        group = resolve_group(group, mesh_dim)
         self._group_ranks = _group_ranks(group)
         sharing = (
             self.config.enabled and self._group_ranks is not None and len(self._group_ranks) > 1

@@ -158,18 +158,18 @@ def test_resume_with_dropout_is_exact_at_every_kind_of_stop():
 
 
 def torchdata_phase(rank: int, world: int, *, phase: str, ckpt_dir: str) -> dict:
+    """``first``: an uninterrupted run, then one stopped mid-window; ``resume``: a new process."""
     out = {}
     for share in (True, False):
         common = {"kind": "torchdata", "num_workers": 2, "share": share}
         path = os.path.join(ckpt_dir, f"{share}-loader-rank{rank}.pt")
-        if phase == "full":
-            out[share] = _train(rank, world, **common)
-        elif phase == "stop":
-            out[share] = _train(rank, world, stop=9, **common)
-            torch.save(out[share]["state"], path)
+        if phase == "first":
+            out[("full", share)] = _train(rank, world, **common)
+            out[("stop", share)] = _train(rank, world, stop=9, **common)
+            torch.save(out[("stop", share)]["state"], path)
         else:
             state = torch.load(path)  # the default: weights_only=True
-            out[share] = _train(rank, world, state=state, **common)
+            out[("resume", share)] = _train(rank, world, state=state, **common)
     return out
 
 
@@ -177,22 +177,19 @@ def torchdata_phase(rank: int, world: int, *, phase: str, ckpt_dir: str) -> dict
 def test_torchdata_stateful_dataloader_save_exit_resume():
     pytest.importorskip("torchdata")
     with tempfile.TemporaryDirectory() as ckpt:
-        runs = {
-            phase: run_ranks(
-                torchdata_phase, 4, kwargs={"phase": phase, "ckpt_dir": ckpt}, timeout=200
-            )
-            for phase in ("full", "stop", "resume")
-        }
+        kw = {"ckpt_dir": ckpt}
+        first = run_ranks(torchdata_phase, 4, kwargs={**kw, "phase": "first"}, timeout=200)
+        second = run_ranks(torchdata_phase, 4, kwargs={**kw, "phase": "resume"}, timeout=200)
     for rank in range(4):
         for share in (True, False):
-            first = runs["stop"][rank][share]
+            stopped = first[rank][("stop", share)]
             leader = rank % SP == 0 or not share
-            assert ("loader" in first["state"]) == leader, "only a loader holder saves its state"
-            assert ("sampler" in first["state"]) == leader
+            assert ("loader" in stopped["state"]) == leader, "only a loader holder saves it"
+            assert ("sampler" in stopped["state"]) == leader
             _assert_resumed(
-                runs["full"][rank][share],
-                first,
-                runs["resume"][rank][share],
+                first[rank][("full", share)],
+                stopped,
+                second[rank][("resume", share)],
                 f"rank {rank} share={share} torchdata",
             )
 

@@ -1162,7 +1162,7 @@ def _sampler_state(loader: object, batches: int) -> dict[str, Any] | None:
     return found.state_dict(consumed=min(batches * size, len(found)))
 
 
-RECIPE = (
+_RECIPE = (
     "Save loader.state_dict() on every rank (e.g. torch.save(loader.state_dict(), "
     "f'{ckpt}/loader-rank{rank}.pt')) and load each rank's own; to resume under another "
     "DP size, load the state rank 0 saved on every rank."
@@ -1217,13 +1217,13 @@ def _validate_state(state: Any, topology: dict[str, Any]) -> tuple[int, int, Any
             f"this state was saved by rank {saved.get('rank')!r} and this is rank "
             f"{topology['rank']}: loader state is per rank (it carries the rank's RNG at the "
             "optimizer-step boundary and, on an SP group's leader, its DP replica's data "
-            "position). " + RECIPE
+            "position). " + _RECIPE
         )
     if saved.get("group") != topology["group"]:
         raise TopologyMismatchError(
             f"this checkpoint was taken under other SP groups (group: checkpoint "
             f"{saved.get('group')!r}, now {topology['group']!r}) and cannot map onto the current "
-            "ranks: resume with the same SP group layout. " + RECIPE
+            "ranks: resume with the same SP group layout. " + _RECIPE
         )
     return state["epoch"], state["batches"], state.get("loader")
 

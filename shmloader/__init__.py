@@ -1,8 +1,9 @@
 """shmloader: one DataLoader per sequence-parallel group, batches shared once per node.
 
 Public API: :class:`ShmLoader`, :class:`Config`, :class:`ShardedSampler` (with
-:class:`ShardedBatchSampler` and :func:`dp_topology_from_group`),
-:class:`BalancedBatchSampler` and the exceptions in :mod:`shmloader.errors`.
+:class:`ShardedBatchSampler`, :func:`dp_topology_from_group` and, for a
+``DeviceMesh``, :func:`dp_topology`), :class:`BalancedBatchSampler` and the
+exceptions in :mod:`shmloader.errors`.
 
 Names that need torch are imported lazily (PEP 562), so the light modules
 (``segment``, ``admin``, the daemon's client) start fast without it.
@@ -29,6 +30,7 @@ from .errors import (
 if TYPE_CHECKING:
     from .balanced import BalancedBatchSampler
     from .loader import ShmLoader
+    from .mesh import dp_topology
     from .sampler import ShardedBatchSampler, ShardedSampler, dp_topology_from_group
 
 _LAZY = {
@@ -37,6 +39,7 @@ _LAZY = {
     "ShardedSampler": "sampler",
     "ShardedBatchSampler": "sampler",
     "dp_topology_from_group": "sampler",
+    "dp_topology": "mesh",
 }
 
 
@@ -64,6 +67,7 @@ __all__ = [
     "ShmLoaderError",
     "TopologyMismatchError",
     "UnsupportedBatchError",
+    "dp_topology",
     "dp_topology_from_group",
 ]
 

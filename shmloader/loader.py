@@ -93,7 +93,7 @@ import traceback
 import weakref
 import zlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -118,15 +118,21 @@ from .errors import (
     TopologyMismatchError,
     human_bytes,
 )
+from .mesh import resolve_group
 from .pool import SlotRef, WorkerPool
 from .ring import RingReader, RingWriter, Slot, SlotState, new_token, private_view
 from .topology import GroupTopology, broadcast_bytes, discover
 from .wire import Kind
 from .xnode import KIND_BATCH, KIND_END, KIND_ERROR, KIND_STOP, CrossNode
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 log = logging.getLogger(__name__)
 
-STATE_FORMAT = "shmloader.state/1"
+STATE_FORMAT = "shmloader.state/2"
+#: Earlier formats ``load_state_dict`` still accepts (no RNG, no saving rank).
+OLD_STATE_FORMATS = ("shmloader.state/1",)
 #: Seconds between two progress reports to the daemon.
 REPORT_EVERY_S = 1.0
 #: Longest a writer waits, on close or on an error, for readers it must reach.
@@ -246,8 +252,12 @@ class ShmLoader:
             usually a ``torch.utils.data.DataLoader``. With sharing on only the
             group's leader calls it.
         group: the ``torch.distributed`` process group whose ranks must receive
-            identical batches. ``None``, a group of size 1, or sharing off
-            (``SHMLOADER`` unset): every rank calls ``make_loader`` itself.
+            identical batches, or a ``DeviceMesh``: a one-dimensional one
+            (``mesh["sp"]``) or any mesh with ``mesh_dim``. ``None``, a group
+            of size 1, or sharing off (``SHMLOADER`` unset): every rank calls
+            ``make_loader`` itself.
+        mesh_dim: with ``group=mesh``, the dimension whose ranks share batches
+            (``"sp"``); see :mod:`shmloader.mesh`.
         accumulation_steps: micro-batches per optimizer step (checkpoints
             resume at optimizer-step boundaries).
         config: a :class:`~shmloader.Config`; default ``Config.from_env()``.
@@ -267,8 +277,9 @@ class ShmLoader:
     def __init__(
         self,
         make_loader: Callable[[], Iterable[Any]],
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | DeviceMesh | None = None,
         *,
+        mesh_dim: str | int | None = None,
         accumulation_steps: int = 1,
         config: Config | None = None,
         device: str | torch.device | DeviceOps | None = None,
@@ -282,6 +293,7 @@ class ShmLoader:
             or accumulation_steps < 1
         ):
             raise ConfigError("accumulation_steps", accumulation_steps, "an integer >= 1")
+        group = resolve_group(group, mesh_dim)
         self.config = _resolve_config(config, group)
         # Device delivery: validated before anything is built (shmloader.device).
         target = device
@@ -304,6 +316,15 @@ class ShmLoader:
         # leader's loader restored its own position
         self._resume: tuple[int, int, bool] | None = None
         self._boundary_state: Any = None  # loader state at the last optimizer-step boundary
+        # NOTE [RNG at the step boundary] (rng.py): the default generators when
+        # the current step's first micro-batch was requested; a loaded capture
+        # waiting for the next iteration; the same, to undo the resumed
+        # loader's re-open draws; whether _open_source just captured
+        self._rng_boundary: dict[str, Any] | None = None
+        self._rng_pending: dict[str, Any] | None = None
+        self._rng_undo: dict[str, Any] | None = None
+        self._just_opened = False
+        self._sampler_base = 0  # cursor at which the leader's sampler's current pass began
         self._closed = False
         self._writer_closed = False  # a reader was told its writer closed: fail fast
         self._loader: Iterable[Any] | None = None
@@ -530,9 +551,17 @@ class ShmLoader:
         return self._length
 
     def set_epoch(self, epoch: int) -> None:
-        """Record ``epoch`` and forward it to the leader's loader and sampler."""
+        """Record ``epoch`` and forward it to the leader's loader and sampler.
+
+        Only the leader holds a loader: a sampler object a follower built is
+        never iterated and never sees ``set_epoch``; checkpoint
+        ``ShmLoader.state_dict()`` (which takes the sampler's state on the
+        leader), not such a sampler's own state.
+        """
         if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
             raise ConfigError("epoch", epoch, "an integer >= 0")
+        if epoch != self._epoch:  # a new epoch starts at its beginning
+            self._delivered, self._exhausted, self._sampler_base = 0, False, 0
         self._epoch = epoch
         if self._xnode is not None:
             self._xnode.position = (epoch, self._pos)
@@ -560,6 +589,11 @@ class ShmLoader:
         if self._xnode is not None:  # the leader's cross-node stamps
             self._xnode.position = (self._epoch, self._pos)
         self._exhausted = False
+        self._sampler_base = 0 if skip else cursor
+        restore, self._rng_pending = self._rng_pending, None
+        if restore is not None:  # NOTE [RNG at the step boundary]
+            rng.restore(restore)
+        self._rng_undo = restore if restore is not None and cursor > 0 else None
         if self._role == "local":
             inner = self._local_iteration(cursor if skip else 0)
         elif self._role == "leader":
@@ -619,23 +653,31 @@ class ShmLoader:
     # ------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """What the user has received so far, at an optimizer-step boundary.
+        """This rank's position at an optimizer-step boundary (see NOTE [checkpoints]).
 
-        Keys: ``format``, ``epoch``, ``batches`` (the cursor: batches of this
+        Keys: ``format``; ``epoch``; ``batches`` (the cursor: batches of this
         epoch the SP group consumed, counted once per group, rounded down to a
-        whole optimizer step of ``accumulation_steps`` unless the epoch ended),
-        ``accumulation_steps``, ``topology`` and, on the leader of a loader
+        whole optimizer step of ``accumulation_steps`` unless the epoch ended);
+        ``accumulation_steps``; ``topology`` (world, SP size, DP size, the
+        saving rank and its group); ``rng``: this rank's default generators at
+        that boundary (NOTE [RNG at the step boundary] in ``rng.py``); on the
+        leader (every rank with sharing off): ``sampler``, the state of a
+        :class:`~shmloader.ShardedSampler` at that boundary (what resuming
+        under another DP size needs), and ``loader``, the state of a loader
         with ``state_dict``/``load_state_dict`` (torchdata's
-        ``StatefulDataLoader``), ``loader``: that loader's own state at the
-        same boundary. Followers never hold loader state. Before the first
-        iteration after ``load_state_dict`` it reports the loaded cursor.
+        ``StatefulDataLoader``) at that boundary. Before the first iteration
+        after ``load_state_dict`` it reports what was loaded.
+
+        Not collective: call it on every rank and save each rank's own.
         """
         k = self.accumulation_steps
         if self._resume is not None and self._resume[0] == self._epoch:
             cursor = delivered = self._resume[1]  # loaded, not iterated yet
+            _, _, boundary, now = self._position()
         else:
             delivered, exhausted, boundary, now = self._user_position()
             cursor = delivered if exhausted else delivered - delivered % k
+        partial = cursor != delivered
         state: dict[str, Any] = {
             "format": STATE_FORMAT,
             "epoch": self._epoch,
@@ -643,22 +685,36 @@ class ShmLoader:
             "accumulation_steps": k,
             "topology": self._topology_state(),
         }
-        if self._loader is not None and _stateful(self._loader):
-            partial = cursor != delivered
-            loader_state = boundary if partial else now
-            state["loader"] = loader_state
+        if self._rng_pending is not None:
+            state["rng"] = self._rng_pending
+        elif partial and self._rng_boundary is not None:
+            state["rng"] = self._rng_boundary
+        else:
+            state["rng"] = rng.capture()
+        if self._loader is not None:
+            sampler = _sampler_state(self._loader, cursor - self._sampler_base)
+            if sampler is not None:
+                state["sampler"] = sampler
+            if _stateful(self._loader):
+                state["loader"] = boundary if partial else now
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from ``state_dict()``. Call before iterating; validates everything first.
+        """Resume from this rank's ``state_dict()``. Call before iterating; validates first.
 
         The next iteration of the saved epoch (``set_epoch`` to it, or no
         ``set_epoch`` at all) continues after the saved cursor: the leader
         restores its loader's own state when the checkpoint has one, or else
-        fast-forwards its loader by the cursor. Any rank of the same SP group
-        may load any peer's state (their cursors are equal). Raises
-        :class:`TopologyMismatchError` when the checkpoint was taken under
-        other ranks or another SP size, :class:`ConfigError` for a malformed
+        fast-forwards its loader by the cursor, and every rank's default
+        generators are set to the saved ``rng`` when that iteration starts.
+
+        Under another world size with the same SP size (DP resized), load the
+        state an SP group leader saved (rank 0's) on every rank: the leader's
+        ``ShardedSampler`` re-splits the rest of the epoch over the new DP
+        replicas and the loader starts fresh on it (RNG is not restored: no
+        rank's stream continues). Raises :class:`TopologyMismatchError` for
+        another rank's state, another SP size or a resize the state cannot
+        serve (each naming the fix), :class:`ConfigError` for a malformed
         state and :class:`LoaderStateError` once iteration has started.
         """
         if self._it > 0:
@@ -667,6 +723,22 @@ class ShmLoader:
                 "construct a new ShmLoader to resume"
             )
         epoch, batches, loader_state = _validate_state(state, self._topology_state())
+        resized = state["topology"]["world"] != self._topology_state()["world"]
+        sampler = _find_sharded(self._loader) if self._loader is not None else None
+        if resized:
+            if self._loader is not None and sampler is None:
+                raise TopologyMismatchError(
+                    f"the checkpoint was taken at world size {state['topology']['world']}, now "
+                    f"{self._topology_state()['world']}: resuming under another DP size needs "
+                    "the loader's sampler to be a shmloader.ShardedSampler (DataLoader(sampler="
+                    "...) or batch_sampler=ShardedBatchSampler(...)), which re-splits the rest "
+                    "of the epoch"
+                )
+            if sampler is not None:
+                sampler.load_state_dict(state["sampler"])  # validates before it changes
+            self.set_epoch(epoch)
+            self._resume = (epoch, 0, True)
+            return
         restore = loader_state is not None and self._loader is not None
         if restore and not _stateful(self._loader):
             raise ConfigError(
@@ -678,6 +750,7 @@ class ShmLoader:
         if restore:
             self._loader.load_state_dict(loader_state)  # type: ignore[union-attr]
         self._resume = (epoch, batches, not restore)
+        self._rng_pending = state.get("rng")
 
     def _position(self) -> tuple[int, bool, Any, Any]:
         """(delivered, exhausted, boundary state, loader state) of the iteration now."""
@@ -713,8 +786,8 @@ class ShmLoader:
             "world": world,
             "sp": sp,
             "dp": world // sp,
+            "rank": rank,
             "sp_rank": group.index(rank),
-            "dp_rank": min(group) // sp,
             "group": group,
         }
 
@@ -750,6 +823,8 @@ class ShmLoader:
         the loader, so its sampler, workers and RNG end where an
         uninterrupted run would be.
         """
+        self._capture_rng()  # the first request of this iteration
+        self._just_opened = True
         before = rng.snapshot()
         source = iter(self._loader)  # type: ignore[arg-type]
         for _ in range(skip):
@@ -757,6 +832,9 @@ class ShmLoader:
                 next(source)
             except StopIteration:
                 break
+        if self._rng_undo is not None:  # NOTE [RNG at the step boundary]
+            rng.restore(self._rng_undo)
+            self._rng_undo = None
         return source, self._count(before)
 
     def _mark_boundary(self) -> None:
@@ -764,6 +842,22 @@ class ShmLoader:
         k = self.accumulation_steps
         if k > 1 and self._delivered % k == 0 and _stateful(self._loader):
             self._boundary_state = self._loader.state_dict()  # type: ignore[union-attr]
+        if self._just_opened:  # _open_source captured this request before opening
+            self._just_opened = False
+        else:
+            self._capture_rng()
+
+    def _capture_rng(self) -> None:
+        """At a request of a step's first micro-batch, before the loader's draws for it.
+
+        NOTE [RNG at the step boundary] (``rng.py``): the leader and local
+        ranks capture in ``_open_source`` (an iteration's first request, before
+        the loader is opened) and in ``_mark_boundary`` (every later request);
+        followers and node leaders in ``_deliver``, before mirroring draws.
+        """
+        k = self.accumulation_steps
+        if k > 1 and self._delivered % k == 0:
+            self._rng_boundary = rng.capture()
 
     def _count(self, before: torch.Tensor) -> int:
         n = rng.count_draws(before, rng.snapshot())
@@ -1258,6 +1352,7 @@ class ShmLoader:
         del payload  # NOTE [small leaves]: a batch of small leaves only is released here
         if self.config.copy:
             batch = _owned_copy(batch)
+        self._capture_rng()  # NOTE [RNG at the step boundary]
         rng.mirror_draws(draws)
         self._delivered += 1
         elapsed = (time.perf_counter_ns() - t0) / 1e6
@@ -1540,12 +1635,62 @@ def _stateful(loader: object) -> bool:
     )
 
 
+def _find_sharded(loader: object) -> Any:
+    """The loader's ``ShardedSampler`` or ``ShardedBatchSampler``, or None."""
+    from .sampler import ShardedBatchSampler, ShardedSampler
+
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if isinstance(batch_sampler, ShardedBatchSampler):
+        return batch_sampler
+    for candidate in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
+        if isinstance(candidate, ShardedSampler):
+            return candidate
+    return None
+
+
+def _sampler_state(loader: object, batches: int) -> dict[str, Any] | None:
+    """The loader's ``ShardedSampler`` state once ``batches`` of its current pass were used.
+
+    The sampler's own cursor runs ahead of training (workers prefetch), so
+    the state is computed from the batches the SP group really consumed.
+    """
+    from .sampler import ShardedBatchSampler
+
+    found = _find_sharded(loader)
+    if found is None:
+        return None
+    if isinstance(found, ShardedBatchSampler):
+        return found.state_dict(consumed_batches=min(batches, len(found)))
+    size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    if not isinstance(size, int):
+        return None
+    return found.state_dict(consumed=min(batches * size, len(found)))
+
+
+_RECIPE = (
+    "Save loader.state_dict() on every rank (e.g. torch.save(loader.state_dict(), "
+    "f'{ckpt}/loader-rank{rank}.pt')) and load each rank's own; to resume under another "
+    "DP size, load the state rank 0 saved on every rank."
+)
+
+
 def _validate_state(state: Any, topology: dict[str, Any]) -> tuple[int, int, Any]:
-    """Check a checkpoint completely before anything changes; return its cursor."""
+    """Check a checkpoint completely before anything changes; return its cursor.
+
+    NOTE [checkpoints]
+        A state is per rank: it carries the rank's RNG at the step boundary
+        and, on an SP group's leader, its DP replica's loader and sampler
+        position. Same world size: only the rank that saved a state may load
+        it (and its group must be the same ranks). Another world size with
+        the same SP size is a DP resize: any rank may load a state that
+        carries a ``ShardedSampler``'s state (a leader's), which the new
+        leader's sampler re-splits. The SP size never changes.
+    """
     if not isinstance(state, dict):
         raise ConfigError("state", type(state).__name__, "the dict returned by state_dict()")
-    if state.get("format") != STATE_FORMAT:
-        raise ConfigError("state['format']", state.get("format"), repr(STATE_FORMAT))
+    fmt = state.get("format")
+    if fmt != STATE_FORMAT and fmt not in OLD_STATE_FORMATS:
+        raise ConfigError("state['format']", fmt, f"{STATE_FORMAT!r} (or {OLD_STATE_FORMATS})")
     for key, minimum in (("epoch", 0), ("batches", 0), ("accumulation_steps", 1)):
         value = state.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
@@ -1553,17 +1698,37 @@ def _validate_state(state: Any, topology: dict[str, Any]) -> tuple[int, int, Any
     saved = state.get("topology")
     if not isinstance(saved, dict):
         raise ConfigError("state['topology']", saved, "a dict")
-    diffs = [
-        f"{key}: checkpoint {saved.get(key)!r}, now {topology[key]!r}"
-        for key in ("world", "sp", "group")
-        if saved.get(key) != topology[key]
-    ]
-    if diffs:
+    if "rng" in state and (problem := rng.check(state["rng"])) is not None:
+        raise ConfigError("state['rng']", type(state["rng"]).__name__, problem)
+    if saved.get("sp") != topology["sp"]:
         raise TopologyMismatchError(
-            "this checkpoint was taken under another topology and cannot map onto the current "
-            "ranks (" + "; ".join(diffs) + "). Resume with the same world size and SP groups; "
-            "to change the data-parallel size, resume the sampler's own state "
-            "(shmloader.ShardedSampler supports that) and start the loader fresh."
+            f"this checkpoint was taken under another SP size (sp: checkpoint "
+            f"{saved.get('sp')!r}, now {topology['sp']!r}; group: checkpoint "
+            f"{saved.get('group')!r}, now {topology['group']!r}); the SP size cannot change on "
+            "resume: resume with the SP size the checkpoint was taken with"
+        )
+    if saved.get("world") != topology["world"]:
+        if not isinstance(state.get("sampler"), dict):
+            raise TopologyMismatchError(
+                f"this checkpoint was taken at world size {saved.get('world')!r} (DP "
+                f"{saved.get('dp')!r}), now {topology['world']} (DP {topology['dp']}): "
+                "resuming under another DP size needs the state of a shmloader.ShardedSampler, "
+                "which only an SP group leader's checkpoint carries, and only when its loader's "
+                "sampler is one: load the state rank 0 saved on every rank"
+            )
+        return state["epoch"], 0, None
+    if fmt == STATE_FORMAT and saved.get("rank") != topology["rank"]:
+        raise TopologyMismatchError(
+            f"this state was saved by rank {saved.get('rank')!r} and this is rank "
+            f"{topology['rank']}: loader state is per rank (it carries the rank's RNG at the "
+            "optimizer-step boundary and, on an SP group's leader, its DP replica's data "
+            "position). " + _RECIPE
+        )
+    if saved.get("group") != topology["group"]:
+        raise TopologyMismatchError(
+            f"this checkpoint was taken under other SP groups (group: checkpoint "
+            f"{saved.get('group')!r}, now {topology['group']!r}) and cannot map onto the current "
+            "ranks: resume with the same SP group layout. " + _RECIPE
         )
     return state["epoch"], state["batches"], state.get("loader")
 

@@ -32,6 +32,10 @@ NOTE [RNG mirroring]
 
 from __future__ import annotations
 
+import random
+from typing import Any
+
+import numpy as np
 import torch
 
 #: Give up counting after this many draws between two snapshots.
@@ -84,3 +88,76 @@ def mirror_draws(n: int) -> None:
         probe = torch.empty((), dtype=torch.int64)
         for _ in range(n):
             probe.random_()
+
+
+# ------------------------------------------------------------------ checkpoints
+#
+# NOTE [RNG at the step boundary]
+#     A checkpoint's cursor is rounded down to the start of the optimizer step
+#     (``accumulation_steps``), so a resumed run replays the micro-batches of a
+#     partly done step. For dropout to replay them identically, the default
+#     generators must be where they were when that step's first micro-batch
+#     was *requested* (before the loader's own draws for it), not where they
+#     are when ``state_dict()`` is called. Every rank therefore captures them
+#     (``capture``) at each request of a step's first micro-batch, and
+#     ``ShmLoader.state_dict()`` carries that capture (or the generators as
+#     they are, when called at a boundary). ``load_state_dict`` restores it
+#     when the next iteration starts; a resume in mid-epoch also undoes the
+#     draws the resumed loader makes while it is re-opened and fast-forwarded,
+#     since the uninterrupted run made those at the start of the epoch.
+#
+#     Captured: torch's default CPU generator, Python's ``random``, numpy's
+#     legacy global generator and, when CUDA is initialised, the current
+#     device's CUDA generator. Stored as tensors, ints and floats only, so a
+#     checkpoint loads with ``torch.load(weights_only=True)``.
+
+
+def capture() -> dict[str, Any]:
+    """The default generators' states (NOTE [RNG at the step boundary])."""
+    version, internal, gauss = random.getstate()
+    keys, pos, has_gauss, cached = np.random.get_state()[1:]
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": {
+            "version": version,
+            "internal": torch.tensor(internal, dtype=torch.int64),
+            "gauss": gauss,
+        },
+        "numpy": {
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda_device"] = torch.cuda.current_device()
+    return state
+
+
+def check(state: object) -> str | None:
+    """What is wrong with a captured state, or None when ``restore`` will accept it."""
+    if not isinstance(state, dict):
+        return "a dict from shmloader's state_dict()"
+    torch_state = state.get("torch")
+    if not isinstance(torch_state, torch.Tensor) or torch_state.dtype != torch.uint8:
+        return "a dict whose 'torch' entry is a uint8 tensor (torch.get_rng_state())"
+    py, npy = state.get("python"), state.get("numpy")
+    if not isinstance(py, dict) or not isinstance(py.get("internal"), torch.Tensor):
+        return "a dict whose 'python' entry holds random.getstate()"
+    if not isinstance(npy, dict) or not isinstance(npy.get("keys"), torch.Tensor):
+        return "a dict whose 'numpy' entry holds numpy.random.get_state()"
+    return None
+
+
+def restore(state: dict[str, Any]) -> None:
+    """Set the default generators to a ``capture()`` (validated with ``check``)."""
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["internal"].tolist()), py["gauss"]))
+    npy = state["numpy"]
+    keys = npy["keys"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, npy["pos"], npy["has_gauss"], npy["cached"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"], device=state.get("cuda_device", 0))

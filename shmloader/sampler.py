@@ -101,6 +101,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from .errors import ConfigError
+from .mesh import describe, is_mesh, resolve_group
+
 __all__ = [
     "STATE_FORMAT",
     "STATE_VERSION",
@@ -240,8 +243,10 @@ def _fingerprint(buckets: list[torch.Tensor] | None, batch_size: int | None) -> 
 def dp_topology_from_group(sp_group: Any = None) -> tuple[int, int]:
     """Return ``(num_replicas, rank)``: the DP size and this rank's DP index.
 
-    ``sp_group`` is this rank's sequence-parallel process group (``None``: no SP, so the DP
-    topology is the world). SP groups must partition the world into groups of one size, in any
+    ``sp_group`` is this rank's sequence-parallel process group or a one-dimensional
+    ``DeviceMesh`` (``mesh["sp"]``); ``None``: no SP, so the DP topology is the world. For an
+    n-dimensional mesh use :func:`shmloader.dp_topology` (local, and aware of tp/pp dims).
+    SP groups must partition the world into groups of one size, in any
     layout (contiguous blocks ``{0,1},{2,3}`` or strided ``{0,2},{1,3}``): the DP rank is the
     index of this rank's SP group among all SP groups ordered by their lowest global rank.
 
@@ -258,6 +263,14 @@ def dp_topology_from_group(sp_group: Any = None) -> tuple[int, int]:
     rank = dist.get_rank()
     if sp_group is None:
         return world, rank
+    if is_mesh(sp_group) and sp_group.ndim != 1:
+        raise ConfigError(
+            "sp_group",
+            describe(sp_group),
+            "a one-dimensional DeviceMesh (mesh['sp']) or a process group; for the whole mesh "
+            "call shmloader.dp_topology(mesh, sp_dim='sp')",
+        )
+    sp_group = resolve_group(sp_group)
     sp_size = dist.get_world_size(sp_group)
     leader = min(dist.get_process_group_ranks(sp_group)) if sp_size >= 1 else -1
     device = _collective_device()

@@ -168,8 +168,8 @@ def live_ring(readers=frozenset()) -> Iterator[RingWriter]:
         ring.close()
 
 
-def _doomed_writer(token: str, ready) -> None:  # runs in a forked child
-    from shmloader import segment  # its fork hook refreshed MY_START for this child
+def _doomed_writer(token: str, ready) -> None:  # runs in a forkserver child
+    from shmloader import segment  # read MY_START in the child: its own start time
 
     ring = RingWriter(token, frozenset({1}), description(token, os.getpid(), segment.MY_START))
     slot = ring.acquire(100_000)  # reader 1 never attaches: the data segment stays named
@@ -180,7 +180,7 @@ def _doomed_writer(token: str, ready) -> None:  # runs in a forked child
 
 @contextlib.contextmanager
 def forked(target, *args) -> Iterator[mp.Process]:
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("forkserver")  # never fork this (threaded) process
     p = ctx.Process(target=target, args=args, daemon=True)
     p.start()
     try:
@@ -390,7 +390,7 @@ def test_register_admit_refuse_report_stats_metrics(daemons: Daemons, capsys) ->
 def test_sigkilled_writer_is_reaped_within_2s(daemons: Daemons) -> None:
     d = daemons.start("--reap-interval", "0.5")
     token = new_token()
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("forkserver")
     parent_end, child_end = ctx.Pipe()
     with forked(_doomed_writer, token, child_end) as child:
         assert parent_end.poll(20), "the child never created its ring"

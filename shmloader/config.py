@@ -43,6 +43,8 @@ class Config:
         copy: followers receive owned copies instead of shared views (``SHMLOADER_COPY``).
         verify: checksum every payload end to end, CRC-32 (``SHMLOADER_VERIFY``).
         allow_pickle: pickle leaves the codec does not know. Off by default.
+        job: the job's name in ``shmloader stat`` (``SHMLOADER_JOB``, else the
+            launcher's run id: ``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID``).
     """
 
     enabled: bool = False
@@ -54,6 +56,7 @@ class Config:
     copy: bool = False
     verify: bool = False
     allow_pickle: bool = False
+    job: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 2:
@@ -70,7 +73,7 @@ class Config:
         for name in ("enabled", "copy", "verify", "allow_pickle"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "True or False")
-        for name in ("runtime_dir", "node", "daemon"):
+        for name in ("runtime_dir", "node", "daemon", "job"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or "\0" in value):
                 raise ConfigError(name, value, "None or a string without NUL bytes")
@@ -88,6 +91,7 @@ class Config:
             "daemon": _path(env, "SHMLOADER_DAEMON"),
             "copy": _flag(env, "SHMLOADER_COPY"),
             "verify": _flag(env, "SHMLOADER_VERIFY"),
+            "job": _job(env),
         }
         known = {f.name for f in dataclasses.fields(cls)}
         for key in overrides:
@@ -154,3 +158,19 @@ def _name(env: Mapping[str, str], name: str) -> str | None:
     if len(value) > 64 or not all(c.isalnum() or c in "-_.:" for c in value):
         raise ConfigError(name, raw, "up to 64 characters of letters, digits, '-', '_', '.', ':'")
     return value
+
+
+#: Where a job's name comes from, first set wins: ours, then the launchers' run ids.
+JOB_VARIABLES = ("SHMLOADER_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
+
+
+def _job(env: Mapping[str, str]) -> str | None:
+    """The job name for ``shmloader stat``; a launcher's id is shown as it is (printable, 128)."""
+    for name in JOB_VARIABLES:
+        raw = env.get(name, "").strip()
+        if raw:
+            value = "".join(c if c.isprintable() else "?" for c in raw)[:128]
+            if name == "SHMLOADER_JOB" and value != raw:
+                raise ConfigError(name, raw, "up to 128 printable characters")
+            return value
+    return None

@@ -26,7 +26,7 @@ JOB_KEYS = {
     "token", "state", "registered", "group", "leader", "writer", "node_ranks", "world",
     "pids", "writer_pid", "writer_alive", "segments", "segment_bytes", "bytes", "slots",
     "ring_bytes", "published", "bytes_published", "publish_ms_avg", "last_publish_unix",
-    "readers", "followers",
+    "readers", "followers", "job", "started_unix", "age_s", "reclaimable_bytes", "ranks",
 }  # fmt: skip
 
 
@@ -94,7 +94,8 @@ def cleanup(*segments: Segment) -> Iterator[None]:
 def test_scan_documents_a_live_job() -> None:
     with live_ring() as ring:
         doc = admin.scan()
-        assert doc["schema"] == 1 and doc["source"] == "scan" and doc["daemon"] is None
+        assert doc["schema"] == admin.SCHEMA == 2
+        assert doc["source"] == "scan" and doc["daemon"] is None
         assert doc["node"]["shm_size_bytes"] > 0 and doc["node"]["shm_free_bytes"] > 0
         job = next(j for j in doc["jobs"] if j["token"] == ring.token)
         assert set(job) == JOB_KEYS
@@ -137,7 +138,7 @@ def test_stat_without_daemon_says_it_scans(capsys, monkeypatch) -> None:
         code, out, _ = run_cli(["stat", "--watch", "0.01", "--count", "3"], capsys)
         assert code == 0 and out.count("\x1b[H\x1b[2J") == 3 and out.count(ring.token) == 3
         code, out, _ = run_cli(["stat", "--json", "--watch", "0.01", "--count", "2"], capsys)
-        assert code == 0 and [json.loads(x)["schema"] for x in out.splitlines()] == [1, 1]
+        assert code == 0 and [json.loads(x)["schema"] for x in out.splitlines()] == [2, 2]
     code, _, err = run_cli(["stat", "--watch", "0"], capsys)
     assert code == 2 and "--watch 0" in err
 
@@ -233,17 +234,36 @@ def test_table_formatting_of_a_daemon_document() -> None:
     job = {k: None for k in JOB_KEYS}
     job.update(
         token="feedfacecafebeef",
+        job="train-llama-70b-sp8",
+        age_s=3725.0,
         state="dead",
         group=[0, 1, 2, 3],
         segments=[],
-        bytes=3 << 20,
+        bytes=144 << 10,
+        reclaimable_bytes=144 << 10,
         writer_pid=77,
         writer_alive=False,
+        ranks={
+            "0": {
+                "role": "leader",
+                "batches": 9,
+                "wait_ms_p50": 812.5,
+                "wait_share": 0.93,
+                "lag": None,
+                "bytes": 9 << 20,
+                "updated_unix": 1.0,
+            },
+        },
         followers={"2": {"consumed": 5, "lag": 1, "receive_ms": 0.125}},
     )
     doc["jobs"] = [job]
     text = admin.format_table(doc)
     assert "shmloaderd pid 42: budget 1.0 GiB, 3.0 MiB in use, reaped 2 segment(s)" in text
-    assert "feedfacecafebeef dead" in text and "77†" in text
-    assert "rank 2: consumed 5, lag 1, receive 0.125 ms" in text
-    assert "writer process is gone" in text
+    row = next(line for line in text.splitlines() if line.startswith("feedfacecafebeef"))
+    assert row.split()[1:4] == ["train-llama-7…", "dead", "1h02m"] and "77†" in row
+    assert "dead: `shmloader gc` frees 144.0 KiB" in text
+    leader = next(line.split() for line in text.splitlines() if line.strip().startswith("0 "))
+    assert leader == ["0", "leader", "9", "812.50", "ms", "93%", "-", "9.0", "MiB"]
+    follower = next(line.split() for line in text.splitlines() if line.strip().startswith("2 "))
+    assert follower[:3] == ["2", "follower", "5"] and follower[5] == "1"  # batches, lag
+    assert "writer process is gone" in text and "WAITING: share of wall time" in text

@@ -50,7 +50,7 @@ def test_stat_json_during_a_live_job_comes_from_the_daemon(daemons):  # noqa: F8
         job, 3, kwargs={"kill_daemon": None}, env={"SHMLOADER": "1", "SHMLOADER_DAEMON": d.path}
     )
     stat = out[0]["stat"]
-    assert stat["schema"] == 1 and stat["source"] == "daemon"
+    assert stat["schema"] == 2 and stat["source"] == "daemon"
     jobs = {j["token"]: j for j in stat["jobs"]}
     mine = jobs[out[0]["token"]]
     assert mine["registered"] and mine["writer_alive"] and mine["state"] == "live"

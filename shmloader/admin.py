@@ -372,7 +372,8 @@ def observed_bytes(token: str, entries: list[Entry], writer_pid: int) -> int:
     """Memory ring ``token`` holds as seen from outside the job: its named segments
     and the writer's mappings, each file once (NOTE [honest bytes]). What the
     daemon admits by; nothing a client declares enters it."""
-    sizes = {e.inode or -i: e.size for i, e in enumerate(entries, 1) if e.header is not None}
+    mine = [e for e in entries if e.header is not None and e.header.token == token]
+    sizes = {e.inode or -i: e.size for i, e in enumerate(mine, 1)}
     for inode, size in mapped_bytes(writer_pid, token).items():
         sizes[inode] = max(sizes.get(inode, 0), size)
     return sum(sizes.values())

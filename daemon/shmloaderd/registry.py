@@ -294,19 +294,17 @@ class Registry:
         self._observe(job, [e for e in entries if e.header is not None])
 
     def _observe(self, job: Job, entries: list[Entry]) -> None:
-        """Observed bytes (NOTE [honest bytes] in ``shmloader.admin``): named segments
-        and the mappings of the writer, the control segment's owner or, before
-        it exists, the processes that asked for admissions."""
+        """Observed bytes (NOTE [honest bytes] in ``shmloader.admin``): the named
+        segments, and the mappings of the writer (the live owner of the control
+        segment: one ``/proc/<pid>/maps`` read per job and pass, whatever a
+        client claims about pids)."""
         ctl = next((e for e in entries if e.header and e.header.kind_name == "control"), None)
         if ctl is not None and ctl.header is not None:
             job.ctl_seen = True
-            writers = [ctl.header.pid] if ctl.alive else []
+        if ctl is not None and ctl.header is not None and ctl.alive:
+            job.observed = observed_bytes(job.token, entries, ctl.header.pid)
         else:
-            writers = sorted({pid for pid, start in job.owners if process_alive(pid, start)})
-        job.observed = max(
-            [observed_bytes(job.token, entries, pid) for pid in writers[:MAX_OWNERS]]
-            or [sum(e.size for e in entries if e.header is not None)]
-        )
+            job.observed = sum(e.size for e in entries if e.header is not None)
 
     def observe(self, entries: list[Entry]) -> list[str]:
         """Update every job from a scan; discover new live jobs; drop ended ones.

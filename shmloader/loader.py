@@ -87,6 +87,8 @@ STATE_FORMAT = "shmloader.state/1"
 REPORT_EVERY_S = 1.0
 #: Batches whose wait for data the median in ``shmloader stat`` covers.
 WAIT_WINDOW = 256
+#: Most per-rank rows a writer puts in its ring's description (for ``stat``).
+DESCRIBED_RANKS = 64
 #: Longest a writer waits, on close or on an error, for readers it must reach.
 CLOSE_WAIT_S = 10.0
 
@@ -389,6 +391,8 @@ class ShmLoader:
                 for rank, acked in self._acked.items():
                     row = {"role": topo.role(rank), "batches": acked, "lag": self._seq - acked}
                     ranks[str(rank)] = row
+                if len(ranks) > DESCRIBED_RANKS:  # the control segment holds 16 KiB
+                    ranks = {str(topo.me): mine}
                 with contextlib.suppress(ValueError, TypeError):  # closed, or not JSON
                     self._ring.describe({**self._description(), "ranks": ranks})
             if client is None:

@@ -347,6 +347,7 @@ def test_register_admit_refuse_report_stats_metrics(daemons: Daemons, capsys) ->
 
     client.report(token, 5, consumed=7, receive_ms=0.25, published=9)
     client.report(token, 6, consumed=9, lag=0, receive_ms=0.5)
+    client.report(token, 4, published=9, role="leader", wait_ms_p50=120.0, wait_share=0.75)
     doc = d.stats()
     assert doc["schema"] == 2 and doc["source"] == "daemon"
     assert doc["daemon"]["pid"] == d.proc.pid and doc["daemon"]["budget_bytes"] == 1 << 40
@@ -355,6 +356,10 @@ def test_register_admit_refuse_report_stats_metrics(daemons: Daemons, capsys) ->
     assert job["group"] == [4, 5, 6] and job["leader"] == 4
     assert job["followers"]["5"]["lag"] == 2 and job["followers"]["5"]["receive_ms"] == 0.25
     assert job["followers"]["6"]["lag"] == 0
+    leader = job["ranks"]["4"]
+    assert leader["role"] == "leader" and leader["batches"] == 9
+    assert leader["wait_ms_p50"] == 120.0 and leader["wait_share"] == 0.75
+    assert job["ranks"]["5"]["batches"] == 7 and job["ranks"]["5"]["lag"] == 2
     assert job["bytes"] >= 1 << 20  # the pending grant (the declared 20480 bytes do not count)
     assert doc["daemon"]["in_use_bytes"] >= job["bytes"]
 
@@ -375,6 +380,9 @@ def test_register_admit_refuse_report_stats_metrics(daemons: Daemons, capsys) ->
     wait_until(lambda: lag_key in metrics(), 3, "the report reaches the metrics", step=0.1)
     values = metrics()
     assert values[lag_key] == 2
+    share_key = f'shmloaderd_rank_wait_share{{job="",rank="4",role="leader",token="{token}"}}'
+    assert values[share_key] == 0.75
+    assert values["shmloaderd_reaped_sockets_total"] >= 0
     assert values['shmloaderd_requests_total{op="admit"}'] == 2
     assert values['shmloaderd_admissions_total{result="refused"}'] == 1
     assert values["shmloaderd_budget_bytes"] == 1 << 40

@@ -374,13 +374,14 @@ class Daemon:
             ranks = j["ranks"]
             for rank, rep in sorted(job.reports.items()):
                 row = ranks.setdefault(str(rank), dict.fromkeys(_RANK_KEYS))
-                row["batches"] = rep.get("published", rep.get("consumed", row.get("batches")))
+                writes = rep.get("role") in ("leader", "node leader") or "consumed" not in rep
+                row["batches"] = rep.get("published") if writes else rep["consumed"]
                 for key in ("role", "wait_ms_p50", "wait_share", "lag", "bytes"):
                     if rep.get(key) is not None:
                         row[key] = rep[key]
                 row["updated_unix"] = rep["updated_unix"]
                 if row["lag"] is None and rep.get("consumed") is not None:
-                    published = j.get("published")
+                    published = rep.get("published", j.get("published"))
                     if published is not None:
                         row["lag"] = max(published - rep["consumed"], 0)
             followers = {}
@@ -418,6 +419,7 @@ class Daemon:
         return {
             "reaped_segments": self.reaped_segments,
             "reaped_bytes": self.reaped_bytes,
+            "reaped_sockets": self.reaped_sockets,
             "granted": self.registry.granted,
             "refused": self.registry.refused,
             "requests": self._requests_copy(),

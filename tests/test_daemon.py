@@ -3,7 +3,7 @@
 Every daemon runs from ``sys.executable -m shmloaderd`` with its control socket
 in a short private temp directory; the ``Daemons`` fixture always stops them
 (SIGTERM, then SIGKILL) and removes the directory. Segments are real POSIX
-shared memory, created in this process or in a forked child.
+shared memory, created in this process or in a spawned child.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def live_ring(readers=frozenset()) -> Iterator[RingWriter]:
         ring.close()
 
 
-def _doomed_writer(token: str, ready) -> None:  # runs in a forkserver child
+def _doomed_writer(token: str, ready) -> None:  # runs in a spawned child
     from shmloader import segment  # read MY_START in the child: its own start time
 
     ring = RingWriter(token, frozenset({1}), description(token, os.getpid(), segment.MY_START))
@@ -180,7 +180,7 @@ def _doomed_writer(token: str, ready) -> None:  # runs in a forkserver child
 
 @contextlib.contextmanager
 def forked(target, *args) -> Iterator[mp.Process]:
-    ctx = mp.get_context("forkserver")  # never fork this (threaded) process
+    ctx = mp.get_context("spawn")  # never fork this (threaded) process; no torch to load
     p = ctx.Process(target=target, args=args, daemon=True)
     p.start()
     try:
@@ -396,7 +396,7 @@ def test_register_admit_refuse_report_stats_metrics(daemons: Daemons, capsys) ->
 def test_sigkilled_writer_is_reaped_within_2s(daemons: Daemons) -> None:
     d = daemons.start("--reap-interval", "0.5")
     token = new_token()
-    ctx = mp.get_context("forkserver")
+    ctx = mp.get_context("spawn")
     parent_end, child_end = ctx.Pipe()
     with forked(_doomed_writer, token, child_end) as child:
         assert parent_end.poll(20), "the child never created its ring"

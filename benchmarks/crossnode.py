@@ -7,12 +7,16 @@ rank holds the batch" with shmloader (the leader writes its ring once, sends
 the payload once to the other node's leader, which receives it into its own
 ring; followers map), the same for a plain ``dist.broadcast`` of the payload
 to the three other ranks, and the bytes that crossed between the nodes per
-batch. Run: ``.venv/bin/python -m benchmarks.crossnode``.
+batch. Run: ``.venv/bin/python -m benchmarks.crossnode [--sizes MIB ...]
+[--steps N] [--out FILE]`` (``--help`` for the defaults).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import statistics
+import sys
 import time
 
 import torch
@@ -64,22 +68,56 @@ def bench(rank: int, world: int, *, size_mib: int, steps: int) -> dict:
     }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.crossnode",
+        description="SP4 over two simulated nodes (needs root: private tmpfs per node): "
+        "shmloader's cross-node step against a plain gloo broadcast.",
+    )
+    p.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 256], help="batch sizes in MiB")
+    p.add_argument("--steps", type=int, default=6, help="steps per size (the first is warm-up)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per size")
+    p.add_argument("--out", default=None, help="also write the markdown table to this file")
+    args = p.parse_args(argv)
+    if any(s < 1 for s in args.sizes):
+        p.error(f"--sizes {args.sizes}: every size must be >= 1 MiB")
+    if args.steps < 2:
+        p.error(f"--steps {args.steps}: needs >= 2 (the first step is warm-up)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     from tests.harness import run_ranks
 
-    print("| batch MiB | shmloader step ms | plain broadcast to 3 ranks ms | MiB between nodes |")
-    print("| --- | --- | --- | --- |")
-    for size in (16, 64, 256):
-        out = run_ranks(
-            bench, 4, kwargs={"size_mib": size, "steps": 6}, nodes=[0, 0, 1, 1], timeout=300
+    with contextlib.ExitStack() as stack:
+        files = [sys.stdout]
+        if args.out is not None:
+            files.append(stack.enter_context(open(args.out, "w")))
+
+        def emit(line: str) -> None:
+            for f in files:
+                print(line, file=f, flush=True)
+
+        emit(
+            "| batch MiB | shmloader step ms | plain broadcast to 3 ranks ms | MiB between nodes |"
         )
-        s = out[0]["stats"]
-        sent = s["cross_node_bytes_sent"] / s["published"] / MIB
-        print(
-            f"| {size} | {out[0]['shm'] * 1e3:.1f} | {out[0]['plain'] * 1e3:.1f} | {sent:.0f} |",
-            flush=True,
-        )
+        emit("| --- | --- | --- | --- |")
+        for size in args.sizes:
+            out = run_ranks(
+                bench,
+                4,
+                kwargs={"size_mib": size, "steps": args.steps},
+                nodes=[0, 0, 1, 1],
+                timeout=args.timeout,
+            )
+            s = out[0]["stats"]
+            sent = s["cross_node_bytes_sent"] / s["published"] / MIB
+            emit(
+                f"| {size} | {out[0]['shm'] * 1e3:.1f} | {out[0]['plain'] * 1e3:.1f} | {sent:.0f} |"
+            )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

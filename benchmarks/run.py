@@ -7,7 +7,8 @@ through ``broadcast_object_list`` (``objlist``) at the smaller sizes, then a
 "realistic workers" run for CPU and memory. Each configuration runs in
 freshly spawned ranks; a line per configuration goes to stderr. Writes
 ``results.json``, ``results.md``, ``delivery.png`` and ``e2e.png`` to
-``--out`` (default ``benchmarks/results``).
+``--out`` (default ``benchmarks/results``; with ``--quick`` a new temporary
+directory, printed at the end).
 """
 
 from __future__ import annotations
@@ -238,7 +239,12 @@ def progress(i: int, n: int, case: Case, text: str, seconds: float) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke test: 1 and 16 MiB, SP2, few steps")
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    p.add_argument(
+        "--out",
+        default=None,
+        help=f"output directory (default {DEFAULT_OUT}; with --quick a new temporary "
+        "directory, so a smoke run never overwrites the committed results)",
+    )
     p.add_argument("--sizes", type=int, nargs="+", help="batch sizes in MiB")
     p.add_argument("--sp", type=int, nargs="+", help="SP group sizes (one node)")
     p.add_argument("--steps", type=int, help="measured steps per phase (default: by size)")
@@ -259,6 +265,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="only these runs (default both)",
     )
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = tempfile.mkdtemp(prefix="shml-bench-") if args.quick else DEFAULT_OUT
     args.transport_workers = 1
     args.decode_scale = 2
     if args.quick:

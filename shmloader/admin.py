@@ -17,21 +17,44 @@ What counts as ours (NOTE [reaping rule])
     same rule drives ``shmloaderd``'s reaper. Owners are checked in our pid
     namespace: the daemon, ``gc`` and the jobs must share it.
 
-``stat --json`` document, schema 1 (fields are only ever added)::
+Where ``stat`` gets its document
+    ``--daemon PATH``, else ``SHMLOADER_DAEMON``, else the system daemon's
+    default socket (``/run/shmloader/control.sock``) when it exists; if none
+    answers, a scan of /dev/shm. The writer of each ring rewrites the ring's
+    description once a second with per-rank rows, so a scan shows progress
+    and the leader's wait for data too; only the daemon knows followers'
+    own wait times (they report to it).
+
+What a job's bytes mean (NOTE [honest bytes])
+    ``bytes`` is what the job holds now. For a live job: the largest of its
+    named segments, the ring counters and, where readable, the writer's own
+    mappings of the ring (``/proc/<pid>/maps``: slots whose names were
+    already unlinked). For a dead job (writer gone) only the segments still
+    named can hold memory, so ``bytes`` is exactly what ``gc`` frees
+    (``reclaimable_bytes``); the ring counters of a dead writer describe
+    mappings that died with it.
+
+``stat --json`` document, schema 2 (fields are only ever added within a
+schema; schema 2 added ``job``, ``started_unix``, ``age_s``,
+``reclaimable_bytes``, ``ranks`` and made a dead job's ``bytes`` what ``gc``
+frees)::
 
     {
-      "schema": 1,
+      "schema": 2,
       "source": "daemon" | "scan",     # who built it
       "time_unix": float,
       "node": {"hostname": str, "shm_dir": "/dev/shm",
                "shm_size_bytes": int|null, "shm_free_bytes": int|null,
-               "shmloader_bytes": int},  # sum of "bytes" of all jobs
+               "shmloader_bytes": int},  # sum of "bytes" of all jobs (+ the warm pool)
       "daemon": null | {"pid": int, "version": str, "socket": str,
                "budget_bytes": int|null, "in_use_bytes": int, "uptime_s": float,
-               "reaped_segments": int, "reaped_bytes": int,
+               "reaped_segments": int, "reaped_bytes": int, "reaped_sockets": int,
                "pool_bytes": int, "pool_segments": int},
       "jobs": [                         # one per ring: an SP group on this node
         {"token": str,
+         "job": str|null,               # SHMLOADER_JOB, TORCHELASTIC_RUN_ID or SLURM_JOB_ID
+         "started_unix": float|null,    # when the ring was made
+         "age_s": float|null,
          "state": "live" | "dead" | "closed" | "unknown",
          "registered": bool,            # told to the daemon (false in a scan)
          "group": [int]|null, "leader": int|null, "writer": int|null,
@@ -41,13 +64,23 @@ What counts as ours (NOTE [reaping rule])
          "segments": [{"name": str, "kind": "control"|"data"|"probe",
                        "bytes": int, "owner_pid": int, "owner_alive": bool}],
          "segment_bytes": int,          # named in /dev/shm now
-         "bytes": int,                  # memory held: max(named, ring counters)
+         "bytes": int,                  # held now (NOTE [honest bytes])
+         "reclaimable_bytes": int,      # what `shmloader gc` would free now
          "slots": int|null, "ring_bytes": int|null,
          "published": int|null,         # batches written by the writer
          "bytes_published": int|null,
          "publish_ms_avg": float|null,
          "last_publish_unix": float|null,
          "readers": int|null,
+         "ranks": {"<rank>": {          # every rank of the ring on this node
+             "role": "leader"|"node leader"|"follower"|null,
+             "batches": int|null,       # published (writer) or received
+             "wait_ms_p50": float|null, # median wait for a batch, recent 256 batches
+             "wait_share": float|null,  # share of wall time since its first batch spent
+                                        # waiting for data: near 1 = data is the bottleneck
+             "lag": int|null,           # batches published but not yet taken
+             "bytes": int|null,         # payload bytes published or received
+             "updated_unix": float|null}},
          "followers": {"<rank>": {"consumed": int|null, "lag": int|null,
                                   "receive_ms": float|null, "updated_unix": float}}}
       ],
@@ -87,7 +120,7 @@ from .segment import (
     validate,
 )
 
-SCHEMA = 1
+SCHEMA = 2
 _COUNTERS = struct.Struct("<" + "Q" * len(COUNTER_FIELDS))
 _COUNTERS_AT = 64
 _DESCR_LEN = struct.Struct("<I")
@@ -108,6 +141,7 @@ class Entry:
     counters: dict[str, int] | None = None
     description: dict[str, Any] | None = None
     alive: bool = False
+    inode: int = 0
 
     @property
     def valid(self) -> bool:
@@ -159,6 +193,7 @@ def inspect(name: str) -> Entry | None:
         if not name.startswith(f"/{PREFIX}{header.token}-"):
             raise ProtocolError(f"{name} carries token {header.token!r}, not the one in its name")
         entry.size = st.st_size
+        entry.inode = st.st_ino
         if header.kind == KIND_CONTROL:
             entry.counters, entry.description = _read_control(fd, header)
         entry.header = header
@@ -178,16 +213,20 @@ def _read_control(fd: int, header: Header) -> tuple[dict[str, int] | None, dict 
     if len(raw) == _COUNTERS.size:
         counters = dict(zip(COUNTER_FIELDS, _COUNTERS.unpack(raw), strict=True))
     description = None
-    raw_len = os.pread(fd, _DESCR_LEN.size, HEADER_SIZE)
-    if len(raw_len) == _DESCR_LEN.size:
+    for _ in range(3):  # the writer rewrites it once a second: a torn read is retried
+        raw_len = os.pread(fd, _DESCR_LEN.size, HEADER_SIZE)
+        if len(raw_len) != _DESCR_LEN.size:
+            break
         (length,) = _DESCR_LEN.unpack(raw_len)
-        if 0 < length <= header.capacity - _DESCR_LEN.size:
-            try:
-                parsed = json.loads(os.pread(fd, length, HEADER_SIZE + _DESCR_LEN.size))
-            except ValueError:
-                parsed = None
-            if isinstance(parsed, dict):
-                description = parsed
+        if not 0 < length <= header.capacity - _DESCR_LEN.size:
+            break
+        try:
+            parsed = json.loads(os.pread(fd, length, HEADER_SIZE + _DESCR_LEN.size))
+        except ValueError:
+            continue
+        if isinstance(parsed, dict):
+            description = parsed
+        break
     return counters, description
 
 
@@ -246,8 +285,10 @@ def job_from_entries(token: str, entries: list[Entry]) -> dict[str, Any]:
         if e.header is not None
     ]
     named = sum(s["bytes"] for s in segments)
+    job_name = desc.get("job")
     job: dict[str, Any] = {
         **empty_job(token),
+        "job": job_name[:128] if isinstance(job_name, str) else None,
         "group": _int_list(desc.get("group")),
         "leader": _opt_int(desc.get("leader")),
         "writer": _opt_int(desc.get("writer")),
@@ -259,7 +300,12 @@ def job_from_entries(token: str, entries: list[Entry]) -> dict[str, Any]:
         "segments": segments,
         "segment_bytes": named,
         "bytes": named,
+        "reclaimable_bytes": sum(s["bytes"] for s in segments if not s["owner_alive"]),
+        "ranks": _rank_rows(desc.get("ranks")),
     }
+    if ctl is not None and ctl.header is not None:
+        job["started_unix"] = ctl.header.created_ns / 1e9
+        job["age_s"] = round(max(0.0, time.time() - job["started_unix"]), 3)
     apply_counters(job, counters, ctl.size if ctl else 0)
     if ctl is not None:
         job["state"] = "closed" if counters and counters["closed"] else "live"
@@ -267,7 +313,70 @@ def job_from_entries(token: str, entries: list[Entry]) -> dict[str, Any]:
             job["state"] = "dead"
     elif segments:
         job["state"] = "live" if any(s["owner_alive"] for s in segments) else "dead"
+    if ctl is not None and ctl.alive and ctl.header is not None:
+        job["bytes"] = max(job["bytes"], observed_bytes(token, entries, ctl.header.pid))
+    elif job["state"] == "dead":
+        job["bytes"] = named  # NOTE [honest bytes]: the counters died with the writer
     return job
+
+
+def _rank_rows(value: Any) -> dict[str, dict[str, Any]]:
+    """The ``ranks`` rows of a ring description, each field type-checked."""
+    out: dict[str, dict[str, Any]] = {}
+    if not isinstance(value, dict):
+        return out
+    for rank, row in list(value.items())[:4096]:
+        if not (isinstance(rank, str) and rank.isdigit() and isinstance(row, dict)):
+            continue
+        role = row.get("role")
+        out[rank] = {
+            "role": role if role in ("leader", "node leader", "follower") else None,
+            "batches": _opt_int(row.get("batches")),
+            "wait_ms_p50": _opt_float(row.get("wait_ms_p50")),
+            "wait_share": _opt_float(row.get("wait_share")),
+            "lag": _opt_int(row.get("lag")),
+            "bytes": _opt_int(row.get("bytes")),
+            "updated_unix": _opt_float(row.get("updated_unix")),
+        }
+    return out
+
+
+def _opt_float(value: Any) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def mapped_bytes(pid: int, token: str) -> dict[int, int]:
+    """Bytes of ring ``token``'s segments that ``pid`` maps, by inode (named or unlinked).
+
+    From ``/proc/<pid>/maps`` (readable for our own uid); empty when unreadable.
+    """
+    marker = f"{SHM_DIR}/{PREFIX}{token}-"
+    out: dict[int, int] = {}
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                if marker not in line:
+                    continue
+                fields = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                inode = int(fields[4])
+                out[inode] = max(out.get(inode, 0), hi - lo)
+    except (OSError, ValueError, IndexError):
+        return {}
+    return out
+
+
+def observed_bytes(token: str, entries: list[Entry], writer_pid: int) -> int:
+    """Memory ring ``token`` holds as seen from outside the job: its named segments
+    and the writer's mappings, each file once (NOTE [honest bytes]). What the
+    daemon admits by; nothing a client declares enters it."""
+    mine = [e for e in entries if e.header is not None and e.header.token == token]
+    sizes = {e.inode or -i: e.size for i, e in enumerate(mine, 1)}
+    for inode, size in mapped_bytes(writer_pid, token).items():
+        sizes[inode] = max(sizes.get(inode, 0), size)
+    return sum(sizes.values())
 
 
 def apply_counters(job: dict[str, Any], counters: dict[str, int] | None, ctl_bytes: int) -> None:
@@ -285,13 +394,16 @@ def apply_counters(job: dict[str, Any], counters: dict[str, int] | None, ctl_byt
     if counters["last_publish_unix_ns"]:
         job["last_publish_unix"] = counters["last_publish_unix_ns"] / 1e9
     held = counters["ring_bytes"] + counters["slots"] * HEADER_SIZE + ctl_bytes
-    job["bytes"] = max(job["segment_bytes"], held)
+    job["bytes"] = max(job["segment_bytes"], held)  # a dead writer's: see job_from_entries
 
 
 def empty_job(token: str) -> dict[str, Any]:
     """A job record of the ``stat`` schema with nothing known yet."""
     return {
         "token": token,
+        "job": None,
+        "started_unix": None,
+        "age_s": None,
         "state": "unknown",
         "registered": False,
         "group": None,
@@ -305,6 +417,7 @@ def empty_job(token: str) -> dict[str, Any]:
         "segments": [],
         "segment_bytes": 0,
         "bytes": 0,
+        "reclaimable_bytes": 0,
         "slots": None,
         "ring_bytes": None,
         "published": None,
@@ -312,6 +425,7 @@ def empty_job(token: str) -> dict[str, Any]:
         "publish_ms_avg": None,
         "last_publish_unix": None,
         "readers": None,
+        "ranks": {},
         "followers": {},
     }
 
@@ -351,39 +465,81 @@ def scan() -> dict[str, Any]:
 # -------------------------------------------------------------------------- gc
 
 
-def _runtime_base(runtime_dir: str | None) -> str:
-    base = (
-        runtime_dir
-        or os.environ.get("SHMLOADER_RUNTIME_DIR")
-        or os.environ.get("XDG_RUNTIME_DIR")
-        or "/tmp"
-    )
-    return os.path.join(base, f"shmloader-{os.geteuid()}")
+def runtime_dirs(runtime_dir: str | None = None) -> list[str]:
+    """Our uid's socket directories under every runtime base we know of.
+
+    Bases: ``runtime_dir``, ``$SHMLOADER_RUNTIME_DIR``, ``$XDG_RUNTIME_DIR``,
+    ``/run/user/<uid>`` and ``/tmp``; in each, ``shmloader-<uid>`` and
+    ``shmloader-<uid>-*`` (private ``mkdtemp`` directories). Only real
+    directories (no symlink) owned by us and closed to others count.
+    """
+    uid = os.geteuid()
+    bases = [
+        runtime_dir,
+        os.environ.get("SHMLOADER_RUNTIME_DIR"),
+        os.environ.get("XDG_RUNTIME_DIR"),
+        f"/run/user/{uid}",
+        "/tmp",
+    ]
+    out: list[str] = []
+    for base in dict.fromkeys(b for b in bases if b):
+        try:
+            names = os.listdir(base)
+        except OSError:
+            continue
+        for name in sorted(names):
+            if name != f"shmloader-{uid}" and not name.startswith(f"shmloader-{uid}-"):
+                continue
+            path = os.path.join(base, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            private = stat.S_IMODE(st.st_mode) & 0o077 == 0
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == uid and private:
+                out.append(path)
+    return out
+
+
+def _started_unix(pid: int) -> float | None:
+    """When ``pid`` started, in seconds since the epoch; None if it is gone."""
+    ticks = proc_start_time(pid)
+    if ticks is None:
+        return None
+    try:
+        with open("/proc/stat") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+    except (OSError, StopIteration, ValueError):
+        return 0.0
+    return btime + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def stale_sockets(runtime_dir: str | None = None) -> list[str]:
-    """Socket files ``<token>-<pid>.sock`` of ours whose pid is not running."""
-    path = _runtime_base(runtime_dir)
-    try:
-        st = os.lstat(path)
-        names = os.listdir(path)
-    except OSError:
-        return []
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        return []
+    """Socket files ``<token>-<pid>.sock`` of ours whose process is gone.
+
+    Gone: the pid is not running, or it started after the socket was made (a
+    recycled pid; one second of slack for the clocks' granularity).
+    """
     out = []
-    for name in sorted(names):
-        m = _SOCKET_NAME.match(name)
-        if m is None:
-            continue
-        full = os.path.join(path, name)
+    for path in runtime_dirs(runtime_dir):
         try:
-            fst = os.lstat(full)
+            names = os.listdir(path)
         except OSError:
             continue
-        ours = stat.S_ISSOCK(fst.st_mode) and fst.st_uid == os.geteuid()
-        if ours and proc_start_time(int(m["pid"])) is None:
-            out.append(full)
+        for name in sorted(names):
+            m = _SOCKET_NAME.match(name)
+            if m is None:
+                continue
+            full = os.path.join(path, name)
+            try:
+                fst = os.lstat(full)
+            except OSError:
+                continue
+            if not (stat.S_ISSOCK(fst.st_mode) and fst.st_uid == os.geteuid()):
+                continue
+            started = _started_unix(int(m["pid"]))
+            if started is None or started > fst.st_mtime + 1.0:
+                out.append(full)
     return out
 
 
@@ -425,10 +581,13 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "stat",
         help="show what shmloader holds in shared memory on this node",
-        description="Jobs, segments, bytes and progress of shmloader on this node. Asks "
-        "shmloaderd (--daemon or SHMLOADER_DAEMON) when reachable, else scans /dev/shm.",
+        description="Jobs, segments, bytes and progress of shmloader on this node: per rank "
+        "its role, batches, wait for data and lag. Asks shmloaderd (--daemon, "
+        "SHMLOADER_DAEMON or /run/shmloader/control.sock) when reachable, else scans /dev/shm.",
     )
-    p.add_argument("--json", action="store_true", help="print the schema-1 JSON document")
+    p.add_argument(
+        "--json", action="store_true", help=f"print the schema-{SCHEMA} JSON document (README)"
+    )
     p.add_argument(
         "--watch",
         nargs="?",
@@ -455,7 +614,11 @@ def register(subparsers: Any) -> None:
 
 def get_stats(daemon: str | None, timeout: float = 1.0) -> tuple[dict[str, Any], str]:
     """The stat document and a note saying where it came from."""
+    from .daemon_client import DEFAULT_SOCKET
+
     path = daemon or os.environ.get("SHMLOADER_DAEMON") or None
+    if path is None and os.path.exists(DEFAULT_SOCKET):
+        path = DEFAULT_SOCKET
     if path:
         from .daemon_client import DaemonClient
 
@@ -467,7 +630,9 @@ def get_stats(daemon: str | None, timeout: float = 1.0) -> tuple[dict[str, Any],
         if doc is not None:
             return doc, f"from shmloaderd at {path}"
         return scan(), f"shmloaderd at {path} did not answer; scanning /dev/shm headers instead"
-    return scan(), "no daemon (SHMLOADER_DAEMON unset); scanning /dev/shm headers"
+    return scan(), (
+        f"no daemon (SHMLOADER_DAEMON unset, no {DEFAULT_SOCKET}); scanning /dev/shm headers"
+    )
 
 
 def cmd_stat(args: argparse.Namespace) -> int:
@@ -545,6 +710,21 @@ def _dash(value: Any, fmt: str = "{}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+
+
+def _pct(share: float | None) -> str:
+    return "-" if share is None else f"{share * 100:.0f}%"
+
+
 def format_table(doc: dict[str, Any]) -> str:
     """The human view of a stat document."""
     node = doc["node"]
@@ -568,28 +748,59 @@ def format_table(doc: dict[str, Any]) -> str:
         lines.append("no shmloader jobs on this node")
     else:
         header = (
-            f"{'TOKEN':<16} {'STATE':<7} {'GROUP':<10} {'LEADER':>6} {'WRITER PID':>10} "
-            f"{'SEGS':>4} {'BYTES':>10} {'SLOTS':>5} {'BATCHES':>8} {'PUB MS':>7} {'READERS':>7}"
+            f"{'TOKEN':<16} {'JOB':<14} {'STATE':<7} {'AGE':>7} {'GROUP':<10} {'WRITER PID':>10} "
+            f"{'SEGS':>4} {'BYTES':>10} {'SLOTS':>5} {'BATCHES':>8} {'PUB MS':>7}"
         )
         lines.append(header)
         for j in jobs:
             pid = j.get("writer_pid")
             alive = j.get("writer_alive")
             pid_text = "-" if pid is None else f"{pid}{'' if alive else '†'}"
+            name = j.get("job") or "-"
+            name = name if len(name) <= 14 else name[:13] + "…"
             lines.append(
-                f"{j['token']:<16} {j['state']:<7} {_ranks(j['group']):<10} "
-                f"{_dash(j['leader']):>6} {pid_text:>10} {len(j['segments']):>4} "
+                f"{j['token']:<16} {name:<14} {j['state']:<7} {_age(j.get('age_s')):>7} "
+                f"{_ranks(j['group']):<10} {pid_text:>10} {len(j['segments']):>4} "
                 f"{human_bytes(j['bytes']):>10} {_dash(j['slots']):>5} "
-                f"{_dash(j['published']):>8} {_dash(j['publish_ms_avg'], '{:.2f}'):>7} "
-                f"{_dash(j['readers']):>7}"
+                f"{_dash(j['published']):>8} {_dash(j['publish_ms_avg'], '{:.2f}'):>7}"
             )
-            for rank, f in sorted(j.get("followers", {}).items(), key=lambda kv: int(kv[0])):
+            if j["state"] == "dead" and j.get("reclaimable_bytes"):
                 lines.append(
-                    f"    rank {rank}: consumed {_dash(f.get('consumed'))}, lag "
-                    f"{_dash(f.get('lag'))}, receive {_dash(f.get('receive_ms'), '{:.3f}')} ms"
+                    f"    dead: `shmloader gc` frees {human_bytes(j['reclaimable_bytes'])}"
+                )
+            rows = _merged_ranks(j)
+            if rows:
+                lines.append(
+                    f"    {'RANK':>6} {'ROLE':<11} {'BATCHES':>8} {'WAIT P50':>9} "
+                    f"{'WAITING':>8} {'LAG':>4} {'BYTES':>10}"
+                )
+            for rank, r in rows:
+                p50 = r.get("wait_ms_p50")
+                lines.append(
+                    f"    {rank:>6} {r.get('role') or '-':<11} {_dash(r.get('batches')):>8} "
+                    f"{'-' if p50 is None else f'{p50:.2f} ms':>9} "
+                    f"{_pct(r.get('wait_share')):>8} {_dash(r.get('lag')):>4} "
+                    f"{_dash(r.get('bytes') and human_bytes(r['bytes'])):>10}"
                 )
     for bad in doc.get("invalid", []):
         lines.append(f"ignored {bad['name']}: {bad['error']}")
     if any(j.get("writer_alive") is False for j in jobs):
         lines.append("† writer process is gone: `shmloader gc` (or shmloaderd) frees its segments")
+    if any(r.get("wait_share") is not None for j in jobs for _, r in _merged_ranks(j)):
+        lines.append(
+            "WAITING: share of wall time a rank spent waiting for its batch since its first "
+            "(high on the leader: the input pipeline is the bottleneck)"
+        )
     return "\n".join(lines)
+
+
+def _merged_ranks(job: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Per-rank rows: ``ranks``, completed from the older ``followers`` rows."""
+    rows = {r: dict(v) for r, v in (job.get("ranks") or {}).items()}
+    for rank, f in (job.get("followers") or {}).items():
+        row = rows.setdefault(rank, {"role": "follower"})
+        if row.get("batches") is None:
+            row["batches"] = f.get("consumed")
+        if row.get("lag") is None:
+            row["lag"] = f.get("lag")
+    return sorted(rows.items(), key=lambda kv: int(kv[0]))

@@ -35,6 +35,17 @@ the broadcast share::
 
     0        64                 4160          4224
     |leaf 0  |pad|leaf 1 ........|pad|leaf 2 ..|
+
+NOTE [platform-dependent numpy types]
+    ``np.longdouble`` / ``np.clongdouble`` (``float128``, ``complex256``) are
+    the x87 80-bit extended type in 12 or 16 bytes on x86, IEEE quad on
+    aarch64 and plain double elsewhere; the bytes past the 80 bits are
+    padding whose content is undefined. Arrays are copied bit for bit (a void
+    view, never numpy's value loops, which may skip the padding), so an array
+    arrives byte-identical. A *scalar* round-trips by value: numpy itself
+    builds a scalar from a value, so its padding bytes are whatever numpy
+    left there. Ranks must share the platform's long double format (the
+    dtype string, e.g. ``<f16``, is checked on decode).
 """
 
 from __future__ import annotations
@@ -69,6 +80,8 @@ _MAX_JSON_INT_BITS = 2000
 #: Leaves of these item sizes are copied as raw integers of the same size:
 #: some dtypes (uint1..7, int1..7) have no copy kernel at all, and bytes are
 #: bytes whatever the dtype.
+#: NOTE [platform-dependent numpy types]: copied as bits, not values.
+_PADDED = (np.longdouble, np.clongdouble)
 _RAW_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -313,7 +326,11 @@ def write_payload(encoded: Encoded, dest: np.ndarray) -> None:
                 out, src = out.view(raw), src.view(raw)
             out.copy_(src)
         elif leaf.kind in ("a", "s"):
-            np.copyto(window.view(src.dtype).reshape(src.shape), src, casting="no")
+            out = window.view(src.dtype).reshape(src.shape)
+            if src.dtype.type in _PADDED:  # NOTE [platform-dependent numpy types]
+                raw = np.dtype(f"V{src.dtype.itemsize}")
+                out, src = out.view(raw), src.view(raw)
+            np.copyto(out, src, casting="no")
         else:  # bytes, pickle
             window[:] = np.frombuffer(src, dtype=np.uint8)
 

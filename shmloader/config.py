@@ -84,6 +84,8 @@ class Config:
     the environment, so ``Config(allow_pickle=True)`` means sharing off
     (``enabled=False``) even under ``SHMLOADER=1``. To change one setting and
     keep the launcher's, use ``Config.from_env(allow_pickle=True)``.
+        job: the job's name in ``shmloader stat`` (``SHMLOADER_JOB``, else the
+            launcher's run id: ``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID``).
     """
 
     enabled: bool = False
@@ -98,6 +100,7 @@ class Config:
     device: str = DEFAULT_DEVICE
     prefetch: int = DEFAULT_PREFETCH
     small_copy_bytes: int = DEFAULT_SMALL_COPY_BYTES
+    job: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 2:
@@ -117,7 +120,7 @@ class Config:
         for name in ("enabled", "copy", "verify", "allow_pickle"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "True or False")
-        for name in ("runtime_dir", "node", "daemon"):
+        for name in ("runtime_dir", "node", "daemon", "job"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or "\0" in value):
                 raise ConfigError(name, value, "None or a string without NUL bytes")
@@ -145,6 +148,7 @@ class Config:
             "small_copy_bytes": _int(
                 env, "SHMLOADER_SMALL_COPY", DEFAULT_SMALL_COPY_BYTES, minimum=0
             ),
+            "job": _job(env),
         }
         known = {f.name for f in dataclasses.fields(cls)}
         for key in overrides:
@@ -223,3 +227,17 @@ def _device(env: Mapping[str, str], name: str) -> str:
     if not valid_device(value):
         raise ConfigError(name, raw, _DEVICE_ACCEPTED)
     return value
+#: Where a job's name comes from, first set wins: ours, then the launchers' run ids.
+JOB_VARIABLES = ("SHMLOADER_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
+
+
+def _job(env: Mapping[str, str]) -> str | None:
+    """The job name for ``shmloader stat``; a launcher's id is shown as it is (printable, 128)."""
+    for name in JOB_VARIABLES:
+        raw = env.get(name, "").strip()
+        if raw:
+            value = "".join(c if c.isprintable() else "?" for c in raw)[:128]
+            if name == "SHMLOADER_JOB" and value != raw:
+                raise ConfigError(name, raw, "up to 128 printable characters")
+            return value
+    return None

@@ -19,24 +19,41 @@ No pickle, ever; a request is at most ``MAX_REQUEST`` bytes.
 Client state machine (zero is invalid)::
 
               connect(): hello answered
-    NEW ----------------------------------> UP
-     |                                      |  a call timed out / socket error
-     | connect(): no answer                 v
-     +----------------------------------> DOWN  (every call is a no-op, logged once)
+    NEW ----------------------------------> UP <----------------------------+
+     |                                      |                               |
+     | connect(): no answer                 | a call timed out /            | hello answered:
+     v                                      v socket error                  | re-register the
+    DOWN <----------------------------------+                               | ring, then go on
+     |  every call is a no-op until the retry time (backoff 1 s .. 30 s);   |
+     |  then a cheap probe (connect(2) on the socket file: refused at once  |
+     +-- when nobody listens) and, if someone does, a hello ----------------+
 
-A daemon that is SIGKILLed mid-job therefore costs one bounded wait
-(``timeout``), never an exception. The only exception a call raises on
-purpose is :class:`~shmloader.errors.ShmCapacityError`, from ``admit`` when
-the daemon refuses an allocation over the node budget.
+NOTE [daemon restarts]
+    A daemon that restarts (or whose loop was blocked past ``timeout``) must
+    not leave its clients unchecked for the rest of the job. A DOWN client
+    retries on its next call after the backoff, and every reply carries the
+    daemon's ``daemon_id`` (random per daemon process): a new id, or a reply
+    saying the daemon does not know our ring, makes the client re-register
+    the ring (description and segments as last told) before it goes on. A
+    call made while the daemon is away returns quietly (``admit`` grants,
+    logged once per outage): the job never fails because the daemon did.
+
+A SIGKILLed daemon therefore costs one bounded wait (``timeout``), then one
+refused ``connect(2)`` per retry, never an exception. The only exception a
+call raises on purpose is :class:`~shmloader.errors.ShmCapacityError`, from
+``admit`` when the daemon refuses an allocation over the node budget.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
+import socket
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,6 +69,9 @@ PROTOCOL_VERSION = 1
 MAX_REQUEST = 1 << 20
 #: Default control socket of a system-wide daemon (systemd RuntimeDirectory).
 DEFAULT_SOCKET = "/run/shmloader/control.sock"
+#: Seconds a DOWN client waits before it tries the daemon again (then doubling).
+RETRY_FIRST_S = 1.0
+RETRY_MAX_S = 30.0
 
 _warned: set[str] = set()
 _warn_lock = threading.Lock()
@@ -79,9 +99,18 @@ class DaemonClient:
         self.timeout = float(timeout)
         self.state = self.NEW
         self.daemon_info: dict[str, Any] = {}
+        self.reconnects = 0  # times a DOWN client found the daemon again
         self._sock: zmq.Socket | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._ctx: zmq.Context | None = None
+        self._daemon_id: str | None = None
+        self._retry_at = 0.0
+        self._backoff = RETRY_FIRST_S
+        self._closed = False
+        # NOTE [daemon restarts]: what to tell a daemon that does not know us
+        self._registration: dict[str, Any] | None = None
+        self._segments: dict[str, int] = {}
+        self._granted_blind = False
 
     # ------------------------------------------------------------ transport
 
@@ -104,27 +133,20 @@ class DaemonClient:
             self._sock.close(linger=0)
             self._sock = None
 
-    def request(self, op: str, **fields: Any) -> dict[str, Any] | None:
-        """Send one request; the reply, or None when the daemon did not answer.
-
-        After a missed answer the socket is recreated (a REQ socket cannot
-        send again before it received) and the client goes DOWN.
-        """
-        if self.state == self.DOWN:
-            return None
-        if not os.path.exists(self.path):  # nobody ever bound it: no need to wait
+    def _call(self, op: str, fields: dict[str, Any]) -> dict[str, Any] | None:
+        """One request/reply; None (and DOWN) when the daemon did not answer."""
+        if not os.path.exists(self.path):  # nobody bound it: no need to wait
             self._go_down(f"{self.path} does not exist")
             return None
         body = json.dumps({"v": PROTOCOL_VERSION, "op": op, **fields}).encode()
-        with self._lock:
-            try:
-                sock = self._socket()
-                sock.send(body)
-                raw = sock.recv()
-            except zmq.ZMQError as exc:
-                self._drop_socket()
-                self._go_down(f"no answer within {self.timeout:g} s to {op!r} ({exc})")
-                return None
+        try:
+            sock = self._socket()
+            sock.send(body)
+            raw = sock.recv()
+        except zmq.ZMQError as exc:
+            self._drop_socket()
+            self._go_down(f"no answer within {self.timeout:g} s to {op!r} ({exc})")
+            return None
         try:
             reply = json.loads(raw)
         except ValueError:
@@ -132,76 +154,187 @@ class DaemonClient:
         if not isinstance(reply, dict):
             log.warning("shmloader: shmloaderd at %s sent a malformed reply to %r", self.path, op)
             return None
+        return reply
+
+    def request(self, op: str, **fields: Any) -> dict[str, Any] | None:
+        """Send one request; the reply, or None when the daemon did not answer.
+
+        A DOWN client tries the daemon again once its backoff elapsed; a
+        restarted daemon is told our ring again first (NOTE [daemon restarts]).
+        """
+        with self._lock:
+            if self.state == self.DOWN and not self._reconnect():
+                return None
+            reply = self._call(op, fields)
+            if reply is None:
+                return None
+            if op != "hello" and self._restarted(reply):
+                self._reregister(f"shmloaderd at {self.path} restarted")
+                reply = self._call(op, fields)
+                if reply is None:
+                    return None
+            elif self._unknown_ring(op, reply):
+                self._reregister(f"shmloaderd at {self.path} did not know ring {fields['token']}")
+                reply = self._call(op, fields)
+                if reply is None:
+                    return None
         if not reply.get("ok"):
-            log.warning(
-                "shmloader: shmloaderd at %s rejected %r: %s", self.path, op, reply.get("error")
+            _warn_once(
+                f"rejected:{self.path}:{op}",
+                "shmloader: shmloaderd at %s rejected %r: %s (not logged again for this op)",
+                self.path,
+                op,
+                reply.get("error"),
             )
         return reply
+
+    def _restarted(self, reply: dict[str, Any]) -> bool:
+        """Whether ``reply`` comes from another daemon process than our hello did."""
+        got = reply.get("daemon_id")
+        if not isinstance(got, str):
+            return False
+        if self._daemon_id is None:
+            self._daemon_id = got
+            return False
+        return got != self._daemon_id
+
+    def _unknown_ring(self, op: str, reply: dict[str, Any]) -> bool:
+        error = str(reply.get("error", ""))
+        return (
+            not reply.get("ok")
+            and op in ("report", "segment")
+            and "unknown token" in error
+            and self._registration is not None
+        )
+
+    def _reregister(self, why: str) -> None:
+        """Hello, then the ring as last told (NOTE [daemon restarts])."""
+        hello = self._call("hello", {"pid": os.getpid()})
+        if hello is None:
+            return
+        self.daemon_info = hello
+        self._daemon_id = (
+            hello.get("daemon_id") if isinstance(hello.get("daemon_id"), str) else None
+        )
+        if self._registration is not None:
+            fields = dict(self._registration)
+            if self._segments:
+                fields["segments"] = [{"name": n, "bytes": b} for n, b in self._segments.items()]
+            self._call("register", fields)
+            log.warning("shmloader: %s; registered ring %s again", why, fields.get("token"))
+
+    def _reconnect(self) -> bool:
+        """DOWN -> UP if the backoff elapsed and the daemon answers now."""
+        if self._closed or time.monotonic() < self._retry_at:
+            return False
+        if not _listening(self.path):
+            self._schedule_retry()
+            return False
+        self.state = self.NEW  # a failing call now goes DOWN without a second "lost"
+        self._reregister(f"shmloaderd at {self.path} answers again")
+        if self.state == self.DOWN:
+            return False
+        self.state = self.UP
+        self.reconnects += 1
+        self._backoff = RETRY_FIRST_S
+        self._granted_blind = False
+        return True
+
+    def _schedule_retry(self) -> None:
+        self._retry_at = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, RETRY_MAX_S)
 
     def _go_down(self, why: str) -> None:
         was_up = self.state == self.UP
         self.state = self.DOWN
+        self._schedule_retry()
         if was_up:
-            _warn_once(
-                f"down:{self.path}",
-                "shmloader: lost shmloaderd at %s (%s); continuing without it (no budget "
-                "checks, no reaping of this job's leftovers by the daemon)",
+            log.warning(
+                "shmloader: lost shmloaderd at %s (%s); going on without it and trying again "
+                "in %g s (no budget checks meanwhile)",
                 self.path,
                 why,
+                self._retry_at - time.monotonic(),
             )
 
     # ------------------------------------------------------------------ ops
 
     def connect(self) -> bool:
         """Say hello; False (logged once per process) when nobody answers."""
-        if self.state == self.UP:
-            return True
-        self.state = self.NEW
-        reply = self.request("hello", pid=os.getpid())
-        if reply is None or not reply.get("ok"):
-            self.state = self.DOWN
-            self._drop_socket()
-            _warn_once(
-                f"unreachable:{self.path}",
-                "shmloader: SHMLOADER_DAEMON=%s does not answer; running embedded (start it "
-                "with `systemctl start shmloaderd` or `shmloaderd --socket %s`)",
-                self.path,
-                self.path,
+        with self._lock:
+            if self.state == self.UP:
+                return True
+            self.state = self.NEW
+            reply = self._call("hello", {"pid": os.getpid()})
+            if reply is None or not reply.get("ok"):
+                self.state = self.DOWN
+                self._drop_socket()
+                _warn_once(
+                    f"unreachable:{self.path}",
+                    "shmloader: SHMLOADER_DAEMON=%s does not answer; running embedded (start "
+                    "it with `systemctl start shmloaderd` or `shmloaderd --socket %s`)",
+                    self.path,
+                    self.path,
+                )
+                return False
+            self.state = self.UP
+            self.daemon_info = reply
+            self._daemon_id = (
+                reply.get("daemon_id") if isinstance(reply.get("daemon_id"), str) else None
             )
-            return False
-        self.state = self.UP
-        self.daemon_info = reply
-        return True
+            return True
 
     def register(
         self, description: Mapping[str, Any], segments: Mapping[str, int] | None = None
     ) -> None:
         """Register a ring: ``description`` is the ring's control description
         (``token``, ``group``, ``leader``, ``writer``, ``node``, ``pids``
-        ``{rank: [pid, start]}``, ``world``); ``segments`` maps names to bytes."""
+        ``{rank: [pid, start]}``, ``world``, ``job``?, ``started_unix``?);
+        ``segments`` maps names to bytes. Remembered, so that a restarted
+        daemon is told again (NOTE [daemon restarts])."""
         fields = dict(description)
         fields["pids"] = {str(k): list(v) for k, v in fields.get("pids", {}).items()}
-        if segments:
-            fields["segments"] = [{"name": n, "bytes": int(b)} for n, b in segments.items()]
-        self.request("register", **fields)
+        fields.pop("ranks", None)  # progress goes through report
+        with self._lock:
+            self._registration = dict(fields)
+            if segments:
+                self._segments.update({n: int(b) for n, b in segments.items()})
+            if self._segments:
+                fields["segments"] = [{"name": n, "bytes": b} for n, b in self._segments.items()]
+            self.request("register", **fields)
 
     def add_segment(self, token: str, name: str, nbytes: int) -> None:
-        self.request("segment", token=token, action="add", name=name, bytes=int(nbytes))
+        with self._lock:
+            self._segments[name] = int(nbytes)
+            self.request("segment", token=token, action="add", name=name, bytes=int(nbytes))
 
     def remove_segment(self, token: str, name: str) -> None:
-        self.request("segment", token=token, action="remove", name=name)
+        with self._lock:
+            self._segments.pop(name, None)
+            self.request("segment", token=token, action="remove", name=name)
 
     def admit(self, token: str, nbytes: int) -> None:
         """Ask for ``nbytes`` of shared memory for ring ``token``.
 
         Raises :class:`ShmCapacityError` when the daemon refuses (node budget
         or ``/dev/shm`` exhausted); returns quietly when it grants it or does
-        not answer.
+        not answer (logged once per outage).
         """
         reply = self.request(
             "admit", token=token, bytes=int(nbytes), pid=os.getpid(), start=segment.MY_START
         )
-        if reply is None or not reply.get("ok") or reply.get("admitted", True):
+        if reply is None:
+            if not self._granted_blind:
+                self._granted_blind = True
+                log.warning(
+                    "shmloader: shmloaderd at %s is away: %d bytes for ring %s taken without "
+                    "its budget check (it is asked again once it answers)",
+                    self.path,
+                    int(nbytes),
+                    token,
+                )
+            return
+        if not reply.get("ok") or reply.get("admitted", True):
             return
         budget = reply.get("budget")
         in_use = reply.get("in_use")
@@ -248,14 +381,28 @@ class DaemonClient:
         consumed: int | None = None,
         receive_ms: float | None = None,
         lag: int | None = None,
+        role: str | None = None,
+        wait_ms_p50: float | None = None,
+        wait_share: float | None = None,
+        nbytes: int | None = None,
     ) -> None:
-        """Progress counters of one rank of ring ``token`` (all optional)."""
+        """Progress counters of one rank of ring ``token`` (all optional).
+
+        ``wait_ms_p50``: median milliseconds the rank waited for a batch
+        (recent batches); ``wait_share``: the fraction of its wall time since
+        its first batch spent waiting; ``nbytes``: bytes it received or
+        published.
+        """
         fields: dict[str, Any] = {"token": token, "rank": int(rank)}
         for key, value in (
             ("published", published),
             ("consumed", consumed),
             ("receive_ms", receive_ms),
             ("lag", lag),
+            ("role", role),
+            ("wait_ms_p50", wait_ms_p50),
+            ("wait_share", wait_share),
+            ("bytes", nbytes),
         ):
             if value is not None:
                 fields[key] = value
@@ -274,6 +421,7 @@ class DaemonClient:
 
     def close(self) -> None:
         with self._lock, contextlib.suppress(zmq.ZMQError):
+            self._closed = True
             self._drop_socket()
         self.state = self.DOWN
 
@@ -282,3 +430,14 @@ class DaemonClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _listening(path: str) -> bool:
+    """Whether a process listens on the unix socket ``path`` (refused at once if not)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(0.2)
+        try:
+            probe.connect(path)
+        except OSError as exc:
+            return exc.errno not in (errno.ECONNREFUSED, errno.ENOENT, errno.ENOTSOCK)
+    return True

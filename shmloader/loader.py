@@ -87,6 +87,7 @@ import functools
 import json
 import logging
 import os
+import statistics
 import threading
 import time
 import traceback
@@ -135,6 +136,10 @@ STATE_FORMAT = "shmloader.state/2"
 OLD_STATE_FORMATS = ("shmloader.state/1",)
 #: Seconds between two progress reports to the daemon.
 REPORT_EVERY_S = 1.0
+#: Batches whose wait for data the median in ``shmloader stat`` covers.
+WAIT_WINDOW = 256
+#: Most per-rank rows a writer puts in its ring's description (for ``stat``).
+DESCRIBED_RANKS = 64
 #: Longest a writer waits, on close or on an error, for readers it must reach.
 CLOSE_WAIT_S = 10.0
 
@@ -340,6 +345,8 @@ class ShmLoader:
         self._daemon: DaemonClient | None = None
         self._next_report = 0.0
         self._stats: collections.Counter = collections.Counter()
+        self._waits: collections.deque = collections.deque(maxlen=WAIT_WINDOW)  # ms per batch
+        self._wait_since: float | None = None  # perf_counter when this rank first waited
         self._warned_rng = False
         self._group_ranks = _group_ranks(group)
         sharing = (
@@ -487,6 +494,7 @@ class ShmLoader:
             "node": list(topo.node),
             "pids": {str(f.rank): [f.pid, f.start] for f in topo.facts if f.rank in topo.node},
             "world": dist.get_world_size(),
+            "job": self.config.job,
         }
 
     def _closers(self) -> list[Callable[[], None]]:
@@ -508,21 +516,60 @@ class ShmLoader:
         client.close()
         return None
 
+    def _note_wait(self, t0: float) -> None:
+        """Count the wait for data that started at ``perf_counter()`` ``t0``."""
+        ms = (time.perf_counter() - t0) * 1e3
+        if self._wait_since is None:
+            self._wait_since = t0
+        self._stats["wait_ms_total"] += ms
+        self._waits.append(ms)
+
+    def _wait_stats(self) -> tuple[float | None, float | None]:
+        """(median wait in ms over recent batches, share of wall time spent waiting)."""
+        if not self._waits or self._wait_since is None:
+            return None, None
+        wall_ms = (time.perf_counter() - self._wait_since) * 1e3
+        share = min(1.0, self._stats["wait_ms_total"] / wall_ms) if wall_ms > 0 else None
+        return round(statistics.median(self._waits), 4), share and round(share, 4)
+
     def _report(self) -> None:
-        """Tell the daemon (at most once a second) how far this rank's peers are."""
+        """At most once a second: this rank's progress for ``shmloader stat``.
+
+        The writer rewrites its ring's description with per-rank rows (found
+        by a scan of /dev/shm, no daemon needed); with a daemon every rank
+        also reports its own row (the daemon adds followers' wait times).
+        """
         client, topo = self._daemon, self._topo
         now = time.monotonic()
-        if client is None or topo is None or now < self._next_report:
+        if topo is None or now < self._next_report:
             return
         self._next_report = now + REPORT_EVERY_S
+        p50, share = self._wait_stats()
         if topo.is_writer:
-            client.report(topo.ring_token, topo.me, published=self._seq)
+            published = self._stats["bytes_published"] or self._stats["bytes_received"]
+            mine = {"role": self._role, "batches": self._seq, "wait_ms_p50": p50,
+                    "wait_share": share, "bytes": published}  # fmt: skip
+            if self._ring is not None:
+                ranks = {str(topo.me): mine}
+                for rank, acked in self._acked.items():
+                    row = {"role": topo.role(rank), "batches": acked, "lag": self._seq - acked}
+                    ranks[str(rank)] = row
+                if len(ranks) > DESCRIBED_RANKS:  # the control segment holds 16 KiB
+                    ranks = {str(topo.me): mine}
+                with contextlib.suppress(ValueError, TypeError):  # closed, or not JSON
+                    self._ring.describe({**self._description(), "ranks": ranks})
+            if client is None:
+                return
+            client.report(topo.ring_token, topo.me, published=self._seq, role=self._role,
+                          wait_ms_p50=p50, wait_share=share, nbytes=published)  # fmt: skip
             for rank, acked in self._acked.items():
                 client.report(topo.ring_token, rank, consumed=acked, lag=self._seq - acked)
-        else:
+        elif client is not None:
             received = self._stats["received"]
             mean = self._stats["receive_ms_total"] / received if received else None
-            client.report(topo.ring_token, topo.me, consumed=received, receive_ms=mean)
+            client.report(topo.ring_token, topo.me, consumed=received, receive_ms=mean,
+                          role=self._role, wait_ms_p50=p50, wait_share=share,
+                          nbytes=self._stats["bytes_received"])  # fmt: skip
 
     # ------------------------------------------------------------- public API
 
@@ -887,12 +934,14 @@ class ShmLoader:
                     self._pool.sync()
                 before = rng.snapshot()
                 box = []  # NOTE [no batch in the frame]
+                t_wait = time.perf_counter()
                 try:
                     box.append(next(source))
                 except StopIteration:
                     self._end(it, pending + self._count(before))
                     self._exhausted = True
                     return
+                self._note_wait(t_wait)
                 draws, pending = pending + self._count(before), 0
                 self._delivered += 1
                 yield self._publish(it, box.pop(), draws)
@@ -1241,7 +1290,9 @@ class ShmLoader:
         assert xnode is not None and ring is not None
         while True:
             self._check_open()
+            t_wait = time.perf_counter()
             head, self._xstash = self._xstash or xnode.receive_header(), None
+            self._note_wait(t_wait)
             kind, leader_it, nbytes, meta, draws, crc, epoch, pos = head
             theirs = (leader_it, epoch, pos)
             mine = (it, self._epoch, self._delivered)
@@ -1349,6 +1400,7 @@ class ShmLoader:
             allow_pickle=self.config.allow_pickle,
             own_below=self.config.small_copy_bytes,
         )
+        nbytes = payload.nbytes
         del payload  # NOTE [small leaves]: a batch of small leaves only is released here
         if self.config.copy:
             batch = _owned_copy(batch)
@@ -1357,6 +1409,7 @@ class ShmLoader:
         self._delivered += 1
         elapsed = (time.perf_counter_ns() - t0) / 1e6
         self._stats["received"] += 1
+        self._stats["bytes_received"] += nbytes
         self._stats["receive_ms_total"] += elapsed
         self._stats["receive_ms_last"] = elapsed
         self._report()
@@ -1398,7 +1451,7 @@ class ShmLoader:
                 doing=f"waiting for batch {self._delivered} of iteration {it}",
                 idle=self._out.flush,
             )
-        self._stats["wait_ms_total"] += (time.perf_counter() - t0) * 1e3
+        self._note_wait(t0)
         return found[0]
 
     def _sort(self, msg: wire.Message, it: int) -> bool:

@@ -65,9 +65,16 @@ def _children() -> set[int]:
         except OSError:
             continue
         fields = raw[raw.rindex(b")") + 2 :].split()
-        if int(fields[1]) == me and fields[0] != b"Z" and b"resource_tracker" not in cmd:
+        helper = b"resource_tracker" in cmd or b"multiprocessing.forkserver" in cmd
+        if int(fields[1]) == me and fields[0] != b"Z" and not helper:
             out.add(int(entry))
     return out
+
+
+def pytest_configure(config) -> None:
+    from tests.harness import fork_safe_workers
+
+    fork_safe_workers()  # this process starts DataLoader workers too (tests/test_forks.py)
 
 
 @pytest.fixture(autouse=True)

@@ -57,6 +57,7 @@ def _rank_main(
     shm_dir: str | None,
 ) -> None:
     os.environ.update(env)
+    fork_safe_workers()
     try:
         if shm_dir is not None:
             _enter_private_shm(shm_dir)
@@ -77,6 +78,21 @@ def _rank_main(
         with open(os.path.join(outdir, f"{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
         raise SystemExit(1) from None
+
+
+def fork_safe_workers() -> None:
+    """Make forkserver the default start method of this process.
+
+    DataLoader workers (and any ``multiprocessing`` child without an explicit
+    context) start by the default method, which is fork on Linux before
+    Python 3.14. A rank forks them after gloo and ZeroMQ started threads, and
+    the pytest process after earlier tests did: a fork from a multi-threaded
+    process can deadlock the child (Python 3.12 warns). forkserver forks from
+    a clean single-threaded server instead; preloading torch there keeps a
+    worker's start as fast as a fork's.
+    """
+    mp.set_start_method("forkserver", force=True)
+    mp.set_forkserver_preload(["torch", "tests.ranks"])
 
 
 class RankFailure(AssertionError):

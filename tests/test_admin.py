@@ -26,7 +26,7 @@ JOB_KEYS = {
     "token", "state", "registered", "group", "leader", "writer", "node_ranks", "world",
     "pids", "writer_pid", "writer_alive", "segments", "segment_bytes", "bytes", "slots",
     "ring_bytes", "published", "bytes_published", "publish_ms_avg", "last_publish_unix",
-    "readers", "followers",
+    "readers", "followers", "job", "started_unix", "age_s", "reclaimable_bytes", "ranks",
 }  # fmt: skip
 
 
@@ -94,7 +94,8 @@ def cleanup(*segments: Segment) -> Iterator[None]:
 def test_scan_documents_a_live_job() -> None:
     with live_ring() as ring:
         doc = admin.scan()
-        assert doc["schema"] == 1 and doc["source"] == "scan" and doc["daemon"] is None
+        assert doc["schema"] == admin.SCHEMA == 2
+        assert doc["source"] == "scan" and doc["daemon"] is None
         assert doc["node"]["shm_size_bytes"] > 0 and doc["node"]["shm_free_bytes"] > 0
         job = next(j for j in doc["jobs"] if j["token"] == ring.token)
         assert set(job) == JOB_KEYS
@@ -137,7 +138,7 @@ def test_stat_without_daemon_says_it_scans(capsys, monkeypatch) -> None:
         code, out, _ = run_cli(["stat", "--watch", "0.01", "--count", "3"], capsys)
         assert code == 0 and out.count("\x1b[H\x1b[2J") == 3 and out.count(ring.token) == 3
         code, out, _ = run_cli(["stat", "--json", "--watch", "0.01", "--count", "2"], capsys)
-        assert code == 0 and [json.loads(x)["schema"] for x in out.splitlines()] == [1, 1]
+        assert code == 0 and [json.loads(x)["schema"] for x in out.splitlines()] == [2, 2]
     code, _, err = run_cli(["stat", "--watch", "0"], capsys)
     assert code == 2 and "--watch 0" in err
 
@@ -233,17 +234,150 @@ def test_table_formatting_of_a_daemon_document() -> None:
     job = {k: None for k in JOB_KEYS}
     job.update(
         token="feedfacecafebeef",
+        job="train-llama-70b-sp8",
+        age_s=3725.0,
         state="dead",
         group=[0, 1, 2, 3],
         segments=[],
-        bytes=3 << 20,
+        bytes=144 << 10,
+        reclaimable_bytes=144 << 10,
         writer_pid=77,
         writer_alive=False,
+        ranks={
+            "0": {
+                "role": "leader",
+                "batches": 9,
+                "wait_ms_p50": 812.5,
+                "wait_share": 0.93,
+                "lag": None,
+                "bytes": 9 << 20,
+                "updated_unix": 1.0,
+            },
+        },
         followers={"2": {"consumed": 5, "lag": 1, "receive_ms": 0.125}},
     )
     doc["jobs"] = [job]
     text = admin.format_table(doc)
     assert "shmloaderd pid 42: budget 1.0 GiB, 3.0 MiB in use, reaped 2 segment(s)" in text
-    assert "feedfacecafebeef dead" in text and "77†" in text
-    assert "rank 2: consumed 5, lag 1, receive 0.125 ms" in text
-    assert "writer process is gone" in text
+    row = next(line for line in text.splitlines() if line.startswith("feedfacecafebeef"))
+    assert row.split()[1:4] == ["train-llama-7…", "dead", "1h02m"] and "77†" in row
+    assert "dead: `shmloader gc` frees 144.0 KiB" in text
+    leader = next(line.split() for line in text.splitlines() if line.strip().startswith("0 "))
+    assert leader == ["0", "leader", "9", "812.50", "ms", "93%", "-", "9.0", "MiB"]
+    follower = next(line.split() for line in text.splitlines() if line.strip().startswith("2 "))
+    assert follower[:3] == ["2", "follower", "5"] and follower[5] == "1"  # batches, lag
+    assert "writer process is gone" in text and "WAITING: share of wall time" in text
+
+
+@pytest.mark.timeout(20)
+def test_a_dead_jobs_bytes_are_what_gc_frees(capsys) -> None:
+    """The ring counters of a dead writer describe mappings that died with it."""
+    with live_ring() as ring:
+        slot = ring.slots[0]
+        slot.segment.unlink()  # the reader attached: the slot's name is gone
+        ctl = ring.control
+        h = ctl.header
+        dead = Header(h.kind, h.uid, h.token, dead_pid(), h.start, h.capacity, h.created_ns)
+        os.pwrite(ctl.fd, dead.pack(), 0)  # now the writer is dead
+        job = next(j for j in admin.scan()["jobs"] if j["token"] == ring.token)
+        assert job["state"] == "dead" and job["ring_bytes"] == slot.capacity
+        freed = [i for i in admin.collect_garbage(dry_run=True) if i["token"] == ring.token]
+        would_free = sum(i["bytes"] for i in freed)
+        assert would_free == HEADER_SIZE + ctl.capacity
+        assert job["bytes"] == job["reclaimable_bytes"] == would_free
+        assert job["age_s"] is not None and job["started_unix"] == h.created_ns / 1e9
+        os.pwrite(ctl.fd, h.pack(), 0)  # ours again, so that close() unlinks it
+
+
+@pytest.mark.timeout(20)
+def test_live_job_bytes_count_unlinked_slots_the_writer_maps() -> None:
+    with live_ring() as ring:
+        ring.slots[0].segment.unlink()  # name gone, memory still mapped by the writer
+        job = next(j for j in admin.scan()["jobs"] if j["token"] == ring.token)
+        assert job["segment_bytes"] == HEADER_SIZE + ring.control.capacity
+        observed = admin.observed_bytes(ring.token, admin.scan_entries(), os.getpid())
+        slot_file = HEADER_SIZE + ring.slots[0].capacity
+        assert observed == job["segment_bytes"] + slot_file, (observed, job)
+        assert job["bytes"] >= observed
+
+
+@pytest.mark.timeout(20)
+def test_scan_shows_the_job_name_and_rank_rows_the_writer_describes(capsys) -> None:
+    with live_ring() as ring:
+        desc = {"token": ring.token, "group": [0, 1], "leader": 0, "writer": 0, "node": [0, 1],
+                "pids": {}, "world": 2, "job": "train-7b",
+                "ranks": {"0": {"role": "leader", "batches": 12, "wait_ms_p50": 40.0,
+                                "wait_share": 0.8, "bytes": 1 << 20},
+                          "1": {"role": "follower", "batches": 11, "lag": 1},
+                          "x": {"role": "leader"}, "2": "junk"}}  # fmt: skip
+        ring.describe(desc)
+        job = next(j for j in admin.scan()["jobs"] if j["token"] == ring.token)
+        assert job["job"] == "train-7b" and set(job["ranks"]) == {"0", "1"}
+        assert job["ranks"]["0"]["wait_share"] == 0.8 and job["ranks"]["1"]["lag"] == 1
+        assert job["ranks"]["1"]["wait_ms_p50"] is None
+        code, out, _ = run_cli(["stat"], capsys)
+        assert code == 0 and "train-7b" in out and "80%" in out
+
+
+@pytest.mark.timeout(20)
+def test_gc_reaps_sockets_of_recycled_pids_in_every_runtime_dir(no_leaks) -> None:
+    uid = os.geteuid()
+    plain = os.path.join(no_leaks, f"shmloader-{uid}")
+    private = os.path.join(no_leaks, f"shmloader-{uid}-x1y2z3")  # a mkdtemp-style one
+    foreign = os.path.join(no_leaks, f"shmloader-{uid}-open")
+    for d in (plain, private, foreign):
+        os.makedirs(d, mode=0o700)
+    os.chmod(foreign, 0o755)  # open to others: not ours to clean
+    socks = {
+        "dead": os.path.join(private, f"abcd-{dead_pid()}.sock"),
+        "recycled": os.path.join(plain, f"beef-{os.getpid()}.sock"),
+        "live": os.path.join(plain, f"cafe-{os.getpid()}.sock"),
+        "foreign": os.path.join(foreign, f"dead-{dead_pid()}.sock"),
+    }
+    for path in socks.values():
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(path)
+    old = os.stat(socks["live"]).st_mtime - 10 * 86400  # made before this process started
+    os.utime(socks["recycled"], (old, old))
+    try:
+        removed = {i["name"] for i in admin.collect_garbage() if i["type"] == "socket"}
+        assert {socks["dead"], socks["recycled"]} <= removed
+        assert os.path.exists(socks["live"]) and os.path.exists(socks["foreign"])
+        assert not os.path.exists(socks["dead"]) and not os.path.exists(socks["recycled"])
+    finally:
+        for path in socks.values():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+@pytest.mark.timeout(20)
+def test_stat_finds_the_default_daemon_socket(capsys, monkeypatch, tmp_path) -> None:
+    from shmloader import daemon_client
+
+    monkeypatch.delenv("SHMLOADER_DAEMON", raising=False)
+    missing = str(tmp_path / "none.sock")
+    monkeypatch.setattr(daemon_client, "DEFAULT_SOCKET", missing)
+    code, out, _ = run_cli(["stat"], capsys)
+    assert code == 0 and f"no {missing}" in out.splitlines()[0]
+    with socket.socket(socket.AF_UNIX) as s:  # exists, but nobody answers
+        s.bind(missing)
+        code, out, _ = run_cli(["stat"], capsys)
+    assert code == 0 and f"shmloaderd at {missing} did not answer" in out
+    os.unlink(missing)
+
+
+def test_every_public_exception_is_importable_from_the_package() -> None:
+    import inspect as pyinspect
+
+    import shmloader
+    from shmloader import errors
+
+    public = {
+        name
+        for name, obj in vars(errors).items()
+        if pyinspect.isclass(obj) and issubclass(obj, errors.ShmLoaderError)
+    }
+    assert {"LoaderStateError", "ProtocolError", "ShmLoaderError"} <= public
+    for name in public:
+        assert getattr(shmloader, name) is getattr(errors, name), name
+        assert name in shmloader.__all__, name

@@ -7,11 +7,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from shmloader import Config, ShmLoader
+from shmloader import Config, ShmLoader, admin
 from tests import ranks
 from tests.harness import run_ranks
 from tests.test_daemon import daemons  # noqa: F401 - the fixture
@@ -46,19 +48,25 @@ def job(rank: int, world: int, *, kill_daemon: int | None) -> dict:
 
 def test_stat_json_during_a_live_job_comes_from_the_daemon(daemons):  # noqa: F811
     d = daemons.start()
-    out = run_ranks(
-        job, 3, kwargs={"kill_daemon": None}, env={"SHMLOADER": "1", "SHMLOADER_DAEMON": d.path}
-    )
+    env = {"SHMLOADER": "1", "SHMLOADER_DAEMON": d.path, "SHMLOADER_JOB": "ci-stat-7"}
+    out = run_ranks(job, 3, kwargs={"kill_daemon": None}, env=env)
     stat = out[0]["stat"]
-    assert stat["schema"] == 1 and stat["source"] == "daemon"
+    assert stat["schema"] == 2 and stat["source"] == "daemon"
     jobs = {j["token"]: j for j in stat["jobs"]}
     mine = jobs[out[0]["token"]]
     assert mine["registered"] and mine["writer_alive"] and mine["state"] == "live"
     assert mine["group"] == [0, 1, 2] and mine["readers"] == 2
     assert mine["published"] >= 3 and mine["ring_bytes"] > 0
+    assert mine["job"] == "ci-stat-7" and mine["age_s"] >= 0
     followers = mine["followers"]
     assert {"1", "2"} <= set(followers)
     assert all(isinstance(followers[r]["consumed"], int) for r in ("1", "2"))  # reported 1/s
+    ranks = mine["ranks"]
+    assert ranks["0"]["role"] == "leader" and ranks["0"]["batches"] >= 1
+    assert ranks["0"]["wait_ms_p50"] is not None and 0 <= ranks["0"]["wait_share"] <= 1
+    for r in ("1", "2"):  # only the daemon knows a follower's own wait
+        assert ranks[r]["role"] == "follower" and ranks[r]["wait_ms_p50"] is not None
+        assert 0 <= ranks[r]["wait_share"] <= 1 and ranks[r]["bytes"] > 0
     # after the job: unregistered, nothing left
     after = {j["token"] for j in d.stats()["jobs"]}
     assert out[0]["token"] not in after
@@ -78,3 +86,43 @@ def test_daemon_killed_mid_job_never_breaks_the_job(daemons):  # noqa: F811
     assert lengths == {8}, "every rank got every batch after the daemon died"
     for a, b in zip(out[0]["seen"], out[1]["seen"], strict=True):
         assert a["meta"] == b["meta"]
+
+
+class _SlowSource:
+    """Batches that take 0.25 s each to make: the job waits for data."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __iter__(self):
+        for i in range(8):
+            time.sleep(0.25)
+            yield {"x": torch.full((1024,), i)}
+
+
+def starved_job(rank: int, world: int) -> dict:
+    loader = ShmLoader(_SlowSource, dist.group.WORLD, config=Config.from_env(enabled=True))
+    for _ in loader:
+        time.sleep(0.01)  # a short training step
+    doc = admin.scan() if rank == 0 else None  # no daemon: what the writer described
+    dist.barrier()
+    token = loader.topology.ring_token
+    loader.close()
+    return {"doc": doc, "token": token}
+
+
+def test_stat_without_daemon_says_which_job_waits_for_data():
+    env = {"SHMLOADER": "1", "TORCHELASTIC_RUN_ID": "elastic-42"}
+    out = run_ranks(starved_job, 3, env=env)
+    doc, token = out[0]["doc"], out[0]["token"]
+    job = next(j for j in doc["jobs"] if j["token"] == token)
+    assert job["job"] == "elastic-42" and job["age_s"] >= 1.0
+    leader = job["ranks"]["0"]
+    assert leader["role"] == "leader" and leader["batches"] >= 4
+    assert leader["wait_ms_p50"] > 150, leader  # about 250 ms per batch
+    assert leader["wait_share"] > 0.6, leader  # data is the bottleneck, and stat says so
+    for r in ("1", "2"):
+        row = job["ranks"][r]
+        assert row["role"] == "follower" and row["batches"] >= 3 and row["lag"] is not None
+    text = admin.format_table(doc)
+    assert "elastic-42" in text and "leader" in text

@@ -578,7 +578,9 @@ def deliver_on_fake_device(
     loader = ShmLoader(
         ranks.make_loader_factory(0, n=12),
         group,
-        config=Config.from_env(enabled=share),
+        # every leaf a view of the slot (NOTE [small leaves]), so every copy can read a
+        # registered mapping
+        config=Config.from_env(enabled=share, small_copy_bytes=0),
         device=ops if fake else None,
         select=sp_shard if select else None,
     )

@@ -14,8 +14,11 @@ a scrape never touches /dev/shm or the daemon's loop::
     shmloaderd_job_publish_seconds_avg{token}   gauge
     shmloaderd_follower_lag_batches{token,rank} gauge
     shmloaderd_follower_receive_seconds{token,rank} gauge
+    shmloaderd_rank_wait_share{token,job,rank,role} gauge  share of wall time waiting for data
+    shmloaderd_rank_wait_seconds_p50{token,job,rank,role} gauge median wait for a batch
     shmloaderd_reaped_segments_total            counter
     shmloaderd_reaped_bytes_total               counter
+    shmloaderd_reaped_sockets_total             counter
     shmloaderd_admissions_total{result}         counter  granted | refused
     shmloaderd_requests_total{op}               counter  op "invalid" for rejected ones
 """
@@ -61,8 +64,19 @@ class _Collector:
         recv = GaugeMetricFamily(
             "shmloaderd_follower_receive_seconds", "receive time", labels=["token", "rank"]
         )
+        labels = ["token", "job", "rank", "role"]
+        share = GaugeMetricFamily(
+            "shmloaderd_rank_wait_share", "time waiting for data", labels=labels
+        )
+        wait = GaugeMetricFamily("shmloaderd_rank_wait_seconds_p50", "median wait", labels=labels)
         for job in doc["jobs"]:
             token = job["token"]
+            for rank, row in job.get("ranks", {}).items():
+                key = [token, job.get("job") or "", str(rank), row.get("role") or ""]
+                if row.get("wait_share") is not None:
+                    share.add_metric(key, row["wait_share"])
+                if row.get("wait_ms_p50") is not None:
+                    wait.add_metric(key, row["wait_ms_p50"] / 1e3)
             job_bytes.add_metric([token], job["bytes"])
             if job["published"] is not None:
                 published.add_metric([token], job["published"])
@@ -73,12 +87,15 @@ class _Collector:
                     lag.add_metric([token, str(rank)], f["lag"])
                 if f.get("receive_ms") is not None:
                     recv.add_metric([token, str(rank)], f["receive_ms"] / 1e3)
-        yield from (job_bytes, published, pub_s, lag, recv)
+        yield from (job_bytes, published, pub_s, lag, recv, share, wait)
         yield CounterMetricFamily(
             "shmloaderd_reaped_segments", "segments reaped", value=counters["reaped_segments"]
         )
         yield CounterMetricFamily(
             "shmloaderd_reaped_bytes", "bytes reaped", value=counters["reaped_bytes"]
+        )
+        yield CounterMetricFamily(
+            "shmloaderd_reaped_sockets", "stale sockets reaped", value=counters["reaped_sockets"]
         )
         adm = CounterMetricFamily("shmloaderd_admissions", "admit answers", labels=["result"])
         adm.add_metric(["granted"], counters["granted"])

@@ -30,9 +30,20 @@ Pool state per segment (zero is invalid)::
     INVALID --create+touch--> POOLED --adopt--> (the job's) ; POOLED --trim/stop--> unlinked
 
 The pool counts against the node budget; ``admit`` shrinks it to make room
-(NOTE [budget] in ``registry``). It refills one segment per reaper pass, only
-while the budget and /dev/shm leave room for it. SIGTERM unlinks the pool;
-after a SIGKILL its segments have a dead owner and are reaped like any other.
+(NOTE [budget] in ``registry``). Each reaper pass asks for one more segment,
+only while the budget and /dev/shm leave room for it. SIGTERM unlinks the
+pool; after a SIGKILL its segments have a dead owner and are reaped like any
+other.
+
+NOTE [pool off the loop]
+    Creating and touching a pooled segment takes as long as faulting in its
+    pages (hundreds of ms per GiB, seconds on a busy node), so it never runs
+    on the daemon's loop: a loop blocked past a client's timeout made every
+    client give up on the daemon. One filler thread does it; the loop only
+    asks (``request_refill``). The segment being filled counts in ``nbytes``
+    (it holds memory) but cannot be adopted or shrunk until it is ready.
+    ``items`` is guarded by ``lock``; the loop's ``adopt`` and ``shrink`` take
+    ready items only.
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ import errno
 import logging
 import os
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 
@@ -78,12 +90,50 @@ class Pool:
         self.segment_bytes = segment_bytes
         self.token = "pool" + secrets.token_hex(6)
         self.items: list[Pooled] = []
+        self.lock = threading.Lock()  # NOTE [pool off the loop]
+        self.filling = 0  # bytes of the segment the filler is making now
         self._next = 0
         self.adopted = 0
+        self._wanted: int | bool | None = False  # room of the latest request; False: none
+        self._wake = threading.Condition(self.lock)
+        self._stop = False
+        self._thread: threading.Thread | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.items)
+        with self.lock:
+            return sum(p.nbytes for p in self.items) + self.filling
+
+    # -- the filler thread (NOTE [pool off the loop]) --------------------
+
+    def start(self) -> None:
+        """Start the filler thread (nothing to do without a pool)."""
+        if self.target > 0 and self._thread is None:
+            self._thread = threading.Thread(target=self._fill, name="pool-filler", daemon=True)
+            self._thread.start()
+
+    def request_refill(self, room: int | None) -> None:
+        """From the loop: make one more segment if ``room`` (budget left) allows. Never blocks
+        on pool work; without a started filler (tests) it refills inline."""
+        if self._thread is None:
+            self.refill(room)
+            return
+        with self._wake:
+            self._wanted = room
+            self._wake.notify()
+
+    def _fill(self) -> None:
+        while True:
+            with self._wake:
+                while self._wanted is False and not self._stop:
+                    self._wake.wait()
+                if self._stop:
+                    return
+                room, self._wanted = self._wanted, False
+            try:
+                self.refill(room)  # type: ignore[arg-type]
+            except Exception:
+                log.exception("warm pool: refill failed; trying again at the next pass")
 
     def refill(self, room: int | None) -> bool:
         """Create one segment if the pool is short and ``room`` (budget left) allows."""
@@ -97,31 +147,46 @@ class Pool:
             return False
         name = f"/{PREFIX}{self.token}-{self._next}"
         self._next += 1
+        with self.lock:
+            self.filling = need
         try:
-            segment = Segment.create(name, KIND_DATA, self.token, self.segment_bytes)
-        except (ShmCapacityError, ProtocolError, OSError) as exc:
-            log.warning("warm pool: could not create %s: %s", name, exc)
-            return False
-        try:
-            mm = segment.map_shared()
             try:
-                touch(mm)
-            finally:
-                mm.close()
-        except BaseException:
-            segment.unlink()
-            segment.close()
-            raise
-        self.items.append(Pooled(segment))
+                segment = Segment.create(name, KIND_DATA, self.token, self.segment_bytes)
+            except (ShmCapacityError, ProtocolError, OSError) as exc:
+                log.warning("warm pool: could not create %s: %s", name, exc)
+                return False
+            try:
+                mm = segment.map_shared()
+                try:
+                    touch(mm)
+                finally:
+                    mm.close()
+            except BaseException:
+                segment.unlink()
+                segment.close()
+                raise
+            with self.lock:
+                if self._stop:  # closed while we touched it
+                    segment.unlink()
+                    segment.close()
+                    return False
+                self.items.append(Pooled(segment))
+        finally:
+            with self.lock:
+                self.filling = 0
         log.debug("warm pool: %s ready (%s)", name, human_bytes(need))
         return True
 
     def shrink(self, need: int) -> int:
-        """Unlink pooled segments until ``need`` bytes are freed; bytes freed."""
+        """Unlink ready pooled segments until ``need`` bytes are freed; bytes freed."""
         freed = 0
-        while self.items and freed < need:
-            item = self.items.pop()
-            freed += item.nbytes
+        with self.lock:
+            taken = []
+            while self.items and freed < need:
+                item = self.items.pop()
+                freed += item.nbytes
+                taken.append(item)
+        for item in taken:
             item.segment.unlink()
             item.segment.close()
         if freed:
@@ -132,15 +197,19 @@ class Pool:
         """Hand the smallest fitting pooled segment to ``(pid, start)`` as ``name``."""
         if not process_alive(pid, start):
             return {"ok": False, "error": f"adopt: pid {pid} (start {start}) is not running"}
-        fits = [p for p in self.items if p.segment.capacity >= nbytes]
+        with self.lock:
+            fits = [p for p in self.items if p.segment.capacity >= nbytes]
+            if fits:
+                item = min(fits, key=lambda p: p.segment.capacity)
+                self.items.remove(item)
+            held = len(self.items)
         if not fits:
             return {
                 "ok": True,
                 "adopted": False,
                 "reason": f"no pooled segment of >= {nbytes} bytes (pool holds "
-                f"{len(self.items)} of {self.segment_bytes} bytes; raise --pool-segment)",
+                f"{held} of {self.segment_bytes} bytes; raise --pool-segment)",
             }
-        item = min(fits, key=lambda p: p.segment.capacity)
         seg = item.segment
         old = seg.header
         new = Header(KIND_DATA, old.uid, token, pid, start, old.capacity, time.time_ns())
@@ -149,18 +218,25 @@ class Pool:
             os.link(shm_path(seg.name), shm_path(name))
         except OSError as exc:
             os.pwrite(seg.fd, old.pack(), 0)  # still ours
+            with self.lock:
+                self.items.append(item)
             why = "it exists" if exc.errno == errno.EEXIST else exc.strerror
             return {"ok": False, "error": f"adopt: cannot name the segment {name}: {why}"}
-        self.items.remove(item)
         seg.unlink()
         seg.close()
         self.adopted += 1
         log.info("warm pool: %s adopted as %s by pid %d", seg.name, name, pid)
         return {"ok": True, "adopted": True, "name": name, "capacity": old.capacity}
 
-    def close(self) -> None:
-        for item in self.items:
+    def close(self, wait: float = 5.0) -> None:
+        """Stop the filler (a segment it is touching is unlinked when done) and unlink all."""
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+            items, self.items = self.items, []
+        if self._thread is not None:
+            self._thread.join(wait)
+        for item in items:
             with contextlib.suppress(OSError):
                 item.segment.unlink()
                 item.segment.close()
-        self.items.clear()

@@ -7,8 +7,11 @@ and every reply is exactly one frame holding one UTF-8 JSON object, at most
 ``MAX_REQUEST`` bytes; never pickle::
 
     request  {"v": 1, "op": <op>, <fields>...}
-    reply    {"v": 1, "ok": true, <results>...}
-             {"v": 1, "ok": false, "error": "<what was wrong and how to fix it>"}
+    reply    {"v": 1, "ok": true, "daemon_id": str, <results>...}
+             {"v": 1, "ok": false, "daemon_id": str, "error": "<what was wrong and how to fix it>"}
+
+``daemon_id`` is random per daemon process: a client that sees it change
+registers its ring again (NOTE [daemon restarts] in ``shmloader.daemon_client``).
 
 Unknown fields are ignored (newer clients may send more); a missing or wrong
 field type, an unknown op or another ``v`` is answered with ``ok: false``.
@@ -18,12 +21,16 @@ field type, an unknown op or another ``v`` is answered with ``ok: false``.
                                                              protocol, socket, budget
     register    token, group [int], pids {rank: [pid,start]}, token, known
                 node? [int], leader? int, writer? int,
-                world? int, segments? [{name, bytes}]
+                world? int, segments? [{name, bytes}],
+                job? str (<= 128 chars)
     segment     token, action "add"|"remove", name, bytes?   token, segments
     admit       token, bytes, pid?, start?                   admitted, budget, in_use,
                                                              shm_free, reason (refused)
-    report      token, rank, published?, consumed?,          token
-                receive_ms? (float), lag?
+    report      token, rank (of the job's group),           token
+                published?, consumed?, receive_ms? (float),
+                lag?, role? ("leader"|"node leader"|
+                "follower"), wait_ms_p50? (float),
+                wait_share? (float 0..1), bytes?
     unregister  token                                        token, known
     stats       -                                            stats (``shmloader stat
                                                              --json`` document)
@@ -98,6 +105,25 @@ def _pids(value: Any, where: str) -> dict[int, tuple[int, int]]:
     return out
 
 
+def _text(value: Any, where: str) -> str:
+    if not isinstance(value, str) or len(value) > 128 or not value.isprintable():
+        raise ProtocolError(f"{where} must be a printable string of at most 128 characters")
+    return value
+
+
+def _role(value: Any, where: str) -> str:
+    if value not in ("leader", "node leader", "follower"):
+        raise ProtocolError(f'{where}={value!r:.20} must be "leader", "node leader" or "follower"')
+    return value
+
+
+def _share(value: Any, where: str) -> float:
+    share = _number(value, where)
+    if share > 1.0:
+        raise ProtocolError(f"{where}={value} must be a fraction between 0 and 1")
+    return share
+
+
 def segment_name(token: str, value: Any, where: str) -> str:
     """Check that ``value`` names a segment of ring ``token``."""
     prefix = f"/{PREFIX}{token}-"
@@ -135,6 +161,7 @@ OPS: dict[str, dict[str, tuple[Check, bool]]] = {
         "writer": (_int, False),
         "world": (_int, False),
         "segments": (_segments, False),
+        "job": (_text, False),
     },
     "segment": {
         "token": (_token, True),
@@ -155,6 +182,10 @@ OPS: dict[str, dict[str, tuple[Check, bool]]] = {
         "consumed": (_int, False),
         "receive_ms": (_number, False),
         "lag": (_int, False),
+        "role": (_role, False),
+        "wait_ms_p50": (_number, False),
+        "wait_share": (_share, False),
+        "bytes": (_int, False),
     },
     "unregister": {"token": (_token, True)},
     "stats": {},

@@ -16,17 +16,29 @@ Job life cycle (zero is invalid)::
                                                     v
                                                  DROPPED (segments of dead owners reaped)
 
-Memory a job holds (``usage``) is the largest of what it registered and what
-/dev/shm shows (the ring counters in its control segment count the slots
-whose names were already unlinked), plus *pending grants*: bytes ``admit``
-granted that have not shown up yet. A grant stops counting once the job's
-observed bytes grew by it, or after ``GRANT_TTL_S``.
+Memory a job holds (``usage``) is what the daemon *observes* (NOTE [honest
+bytes] in ``shmloader.admin``: its segments named in /dev/shm and the
+writer's mappings of its ring in ``/proc/<pid>/maps``, unlinked slots
+included), plus *pending grants*: bytes ``admit`` granted that have not shown
+up yet. A grant stops counting once the job's observed bytes grew by it, or
+after ``GRANT_TTL_S``. Nothing a client declares (``register``'s or
+``segment``'s ``bytes``, a ring's own counters) counts: a client that claims
+a 2**62-byte segment holds nothing more for it.
 
 NOTE [budget]
     ``admit`` refuses when the jobs' usage plus the warm pool plus the request
     would exceed the budget (the pool is shrunk first to make room), or when
     /dev/shm itself has not that much free. A refusal names the budget, the
-    bytes in use and the jobs (token, ranks, pids) that hold them.
+    bytes in use and the jobs (token, ranks, pids) that hold them. A request
+    is refused without being recorded, so asking for too much costs nothing
+    to the other jobs.
+
+NOTE [bounded state]
+    Whatever clients send, the daemon's memory stays bounded: at most
+    ``MAX_JOBS`` jobs; per job, ``report`` rows only for ranks of its
+    registered group (or, for a job not registered, of the group its control
+    segment describes), at most ``MAX_OWNERS`` owner pids, ``MAX_GRANTS``
+    pending grants and ``MAX_SEGMENTS`` declared segment names.
 """
 
 from __future__ import annotations
@@ -37,7 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shmloader.admin import Entry, inspect, job_from_entries
+from shmloader.admin import Entry, inspect, observed_bytes
 from shmloader.errors import human_bytes
 from shmloader.segment import PREFIX, list_segments, process_alive, shm_free_bytes
 
@@ -46,6 +58,16 @@ log = logging.getLogger("shmloaderd")
 GRANT_TTL_S = 30.0
 #: Jobs the registry tracks at most: a runaway client cannot grow it without bound.
 MAX_JOBS = 4096
+#: Per job (NOTE [bounded state]).
+MAX_OWNERS = 64
+MAX_GRANTS = 256
+MAX_SEGMENTS = 4096
+
+
+#: What a ``report`` may set for one rank.
+REPORT_FIELDS = (
+    "published", "consumed", "receive_ms", "lag", "role", "wait_ms_p50", "wait_share", "bytes",
+)  # fmt: skip
 
 
 class RegistryFull(Exception):
@@ -76,6 +98,7 @@ class Job:
     ctl_seen: bool = False
     reports: dict[int, dict[str, Any]] = field(default_factory=dict)
     since: float = field(default_factory=time.time)
+    name: str | None = None  # the job's name (SHMLOADER_JOB or the launcher's run id)
 
     def all_pids(self) -> set[tuple[int, int]]:
         return set(self.pids.values()) | self.owners
@@ -95,7 +118,12 @@ class Job:
         return max(0, sum(g.nbytes for g in self.grants) - grown)
 
     def usage(self, now: float) -> int:
-        return max(sum(self.segments.values()), self.observed) + self.pending(now)
+        """Observed bytes plus pending grants; declared bytes never count (NOTE [budget])."""
+        return self.observed + self.pending(now)
+
+    def ranks(self) -> set[int]:
+        """Ranks that may report: the registered (or described) group and node."""
+        return set(self.group or ()) | set(self.node or ()) | set(self.pids)
 
     def describe(self) -> str:
         ranks = ",".join(map(str, self.group or sorted(self.pids))) or "?"
@@ -137,10 +165,16 @@ class Registry:
         job.registered = True
         job.group = f["group"]
         job.pids = f["pids"]
+        job.owners.clear()
         for key in ("node", "leader", "writer", "world"):
             if key in f:
                 setattr(job, key, f[key])
-        job.segments.update(f.get("segments", {}))
+        if "job" in f:
+            job.name = f["job"]
+        for name, nbytes in f.get("segments", {}).items():
+            if name in job.segments or len(job.segments) < MAX_SEGMENTS:
+                job.segments[name] = nbytes
+        job.reports = {r: v for r, v in job.reports.items() if r in job.ranks()}
         log.info(
             "registered %s%s: %d segment(s), %s",
             job.describe(),
@@ -155,6 +189,9 @@ class Registry:
         if job is None:
             return {"ok": False, "error": f"unknown token {f['token']}: register the job first"}
         if f["action"] == "add":
+            if f["name"] not in job.segments and len(job.segments) >= MAX_SEGMENTS:
+                return {"ok": False, "error": f"job {job.token} already has {MAX_SEGMENTS} "
+                        "segments; remove retired ones"}  # fmt: skip
             job.segments[f["name"]] = f.get("bytes", 0)
         else:
             job.segments.pop(f["name"], None)
@@ -163,7 +200,7 @@ class Registry:
     def admit(self, f: dict[str, Any]) -> dict[str, Any]:
         token, nbytes = f["token"], f["bytes"]
         job = self.job(token)
-        if "pid" in f and not job.pids:
+        if "pid" in f and not job.pids and len(job.owners) < MAX_OWNERS:
             job.owners.add((f["pid"], f.get("start", 0)))
         self.observe_one(job)
         now = time.monotonic()
@@ -172,17 +209,24 @@ class Registry:
         free = shm_free_bytes()
         pending_total = sum(j.pending(now) for j in self.jobs.values())
         reason = ""
-        if budget is not None and in_use + nbytes > budget:
+        job.pending(now)  # drops expired grants
+        if len(job.grants) >= MAX_GRANTS:
+            reason = (
+                f"{job.describe()} has {MAX_GRANTS} admissions granted whose memory has not "
+                f"shown up in /dev/shm yet (they expire after {GRANT_TTL_S:g} s); create the "
+                "segments admitted before asking for more"
+            )
+        elif budget is not None and in_use + nbytes > budget:
             self.shrink_pool(in_use + nbytes - budget)
             in_use = self.in_use(now)
-        if budget is not None and in_use + nbytes > budget:
+        if not reason and budget is not None and in_use + nbytes > budget:
             reason = (
                 f"the node budget of shmloaderd is {human_bytes(budget)} ({budget} bytes) and "
                 f"{human_bytes(in_use)} is in use by {self.holders(now)}; {job.describe()} asked "
                 f"{human_bytes(nbytes)}. Raise the daemon's --budget, lower SHMLOADER_SLOTS or "
                 "run fewer jobs on this node at once"
             )
-        elif free is not None and free - pending_total < nbytes:
+        elif not reason and free is not None and free - pending_total < nbytes:
             reason = (
                 f"/dev/shm has {human_bytes(max(free - pending_total, 0))} free (after "
                 f"{human_bytes(pending_total)} granted but not yet allocated); {job.describe()} "
@@ -209,8 +253,15 @@ class Registry:
         job = self.jobs.get(f["token"])
         if job is None:
             return {"ok": False, "error": f"unknown token {f['token']}: register the job first"}
+        if f["rank"] not in job.ranks():  # NOTE [bounded state]
+            known = ",".join(map(str, sorted(job.ranks()))) or "none yet"
+            return {
+                "ok": False,
+                "error": f"rank {f['rank']} is not in the group of {job.describe()} "
+                f"(ranks {known}); register the job with its group first",
+            }
         entry = job.reports.setdefault(f["rank"], {})
-        for key in ("published", "consumed", "receive_ms", "lag"):
+        for key in REPORT_FIELDS:
             if key in f:
                 entry[key] = f[key]
         entry["updated_unix"] = time.time()
@@ -243,10 +294,17 @@ class Registry:
         self._observe(job, [e for e in entries if e.header is not None])
 
     def _observe(self, job: Job, entries: list[Entry]) -> None:
-        doc = job_from_entries(job.token, entries)
-        job.observed = doc["bytes"] if entries else 0
-        if any(s["kind"] == "control" for s in doc["segments"]):
+        """Observed bytes (NOTE [honest bytes] in ``shmloader.admin``): the named
+        segments, and the mappings of the writer (the live owner of the control
+        segment: one ``/proc/<pid>/maps`` read per job and pass, whatever a
+        client claims about pids)."""
+        ctl = next((e for e in entries if e.header and e.header.kind_name == "control"), None)
+        if ctl is not None and ctl.header is not None:
             job.ctl_seen = True
+        if ctl is not None and ctl.header is not None and ctl.alive:
+            job.observed = observed_bytes(job.token, entries, ctl.header.pid)
+        else:
+            job.observed = sum(e.size for e in entries if e.header is not None)
 
     def observe(self, entries: list[Entry]) -> list[str]:
         """Update every job from a scan; discover new live jobs; drop ended ones.
@@ -266,6 +324,10 @@ class Registry:
                 job = self.jobs[token] = Job(token)
                 _from_description(job, ctl)
                 log.info("discovered %s from its control segment %s", job.describe(), ctl.name)
+            elif not job.registered:
+                ctl = next((e for e in es if e.header and e.header.kind_name == "control"), None)
+                if ctl is not None and ctl.alive:
+                    _from_description(job, ctl)  # the described group bounds its reports
             self._observe(job, es)
         ended = []
         now = time.monotonic()
@@ -308,3 +370,6 @@ def _from_description(job: Job, ctl: Entry) -> None:
         value = desc.get(key)
         if isinstance(value, int) and not isinstance(value, bool):
             setattr(job, key, value)
+    name = desc.get("job")
+    if isinstance(name, str):
+        job.name = name[:128]

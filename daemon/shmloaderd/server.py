@@ -4,8 +4,9 @@ Main loop (every step bounded; ``stop`` ends it within ``SLICE_S``)::
 
     bind ─> READY=1 ─> ┌──────────────────────────────────────────────────┐
                        │ reap pass due?     scan /dev/shm, unlink segments │
-                       │                    of dead owners, update jobs,  │
-                       │                    refill the warm pool          │
+                       │                    of dead owners and sockets of │
+                       │                    dead writers, update jobs,    │
+                       │                    ask the pool filler for more  │
                        │ watchdog due?      WATCHDOG=1                     │
                        │ poll the socket    <= SLICE_S; answer every       │
                        │                    request waiting (protocol.py)  │
@@ -13,7 +14,11 @@ Main loop (every step bounded; ``stop`` ends it within ``SLICE_S``)::
                        STOPPING=1 ─> unlink the pool and the socket, exit
 
 The reaper follows NOTE [reaping rule] in ``shmloader.admin``: a segment goes
-only when its header validates and its owner (pid, start time) is dead. On
+only when its header validates and its owner (pid, start time) is dead; a
+socket ``<token>-<pid>.sock`` in one of our uid's runtime directories goes
+when its pid is gone (``admin.stale_sockets``, the rule ``shmloader gc``
+uses). Pool work runs on its own thread (NOTE [pool off the loop] in
+``pool``): nothing on the loop waits for page faults. On
 SIGTERM nothing of a live job is unlinked; on the next start the jobs are
 re-discovered from their control segments. Nothing a client sends can stop
 the loop: a malformed request gets ``{"ok": false, "error": ...}`` and a log
@@ -27,6 +32,7 @@ import contextlib
 import errno
 import logging
 import os
+import secrets
 import stat
 import threading
 import time
@@ -35,7 +41,13 @@ from typing import Any
 
 import zmq
 
-from shmloader.admin import build_document, empty_job, remove_if_dead, scan_entries
+from shmloader.admin import (
+    build_document,
+    empty_job,
+    remove_if_dead,
+    scan_entries,
+    stale_sockets,
+)
 from shmloader.daemon_client import MAX_REQUEST, DaemonClient
 from shmloader.errors import ProtocolError, human_bytes
 from shmloader.segment import HEADER_SIZE
@@ -52,6 +64,9 @@ SLICE_S = 0.1
 MAX_WIRE = 4 * MAX_REQUEST
 #: Longest ipc:// path (sockaddr_un.sun_path less its NUL).
 MAX_SOCKET_PATH = 107
+
+
+_RANK_KEYS = ("role", "batches", "wait_ms_p50", "wait_share", "lag", "bytes", "updated_unix")
 
 
 class StartError(Exception):
@@ -98,8 +113,10 @@ class Daemon:
         self.sock: zmq.Socket | None = None
         self.ctx: zmq.Context | None = None
         self.started = time.time()
+        self.daemon_id = secrets.token_hex(8)  # NOTE [daemon restarts] in daemon_client
         self.reaped_segments = 0
         self.reaped_bytes = 0
+        self.reaped_sockets = 0
         self.requests: dict[str, int] = {}
         self._count_lock = threading.Lock()  # requests is read by the metrics thread
         self._bad = _RateLimited()
@@ -162,6 +179,7 @@ class Daemon:
         os.chmod(self.path, 0o600)
         self.sock = sock
         self._bound = True
+        self.pool.start()
         log.info(
             "shmloaderd %s (pid %d) serving %s; budget %s; reaping every %g s%s",
             __version__,
@@ -216,7 +234,7 @@ class Daemon:
     def _reject(self, why: str) -> bytes:
         self._count("invalid")
         self._bad.warn("rejected a malformed request: %s", why)
-        return protocol.error(why)
+        return protocol.encode({"ok": False, "error": why, "daemon_id": self.daemon_id})
 
     def handle(self, raw: bytes) -> bytes:
         """One request frame in, one reply frame out. Never raises."""
@@ -233,7 +251,7 @@ class Daemon:
             log.exception("internal error serving %r", op)
             reply = {"ok": False, "error": f"internal error serving {op!r}: {exc}"}
         log.debug("%s %s -> %s", op, fields.get("token", ""), reply.get("ok"))
-        return protocol.encode(reply)
+        return protocol.encode({**reply, "daemon_id": self.daemon_id})
 
     def dispatch(self, op: str, f: dict[str, Any]) -> dict[str, Any]:
         r = self.registry
@@ -295,12 +313,26 @@ class Daemon:
                 kept.append(e)
             for why in self.registry.observe(kept):
                 log.info("forgot %s", why)
+            self._reap_sockets()
             budget = self.budget()
             room = None if budget is None else budget - self.registry.in_use()
-            self.pool.refill(room)
+            self.pool.request_refill(room)  # NOTE [pool off the loop]
             self._snapshot = {"stats": self._document(kept)}
         except Exception:
             log.exception("reap pass failed; retrying at the next one")
+
+    def _reap_sockets(self) -> None:
+        """Unlink sockets of dead writers in our uid's runtime directories."""
+        for path in stale_sockets():
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                log.warning("could not remove the stale socket %s: %s", path, exc)
+                continue
+            self.reaped_sockets += 1
+            log.info("reaped the stale socket %s: its process is gone", path)
 
     # ----------------------------------------------------------------- stats
 
@@ -321,6 +353,11 @@ class Daemon:
                 alive = job.alive()
                 j["state"] = "live" if alive else "unknown" if alive is None else "dead"
             j["registered"] = job.registered
+            if job.name is not None:
+                j["job"] = job.name
+            if j["started_unix"] is None:
+                j["started_unix"] = job.since
+                j["age_s"] = round(max(0.0, time.time() - job.since), 3)
             for key, attr in (
                 ("group", "group"),
                 ("node_ranks", "node"),
@@ -332,7 +369,21 @@ class Daemon:
                     j[key] = getattr(job, attr)
             if job.pids:
                 j["pids"] = {str(r): list(p) for r, p in sorted(job.pids.items())}
-            j["bytes"] = max(j["bytes"], job.usage(now))
+            if j["state"] != "dead":  # NOTE [honest bytes]: a dead job holds what gc frees
+                j["bytes"] = max(j["bytes"], job.usage(now))
+            ranks = j["ranks"]
+            for rank, rep in sorted(job.reports.items()):
+                row = ranks.setdefault(str(rank), dict.fromkeys(_RANK_KEYS))
+                writes = rep.get("role") in ("leader", "node leader") or "consumed" not in rep
+                row["batches"] = rep.get("published") if writes else rep["consumed"]
+                for key in ("role", "wait_ms_p50", "wait_share", "lag", "bytes"):
+                    if rep.get(key) is not None:
+                        row[key] = rep[key]
+                row["updated_unix"] = rep["updated_unix"]
+                if row["lag"] is None and rep.get("consumed") is not None:
+                    published = rep.get("published", j.get("published"))
+                    if published is not None:
+                        row["lag"] = max(published - rep["consumed"], 0)
             followers = {}
             for rank, rep in sorted(job.reports.items()):
                 f = {
@@ -358,6 +409,7 @@ class Daemon:
             "uptime_s": round(time.time() - self.started, 3),
             "reaped_segments": self.reaped_segments,
             "reaped_bytes": self.reaped_bytes,
+            "reaped_sockets": self.reaped_sockets,
             "pool_bytes": self.pool.nbytes,
             "pool_segments": len(self.pool.items),
         }
@@ -367,6 +419,7 @@ class Daemon:
         return {
             "reaped_segments": self.reaped_segments,
             "reaped_bytes": self.reaped_bytes,
+            "reaped_sockets": self.reaped_sockets,
             "granted": self.registry.granted,
             "refused": self.registry.refused,
             "requests": self._requests_copy(),

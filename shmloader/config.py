@@ -227,6 +227,8 @@ def _device(env: Mapping[str, str], name: str) -> str:
     if not valid_device(value):
         raise ConfigError(name, raw, _DEVICE_ACCEPTED)
     return value
+
+
 #: Where a job's name comes from, first set wins: ours, then the launchers' run ids.
 JOB_VARIABLES = ("SHMLOADER_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
 

@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 
 from . import codec, rng, wire
-from .channel import Hub, Peer, Spoke, socket_path
+from .channel import Hub, Peer, Spoke
 from .config import Config
 from .daemon_client import DaemonClient
 from .errors import (
@@ -220,14 +220,21 @@ class ShmLoader:
         except BaseException:
             _close_quietly(self._closers())
             raise
-        self._finalizer = weakref.finalize(self, _close_quietly, self._closers())
+        # Runs only in this process, never in a forked child at its exit
+        # (NOTE [creator-only cleanup] in segment).
+        self._finalizer = weakref.finalize(self, _close_in, os.getpid(), self._closers())
 
     # ------------------------------------------------------------------ set-up
 
     def _setup(self, make_loader: Callable[[], Iterable[Any]], group: dist.ProcessGroup) -> None:
         pg = self._exchange_group(group)
         try:
-            topo = discover(pg, new_token(), node_override=self.config.node)
+            topo = discover(
+                pg,
+                new_token(),
+                node_override=self.config.node,
+                runtime_parent=self.config.runtime_dir,
+            )
             self._topo = topo
             self._role = topo.role()
             error = self._agree_on_loader(make_loader, pg)
@@ -249,17 +256,14 @@ class ShmLoader:
             )
             if self._daemon is not None:
                 self._daemon.register(description)
-            self._hub = Hub(socket_path(self.config.runtime_dir, topo.ring_token, os.getpid()))
+            self._hub = Hub(topo.socket_path)
             self._hello: set[int] = set()
             self._acked = dict.fromkeys(topo.readers, 0)
             self._gone: set[int] = set()
             self._self_releases: collections.deque = collections.deque()
         else:
-            writer = topo.fact(topo.writer)
             self._reader = RingReader(topo.ring_token)
-            self._spoke = Spoke(
-                socket_path(self.config.runtime_dir, topo.ring_token, writer.pid), topo.me
-            )
+            self._spoke = Spoke(topo.socket_path, topo.me)
             self._out = _Releaser(self._spoke, topo.me)
             self._stale: list[wire.Message] = []
             self._stash: wire.Message | None = None
@@ -333,6 +337,8 @@ class ShmLoader:
             if self._topo.is_writer:
                 closers.append(functools.partial(self._daemon.unregister, self._topo.ring_token))
             closers.append(self._daemon.close)
+        if self._topo is not None:
+            closers.append(self._topo.close)
         return closers
 
     def _connect_daemon(self) -> DaemonClient | None:
@@ -817,8 +823,7 @@ class ShmLoader:
 
     def _peer(self, rank: int) -> Peer:
         assert self._topo is not None
-        f = self._topo.fact(rank)
-        return Peer(rank, self._topo.role(rank), f.pid, f.start)
+        return self._topo.peer(rank)
 
     # -- node leader ---------------------------------------------------------
 
@@ -1147,6 +1152,11 @@ def _leader_error(body: dict, leader: int | None) -> ShmLoaderError:
     if f["type"] == "PeerLostError":
         return PeerLostError(None, "peer", f"the leader (rank {leader}) reported: {f['message']}")
     return LeaderError(f["type"], f["message"], f["traceback"], leader_rank=leader)
+
+
+def _close_in(creator: int, closers: list[Callable[[], None]]) -> None:
+    if os.getpid() == creator:
+        _close_quietly(closers)
 
 
 def _close_quietly(closers: list[Callable[[], None]]) -> None:

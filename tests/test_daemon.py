@@ -28,7 +28,7 @@ import zmq
 from shmloader import admin
 from shmloader.daemon_client import MAX_REQUEST, DaemonClient
 from shmloader.errors import ProtocolError, ShmCapacityError
-from shmloader.ring import RingWriter, control_name, new_token
+from shmloader.ring import RingWriter, control_stem, new_token
 from shmloader.segment import HEADER_SIZE, KIND_DATA, MY_START, Header, Segment, shm_path
 from tests.test_admin import run_cli
 
@@ -395,7 +395,9 @@ def test_sigkilled_writer_is_reaped_within_2s(daemons: Daemons) -> None:
     with forked(_doomed_writer, token, child_end) as child:
         assert parent_end.poll(20), "the child never created its ring"
         data_name = parent_end.recv()
-        ctl = control_name(token)
+        (ctl,) = [
+            "/" + n for n in os.listdir("/dev/shm") if n.startswith(control_stem(token)[1:] + ".")
+        ]
         assert exists(ctl) and exists(data_name)
         wait_until(lambda: token in {j["token"] for j in d.stats()["jobs"]}, 5, "job discovered")
         os.kill(child.pid, signal.SIGKILL)

@@ -64,14 +64,26 @@ def bench(rank: int, world: int, *, size_mib: int, steps: int) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
     from tests.harness import run_ranks
 
+    p = argparse.ArgumentParser(prog="python -m benchmarks.crossnode", description=__doc__)
+    p.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 256], help="batch MiB")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--node-shm", default="2g", help="tmpfs size of the simulated node")
+    args = p.parse_args(argv)
     print("| batch MiB | shmloader step ms | plain broadcast to 3 ranks ms | MiB between nodes |")
     print("| --- | --- | --- | --- |")
-    for size in (16, 64, 256):
+    for size in args.sizes:
         out = run_ranks(
-            bench, 4, kwargs={"size_mib": size, "steps": 6}, nodes=[0, 0, 1, 1], timeout=300
+            bench,
+            4,
+            kwargs={"size_mib": size, "steps": args.steps},
+            nodes=[0, 0, 1, 1],
+            timeout=300,
+            node_shm_size=args.node_shm,
         )
         s = out[0]["stats"]
         sent = s["cross_node_bytes_sent"] / s["published"] / MIB

@@ -415,12 +415,12 @@ def collect_garbage(
         freed = remove_if_dead(entry.name, dry_run=dry_run)
         if freed is not None:
             out.append(freed.as_dict())
-    if tokens is not None:
-        return out  # sockets and directories carry no token
     for path in stale_sockets(runtime_dir):
         m = _SOCKET_NAME.match(os.path.basename(path))
         assert m is not None
-        if owners is not None and int(m["pid"]) not in owners:
+        if (tokens is not None and m["token"] not in tokens) or (
+            owners is not None and int(m["pid"]) not in owners
+        ):
             continue
         item = Freed("socket", path, token=m["token"], owner_pid=int(m["pid"]))
         if not dry_run:
@@ -431,8 +431,8 @@ def collect_garbage(
                 pass
         out.append(item.as_dict())
     for path, pid, alive in runtime_dirs(runtime_dir):
-        if alive or (owners is not None and pid not in owners):
-            continue
+        if alive or tokens is not None or (owners is not None and pid not in owners):
+            continue  # a runtime directory carries no token
         item = Freed("rundir", path, owner_pid=pid)
         if not dry_run:
             item.removed = remove_runtime_dir(path)
@@ -481,7 +481,7 @@ def register(subparsers: Any) -> None:
         action="append",
         default=None,
         metavar="TOKEN",
-        help="only segments of this job token (repeatable)",
+        help="only segments and sockets of this job token (repeatable)",
     )
     g.add_argument(
         "--owner-pid",

@@ -535,8 +535,17 @@ def other_pidns(rank: int, world: int, *, die: bool) -> dict:
         it = iter(loader)
         next(it)
         os._exit(0)  # dies without a word: only the life lock tells rank 0
+
+    def slowly() -> list:  # rank 0 waits for rank 1 across several liveness checks
+        got = []
+        for b in loader:
+            got.append(listed(b))
+            if rank == 1:
+                time.sleep(0.6)
+        return got
+
     t0 = time.monotonic()
-    out = outcome(lambda: [listed(b) for b in loader])
+    out = outcome(slowly)
     out["seconds"] = time.monotonic() - t0
     loader.close()
     return out
@@ -544,7 +553,12 @@ def other_pidns(rank: int, world: int, *, die: bool) -> dict:
 
 @pytest.mark.timeout(120)
 def test_ranks_in_different_pid_namespaces_share_a_ring() -> None:
-    results = run_ranks(other_pidns, 2, kwargs={"die": False}, env={"FAKE_PID": str(dead_pid())})
+    results = run_ranks(
+        other_pidns,
+        2,
+        kwargs={"die": False},
+        env={"FAKE_PID": str(dead_pid()), "SHMLOADER_SLOTS": "2"},
+    )
     assert [r["ok"] for r in results] == [True, True], results
     assert results[0]["value"] == results[1]["value"]
 
@@ -643,3 +657,24 @@ def test_a_cross_node_header_with_a_huge_meta_len_is_refused_before_allocating()
     ):
         with pytest.raises(ProtocolError, match="out of bounds"):
             Fake(head).receive_header()
+
+
+def nothing(rank: int, world: int) -> int:
+    return rank
+
+
+@pytest.mark.timeout(120)
+def test_the_suites_gc_leaves_other_runs_leftovers_alone() -> None:
+    """``run_ranks(gc_after=True)`` collects what its ranks left, not what a
+    dead process of another run (or job) left in the host's ``/dev/shm``."""
+    import dataclasses
+
+    token = new_token()
+    other = Segment.create_unique(f"/shml-{token}-ctl", KIND_DATA, token, PAGE)
+    os.pwrite(other.fd, dataclasses.replace(other.header, pid=dead_pid()).pack(), 0)
+    try:
+        assert run_ranks(nothing, 2, gc_after=True) == [0, 1]
+        assert os.path.exists(segment.shm_path(other.name)), "the suite's gc removed it"
+    finally:
+        other.unlink()
+        other.close()

@@ -663,18 +663,41 @@ def nothing(rank: int, world: int) -> int:
     return rank
 
 
-@pytest.mark.timeout(120)
-def test_the_suites_gc_leaves_other_runs_leftovers_alone() -> None:
-    """``run_ranks(gc_after=True)`` collects what its ranks left, not what a
-    dead process of another run (or job) left in the host's ``/dev/shm``."""
-    import dataclasses
+_SUITE_GC = """
+    import dataclasses, os, subprocess
+    from shmloader import segment
+    from shmloader.ring import new_token
+    from shmloader.segment import KIND_DATA, PAGE, Segment
+    from tests.harness import run_ranks
+    from tests.faults.test_neighbours import nothing
 
     token = new_token()
     other = Segment.create_unique(f"/shml-{token}-ctl", KIND_DATA, token, PAGE)
-    os.pwrite(other.fd, dataclasses.replace(other.header, pid=dead_pid()).pack(), 0)
-    try:
-        assert run_ranks(nothing, 2, gc_after=True) == [0, 1]
-        assert os.path.exists(segment.shm_path(other.name)), "the suite's gc removed it"
-    finally:
-        other.unlink()
-        other.close()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    os.pwrite(other.fd, dataclasses.replace(other.header, pid=gone.pid).pack(), 0)
+    assert run_ranks(nothing, 2, gc_after=True) == [0, 1]
+    print(int(os.path.exists(segment.shm_path(other.name))), flush=True)
+    other.unlink()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(os.geteuid() != 0, reason="a private /dev/shm needs root")
+def test_the_suites_gc_leaves_other_runs_leftovers_alone() -> None:
+    """``run_ranks(gc_after=True)`` collects what its ranks left, not what a
+    dead process of another run (or job) left in ``/dev/shm``. Run in a
+    private ``/dev/shm``, where no other run's gc can interfere."""
+    code = textwrap.dedent(_SUITE_GC)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "daemon")]))
+    shell = 'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$0" -c "$1"'
+    proc = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", shell, sys.executable, code],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "1", "the suite's gc removed another run's leftover"

@@ -390,8 +390,20 @@ def test_an_application_that_carries_on_after_sigterm_keeps_its_ring(no_leaks) -
     assert left == set() and dirs == []  # removed by its own close() at the end
 
 
+@pytest.fixture
+def private_shm(tmp_path, monkeypatch) -> str:
+    """A private segment directory: other runs' ``gc`` on this machine cannot
+    remove this test's dead-owner segments under it."""
+    d = tmp_path / "shm"
+    d.mkdir()
+    monkeypatch.setattr(segment, "SHM_DIR", str(d))
+    return str(d)
+
+
 @pytest.mark.timeout(30)
-def test_reaping_at_start_removes_our_dead_leftovers_only(no_leaks, monkeypatch) -> None:
+def test_reaping_at_start_removes_our_dead_leftovers_only(
+    no_leaks, private_shm, monkeypatch
+) -> None:
     import dataclasses
 
     token = new_token()
@@ -436,7 +448,9 @@ def test_reaping_at_start_removes_our_dead_leftovers_only(no_leaks, monkeypatch)
 
 
 @pytest.mark.timeout(30)
-def test_gc_cli_removes_dead_runtime_directories_and_scopes_by_token(no_leaks, capsys) -> None:
+def test_gc_cli_removes_dead_runtime_directories_and_scopes_by_token(
+    no_leaks, private_shm, capsys
+) -> None:
     import dataclasses
 
     from shmloader import cli

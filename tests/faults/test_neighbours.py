@@ -543,12 +543,14 @@ def other_pidns(rank: int, world: int, *, die: bool) -> dict:
         os.getpid = lambda: fake  # what the other namespace calls this process
         segment.MY_PIDNS = segment.MY_PIDNS + 12345
     loader = ShmLoader(
-        ranks.make_loader_factory(0, n=6), dist.group.WORLD, config=Config.from_env(enabled=True)
+        ranks.make_loader_factory(0, n=24 if die else 12),
+        dist.group.WORLD,
+        config=Config.from_env(enabled=True),
     )
     if rank == 1 and die:
         it = iter(loader)
-        next(it)
-        os._exit(0)  # dies without a word: only the life lock tells rank 0
+        held = next(it)  # held: rank 0 cannot finish its 12 batches without us
+        os._exit(0 if held is not None else 1)  # dies without a word: only the life lock tells
 
     def slowly() -> list:  # rank 0 waits for rank 1 across several liveness checks
         got = []

@@ -1,6 +1,6 @@
 """ZeroMQ signalling inside one node: the writer's ``Hub``, each reader's ``Spoke``.
 
-The writer binds a ROUTER socket at ``ipc://<private dir>/hub.sock``; each
+The writer binds a ROUTER socket at ``ipc://<private dir>/s``; each
 reader connects a DEALER whose routing id is ``r<rank>``. Messages are the
 ``wire`` module's frames; payload never travels here.
 
@@ -14,8 +14,9 @@ NOTE [private runtime directory]
     fixed ``shmloader-<uid>`` under ``/tmp`` could be) and no other user can
     connect to its socket. A reader checks the directory it was given is a
     real directory of our uid with mode 0700 before it connects. The name is
-    ``shml-<uid>-<pid>-<start>-<pidns>-<random>``: the owner for reaping
-    (``reap``; a directory of another pid namespace is never judged by pid).
+    ``shml-<pid>.<start>.<pidns>-<random>`` (hex): the owner for reaping
+    (``reap``; a directory of another pid namespace is never judged by pid),
+    short enough that the socket path fits ``sun_path`` under long bases.
     Sockets and directories are removed only by the process that made them
     (NOTE [creator-only cleanup] in ``segment``).
 
@@ -54,7 +55,7 @@ SLICE_S = 0.2
 #: Prefix of private runtime directories (NOTE [private runtime directory]).
 RUNDIR_PREFIX = "shml-"
 #: File name of the writer's socket inside its private directory.
-SOCKET_NAME = "hub.sock"
+SOCKET_NAME = "s"
 #: sun_path holds 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH = 107
 
@@ -69,10 +70,15 @@ def runtime_base(parent: str | None) -> str:
     )
 
 
+def rundir_prefix(pid: int, start: int, pidns: int) -> str:
+    """``shml-<pid>.<start>.<pidns>-`` in hex: the owner, for reaping; short for sun_path."""
+    return f"{RUNDIR_PREFIX}{pid:x}.{start:x}.{pidns:x}-"
+
+
 def make_private_dir(parent: str | None) -> str:
     """A new 0700 directory of a random name for this process (NOTE [private runtime directory])."""
     base = runtime_base(parent)
-    prefix = f"{RUNDIR_PREFIX}{os.geteuid()}-{os.getpid()}-{segment.MY_START}-{segment.MY_PIDNS}-"
+    prefix = rundir_prefix(os.getpid(), segment.MY_START, segment.MY_PIDNS)
     try:
         path = tempfile.mkdtemp(prefix=prefix, dir=base)
     except OSError as exc:

@@ -140,9 +140,9 @@ def _chained(previous: Any) -> Any:
 
 # ------------------------------------------------------------------ reaping
 
-#: ``shml-<uid>-<pid>-<start>-<pidns>-<random>`` (NOTE [private runtime directory]).
+#: ``shml-<pid>.<start>.<pidns>-<random>``, hex (NOTE [private runtime directory]).
 RUNDIR_NAME = re.compile(
-    r"^shml-(?P<uid>\d{1,10})-(?P<pid>\d{1,10})-(?P<start>\d{1,20})-(?P<pidns>\d{1,20})-"
+    r"^shml-(?P<pid>[0-9a-f]{1,8})\.(?P<start>[0-9a-f]{1,16})\.(?P<pidns>[0-9a-f]{1,16})-"
     r"[A-Za-z0-9_]{1,32}$"
 )
 
@@ -168,7 +168,7 @@ def runtime_dirs(parent: str | None = None) -> list[tuple[str, int, bool]]:
     out = []
     for name in sorted(names):
         m = RUNDIR_NAME.match(name)
-        if m is None or int(m["uid"]) != os.geteuid():
+        if m is None:
             continue
         path = os.path.join(base, name)
         try:
@@ -181,7 +181,7 @@ def runtime_dirs(parent: str | None = None) -> list[tuple[str, int, bool]]:
             or stat.S_IMODE(st.st_mode) & 0o077
         ):
             continue
-        pid, start, pidns = int(m["pid"]), int(m["start"]), int(m["pidns"])
+        pid, start, pidns = int(m["pid"], 16), int(m["start"], 16), int(m["pidns"], 16)
         foreign = bool(pidns and MY_PIDNS and pidns != MY_PIDNS)
         out.append((path, pid, foreign or process_alive(pid, start)))
     return out

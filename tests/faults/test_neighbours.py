@@ -30,7 +30,15 @@ import torch
 import torch.distributed as dist
 
 from shmloader import Config, ShmLoader, admin, codec, reap, rng, segment
-from shmloader.channel import Hub, Peer, Spoke, make_private_dir, socket_path
+from shmloader.channel import (
+    SOCKET_NAME,
+    Hub,
+    Peer,
+    Spoke,
+    make_private_dir,
+    rundir_prefix,
+    socket_path,
+)
 from shmloader.errors import ProtocolError
 from shmloader.ring import RingReader, RingWriter, new_token
 from shmloader.segment import KIND_DATA, KIND_PROBE, PAGE, Segment
@@ -167,7 +175,7 @@ def test_a_squatted_runtime_base_does_not_stop_us(no_leaks) -> None:
         d = make_private_dir(base)
         st = os.lstat(d)
         assert st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o700
-        assert os.path.basename(d).startswith(f"shml-{os.geteuid()}-{os.getpid()}-")
+        assert os.path.basename(d).startswith(f"shml-{os.getpid():x}.")
         hub = Hub(socket_path(d))
         spoke = Spoke(socket_path(d), 1)
         spoke.close()
@@ -419,13 +427,13 @@ def test_reaping_at_start_removes_our_dead_leftovers_only(
     gone = seg("0.0", pid=dead)  # dead owner in our pid namespace
     foreign = seg("1.0", pid=dead, pidns=segment.MY_PIDNS + 1)  # another namespace
     live = seg("2.0")
-    dead_dir = os.path.join(no_leaks, f"shml-{os.geteuid()}-{dead}-1-{segment.MY_PIDNS}-abc")
-    foreign_dir = os.path.join(no_leaks, f"shml-{os.geteuid()}-{dead}-1-1-abc")
+    dead_dir = os.path.join(no_leaks, rundir_prefix(dead, 1, segment.MY_PIDNS) + "abc")
+    foreign_dir = os.path.join(no_leaks, rundir_prefix(dead, 1, 1) + "abc")
     live_dir = make_private_dir(no_leaks)
     for d in (dead_dir, foreign_dir):
         os.mkdir(d, 0o700)
     with socket.socket(socket.AF_UNIX) as s:
-        s.bind(os.path.join(dead_dir, "hub.sock"))
+        s.bind(os.path.join(dead_dir, SOCKET_NAME))
     try:
         monkeypatch.setenv("SHMLOADER_REAP", "0")
         assert reap.reap_own(no_leaks) == 0 and os.path.exists(dead_dir)
@@ -456,7 +464,7 @@ def test_gc_cli_removes_dead_runtime_directories_and_scopes_by_token(
     from shmloader import cli
 
     dead = dead_pid()
-    dead_dir = os.path.join(no_leaks, f"shml-{os.geteuid()}-{dead}-1-{segment.MY_PIDNS}-xyz")
+    dead_dir = os.path.join(no_leaks, rundir_prefix(dead, 1, segment.MY_PIDNS) + "xyz")
     os.mkdir(dead_dir, 0o700)
     mine, other = new_token(), new_token()
     segs = []

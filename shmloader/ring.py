@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import reap
 from .errors import ProtocolError, ShmCapacityError
 from .segment import (
     HEADER_SIZE,
@@ -290,10 +291,12 @@ class RingWriter:
         if self._daemon is None or self._daemon.adopt(self.token, name, capacity) is None:
             return None
         try:
-            return Segment.attach(name, kind=KIND_DATA, token=self.token)
+            segment = Segment.attach(name, kind=KIND_DATA, token=self.token)
         except ProtocolError as exc:
             log.warning("shmloader: adopted segment %s failed validation (%s); creating", name, exc)
             return None
+        reap.own(segment=name)  # ours now: removed on SIGTERM like the ones we create
+        return segment
 
     def publish(self, slot: Slot, seq: int, nbytes: int, publish_ns: int) -> None:
         """Mark ``slot`` HELD by every reader for batch ``seq``."""

@@ -57,6 +57,7 @@ NOTE [creator-only cleanup]
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import mmap
@@ -65,6 +66,7 @@ import secrets
 import stat
 import struct
 import time
+import weakref
 from dataclasses import dataclass
 
 from . import reap
@@ -451,6 +453,13 @@ def list_segments() -> list[str]:
 def dont_fork(mm: mmap.mmap) -> bool:
     """``MADV_DONTFORK`` on ``mm``: a forked child does not get this mapping.
 
+    In the child the Python ``mmap`` object still exists (the child has a copy
+    of every object) but its address range is empty: something else could be
+    mapped there, and the object's eventual ``munmap`` would then remove it.
+    So the range is reserved in the child right after the fork with an
+    inaccessible anonymous mapping (``PROT_NONE``, no memory): a stray access
+    still faults, and the stale ``munmap`` only drops the reservation.
+
     Where the platform has no ``MADV_DONTFORK`` (not Linux) the child inherits
     the mapping as before: it then pins the pages while it lives, and its
     writes to a MAP_SHARED view would reach the segment. Returns whether the
@@ -463,7 +472,43 @@ def dont_fork(mm: mmap.mmap) -> bool:
         mm.madvise(advice)
     except OSError:
         return False
+    view = ctypes.c_char.from_buffer(mm)
+    addr = ctypes.addressof(view)
+    del view  # the buffer export must not outlive this line, or mm cannot close
+    _NOT_FORKED[addr] = (weakref.ref(mm, lambda _, a=addr: _NOT_FORKED.pop(a, None)), len(mm))
     return True
+
+
+#: Live ``MADV_DONTFORK`` mappings: address -> (weak reference, length).
+_NOT_FORKED: dict[int, tuple[weakref.ref, int]] = {}
+_MAP_FIXED_NOREPLACE = 0x100000
+
+
+def _reserve_in_child() -> None:
+    """After a fork, in the child: hold the address ranges of mappings it did not get."""
+    if not _NOT_FORKED:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED_NOREPLACE
+    for addr, (ref, length) in list(_NOT_FORKED.items()):
+        mm = ref()
+        if mm is None or mm.closed:
+            continue
+        # NOREPLACE: never over anything the child has (an old kernel treats it
+        # as a hint; a range placed elsewhere is then simply not needed).
+        libc.mmap(addr, length, 0, flags, -1, 0)
+
+
+os.register_at_fork(after_in_child=_reserve_in_child)
 
 
 def touch(mm: mmap.mmap) -> None:

@@ -266,6 +266,19 @@ def _mapped_shml(pid: int | str = "self") -> list[str]:
         return [line for line in f if "/dev/shm/shml-" in line]
 
 
+def _unreserved() -> int:
+    """Live DONTFORK mappings whose range no inaccessible anonymous mapping holds here."""
+    spans = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if fields[1] == "---p" and len(fields) == 5:
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                spans.append((lo, hi))
+    live = [(a, n) for a, (ref, n) in segment._NOT_FORKED.items() if ref() and not ref().closed]
+    return sum(not any(lo <= a and a + n <= hi for lo, hi in spans) for a, n in live)
+
+
 @pytest.mark.timeout(30)
 def test_forked_children_inherit_no_slot_mapping() -> None:
     """MADV_DONTFORK: neither the writer's shared mappings nor a reader's
@@ -282,14 +295,17 @@ def test_forked_children_inherit_no_slot_mapping() -> None:
         pid = os.fork()
         if pid == 0:  # pragma: no cover - child
             try:
-                os.write(wfd, str(len(_mapped_shml())).encode())
+                os.write(wfd, f"{len(_mapped_shml())} {_unreserved()}".encode())
             finally:
                 os._exit(0)
         os.close(wfd)
-        inherited = int(os.read(rfd, 64))
+        inherited, unreserved = (int(x) for x in os.read(rfd, 64).split())
         os.close(rfd)
         os.waitpid(pid, 0)
         assert inherited == 0, f"a forked child inherited {inherited} slot mapping(s)"
+        # ... and their address ranges are held, so the child's copies of the
+        # mmap objects can never unmap something else the child put there.
+        assert unreserved == 0, f"{unreserved} range(s) left free in the child"
         del view
     finally:
         r.close()

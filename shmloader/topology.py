@@ -83,6 +83,7 @@ class _Held:
         self.rundir = rundir
         self.peers: dict[int, Segment] = {}
         self.creator = os.getpid()
+        _ALL_HELD.add(self)
 
     def release(self) -> None:
         if os.getpid() != self.creator:
@@ -93,6 +94,25 @@ class _Held:
         self.peers.clear()
         if self.rundir:
             remove_private_dir(self.rundir, self.creator)
+
+
+_ALL_HELD: weakref.WeakSet[_Held] = weakref.WeakSet()
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child: close our copies of the probe descriptors.
+
+    A ``flock`` lives until every descriptor of its open file is closed; a
+    child (a DataLoader worker) that kept its copy would keep its parent's
+    life lock held after the parent died.
+    """
+    for held in list(_ALL_HELD):
+        for seg in [held.probe, *held.peers.values()]:
+            with contextlib.suppress(OSError):
+                seg.close()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 @dataclass(frozen=True)

@@ -741,3 +741,35 @@ def test_the_suites_gc_leaves_other_runs_leftovers_alone() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-1] == "1", "the suite's gc removed another run's leftover"
+
+
+@pytest.mark.timeout(30)
+def test_a_forked_child_does_not_keep_its_parents_life_lock() -> None:
+    """A DataLoader worker outliving its dead parent must not make the parent
+    look alive to peers of another pid namespace."""
+    import fcntl
+
+    from shmloader.channel import life_lock_held
+    from shmloader.topology import _Held
+
+    token = new_token()
+    probe = Segment.create_unique(f"/shml-{token}-probe", KIND_PROBE, token, 0)
+    fcntl.flock(probe.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    held = _Held(probe, "")
+    tester = Segment.attach(probe.name, kind=KIND_PROBE, token=token)
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child: lives on until told
+        os.close(wfd)
+        os.read(rfd, 1)
+        os._exit(0)
+    os.close(rfd)
+    try:
+        assert life_lock_held(tester.fd)
+        held.release()  # the parent's last descriptor goes, as at its death
+        assert not life_lock_held(tester.fd), "the forked child kept the life lock"
+    finally:
+        os.write(wfd, b"x")
+        os.close(wfd)
+        os.waitpid(pid, 0)
+        tester.close()

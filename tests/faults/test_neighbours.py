@@ -758,13 +758,17 @@ def test_a_forked_child_does_not_keep_its_parents_life_lock() -> None:
     held = _Held(probe, "")
     tester = Segment.attach(probe.name, kind=KIND_PROBE, token=token)
     rfd, wfd = os.pipe()
+    ready_r, ready_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child: lives on until told
-        os.close(wfd)
+        os.write(ready_w, b"r")  # the fork handlers have run by now
         os.read(rfd, 1)
         os._exit(0)
     os.close(rfd)
+    os.close(ready_w)
     try:
+        assert os.read(ready_r, 1) == b"r"
+        os.close(ready_r)
         assert life_lock_held(tester.fd)
         held.release()  # the parent's last descriptor goes, as at its death
         assert not life_lock_held(tester.fd), "the forked child kept the life lock"

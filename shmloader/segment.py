@@ -67,6 +67,7 @@ import stat
 import struct
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import reap
@@ -484,13 +485,15 @@ _NOT_FORKED: dict[int, tuple[weakref.ref, int]] = {}
 _MAP_FIXED_NOREPLACE = 0x100000
 
 
-def _reserve_in_child() -> None:
-    """After a fork, in the child: hold the address ranges of mappings it did not get."""
-    if not _NOT_FORKED:
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
+def _libc_mmap() -> Callable[..., int] | None:
+    """libc's ``mmap``, resolved now: a forked child must not ``dlopen``/``dlsym``
+    (another thread of the parent may have held the loader's lock at the fork)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).mmap
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [
         ctypes.c_void_p,
         ctypes.c_size_t,
         ctypes.c_int,
@@ -498,6 +501,16 @@ def _reserve_in_child() -> None:
         ctypes.c_int,
         ctypes.c_long,
     ]
+    return fn
+
+
+_MMAP = _libc_mmap()
+
+
+def _reserve_in_child() -> None:
+    """After a fork, in the child: hold the address ranges of mappings it did not get."""
+    if not _NOT_FORKED or _MMAP is None:
+        return
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED_NOREPLACE
     for addr, (ref, length) in list(_NOT_FORKED.items()):
         mm = ref()
@@ -505,7 +518,7 @@ def _reserve_in_child() -> None:
             continue
         # NOREPLACE: never over anything the child has (an old kernel treats it
         # as a hint; a range placed elsewhere is then simply not needed).
-        libc.mmap(addr, length, 0, flags, -1, 0)
+        _MMAP(addr, length, 0, flags, -1, 0)
 
 
 os.register_at_fork(after_in_child=_reserve_in_child)

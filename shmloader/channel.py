@@ -97,9 +97,14 @@ def make_private_dir(parent: str | None) -> str:
 
 
 def check_private_dir(path: str) -> None:
-    """:class:`ProtocolError` unless ``path`` is a real directory of ours with mode 0700."""
+    """:class:`ProtocolError` unless ``path`` is a real directory of ours with mode 0700.
+
+    ``FileNotFoundError`` when nothing is there.
+    """
     try:
         st = os.lstat(path)
+    except FileNotFoundError:
+        raise
     except OSError as exc:
         raise ProtocolError(f"runtime directory {path}: {exc.strerror}") from None
     if (
@@ -296,7 +301,10 @@ class Spoke(_Endpoint):
     """A reader's DEALER socket."""
 
     def __init__(self, path: str, rank: int) -> None:
-        check_private_dir(os.path.dirname(path))
+        # Gone already (a writer that failed and closed first) is not an error
+        # here: ZeroMQ connects lazily and the wait's liveness check reports it.
+        with contextlib.suppress(FileNotFoundError):
+            check_private_dir(os.path.dirname(path))
         self.creator = os.getpid()
         self.sock = context().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.ROUTING_ID, b"r%d" % rank)

@@ -78,6 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6, help="steps per size (the first is warm-up)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per size")
     p.add_argument("--out", default=None, help="also write the markdown table to this file")
+    p.add_argument("--node-shm", default="2g", help="tmpfs size of each simulated node's /dev/shm")
     args = p.parse_args(argv)
     if any(s < 1 for s in args.sizes):
         p.error(f"--sizes {args.sizes}: every size must be >= 1 MiB")
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 kwargs={"size_mib": size, "steps": args.steps},
                 nodes=[0, 0, 1, 1],
                 timeout=args.timeout,
+                node_shm_size=args.node_shm,
             )
             s = out[0]["stats"]
             sent = s["cross_node_bytes_sent"] / s["published"] / MIB

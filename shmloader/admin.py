@@ -111,8 +111,8 @@ from .segment import (
     SHM_DIR,
     Header,
     list_segments,
+    owner_alive,
     proc_start_time,
-    process_alive,
     shm_free_bytes,
     shm_path,
     shm_size_bytes,
@@ -152,7 +152,7 @@ class Entry:
 class Freed:
     """What ``gc``/the reaper removed (or would remove)."""
 
-    type: str  # "segment" | "socket"
+    type: str  # "segment" | "socket" | "rundir"
     name: str
     bytes: int = 0
     kind: str = ""
@@ -197,7 +197,7 @@ def inspect(name: str) -> Entry | None:
         if header.kind == KIND_CONTROL:
             entry.counters, entry.description = _read_control(fd, header)
         entry.header = header
-        entry.alive = process_alive(header.pid, header.start)
+        entry.alive = owner_alive(header)
     except ProtocolError as exc:
         entry.error = str(exc)
     except OSError as exc:
@@ -543,15 +543,52 @@ def stale_sockets(runtime_dir: str | None = None) -> list[str]:
     return out
 
 
-def collect_garbage(dry_run: bool = False, runtime_dir: str | None = None) -> list[dict[str, Any]]:
-    """Remove (or with ``dry_run`` only list) segments and sockets of dead owners.
+def dead_runtime_dirs(runtime_dir: str | None = None) -> list[str]:
+    """Private runtime directories (``shml-<pid>...``) of ours whose owner is dead.
 
-    Returns one dict per item: ``type`` ("segment"|"socket"), ``name``,
-    ``bytes``, ``kind``, ``token``, ``owner_pid``, ``removed``.
+    Looked for under the same bases as :func:`runtime_dirs`; the rule is
+    ``reap.runtime_dirs`` (an owner in another pid namespace counts as alive).
     """
+    from .reap import runtime_dirs as private_dirs
+
+    uid = os.geteuid()
+    bases = [
+        runtime_dir,
+        os.environ.get("SHMLOADER_RUNTIME_DIR"),
+        os.environ.get("XDG_RUNTIME_DIR"),
+        f"/run/user/{uid}",
+        "/tmp",
+    ]
+    dead = []
+    for base in dict.fromkeys(b for b in bases if b):
+        dead += [path for path, _pid, alive in private_dirs(base) if not alive]
+    return dead
+
+
+def collect_garbage(
+    dry_run: bool = False,
+    runtime_dir: str | None = None,
+    *,
+    tokens: set[str] | None = None,
+    owners: set[int] | None = None,
+) -> list[dict[str, Any]]:
+    """Remove (or with ``dry_run`` only list) what dead owners left: segments, sockets, dirs.
+
+    ``tokens`` and ``owners`` (pids) narrow it to those jobs or processes
+    (the test suite scopes its gc so that it never touches other runs).
+    Returns one dict per item: ``type`` ("segment"|"socket"|"rundir"),
+    ``name``, ``bytes``, ``kind``, ``token``, ``owner_pid``, ``removed``.
+    """
+    from .reap import remove_runtime_dir, runtime_dirs
+
     out: list[dict[str, Any]] = []
     for entry in scan_entries():
-        if entry.header is None or entry.alive:
+        h = entry.header
+        if h is None or entry.alive:
+            continue
+        if (tokens is not None and h.token not in tokens) or (
+            owners is not None and h.pid not in owners
+        ):
             continue
         freed = remove_if_dead(entry.name, dry_run=dry_run)
         if freed is not None:
@@ -559,6 +596,10 @@ def collect_garbage(dry_run: bool = False, runtime_dir: str | None = None) -> li
     for path in stale_sockets(runtime_dir):
         m = _SOCKET_NAME.match(os.path.basename(path))
         assert m is not None
+        if (tokens is not None and m["token"] not in tokens) or (
+            owners is not None and int(m["pid"]) not in owners
+        ):
+            continue
         item = Freed("socket", path, token=m["token"], owner_pid=int(m["pid"]))
         if not dry_run:
             try:
@@ -566,6 +607,13 @@ def collect_garbage(dry_run: bool = False, runtime_dir: str | None = None) -> li
                 item.removed = True
             except FileNotFoundError:
                 pass
+        out.append(item.as_dict())
+    for path, pid, alive in runtime_dirs(runtime_dir):
+        if alive or tokens is not None or (owners is not None and pid not in owners):
+            continue  # a runtime directory carries no token
+        item = Freed("rundir", path, owner_pid=pid)
+        if not dry_run:
+            item.removed = remove_runtime_dir(path)
         out.append(item.as_dict())
     return out
 
@@ -609,6 +657,21 @@ def register(subparsers: Any) -> None:
     )
     g.add_argument("--dry-run", action="store_true", help="list what would go, remove nothing")
     g.add_argument("--json", action="store_true", help="print the list as JSON")
+    g.add_argument(
+        "--token",
+        action="append",
+        default=None,
+        metavar="TOKEN",
+        help="only segments and sockets of this job token (repeatable)",
+    )
+    g.add_argument(
+        "--owner-pid",
+        action="append",
+        type=int,
+        default=None,
+        metavar="PID",
+        help="only what this (dead) process owned (repeatable)",
+    )
     g.set_defaults(func=cmd_gc)
 
 
@@ -671,7 +734,11 @@ def cmd_stat(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    items = collect_garbage(dry_run=args.dry_run)
+    items = collect_garbage(
+        dry_run=args.dry_run,
+        tokens=set(args.token) if args.token else None,
+        owners=set(args.owner_pid) if args.owner_pid else None,
+    )
     if args.json:
         print(json.dumps(items, indent=2))
         return 0
@@ -684,6 +751,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 f"{verb} {it['name']} ({it['kind']}, {human_bytes(it['bytes'])}, job "
                 f"{it['token']}): owner pid {it['owner_pid']} is gone"
             )
+        elif it["type"] == "rundir":
+            print(f"{verb} runtime directory {it['name']}: pid {it['owner_pid']} is gone")
         else:
             print(f"{verb} stale socket {it['name']}: pid {it['owner_pid']} is gone")
     nseg = sum(it["type"] == "segment" for it in items)
@@ -693,7 +762,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
     else:
         print(
             f"{'would free' if args.dry_run else 'freed'} {nseg} segment(s), "
-            f"{human_bytes(seg_bytes)} ({seg_bytes} bytes); {nsock} stale socket(s)"
+            f"{human_bytes(seg_bytes)} ({seg_bytes} bytes); {nsock} stale socket(s) or "
+            "runtime director(ies)"
         )
     return 0
 

@@ -1,12 +1,24 @@
 """ZeroMQ signalling inside one node: the writer's ``Hub``, each reader's ``Spoke``.
 
-The writer binds a ROUTER socket at ``ipc://<runtime dir>/<token>-<pid>.sock``;
-each reader connects a DEALER whose routing id is ``r<rank>``. Messages are
-the ``wire`` module's frames; payload never travels here.
+The writer binds a ROUTER socket at ``ipc://<private dir>/s``; each
+reader connects a DEALER whose routing id is ``r<rank>``. Messages are the
+``wire`` module's frames; payload never travels here.
 
-The runtime directory is ``$SHMLOADER_RUNTIME_DIR`` (else ``$XDG_RUNTIME_DIR``,
-else ``/tmp``) joined with ``shmloader-<uid>``, created 0700 and refused when it
-belongs to someone else or is open to others, so no other user can connect.
+NOTE [private runtime directory]
+    Every rank makes its own directory with ``mkdtemp`` under the runtime base
+    (``$SHMLOADER_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR``, else ``/tmp``)
+    before the set-up exchange, and the exchange carries its path
+    (``RankFacts.rundir``); the ranks that do not become a writer remove
+    theirs at once. ``mkdtemp`` creates a new directory of a random name with
+    mode 0700 (``O_EXCL`` semantics), so nobody can squat it in advance (a
+    fixed ``shmloader-<uid>`` under ``/tmp`` could be) and no other user can
+    connect to its socket. A reader checks the directory it was given is a
+    real directory of our uid with mode 0700 before it connects. The name is
+    ``shml-<pid>.<start>.<pidns>-<random>`` (hex): the owner for reaping
+    (``reap``; a directory of another pid namespace is never judged by pid),
+    short enough that the socket path fits ``sun_path`` under long bases.
+    Sockets and directories are removed only by the process that made them
+    (NOTE [creator-only cleanup] in ``segment``).
 
 NOTE [bounded waits]
     No wait in shmloader is unbounded. Every blocking receive polls in slices
@@ -23,14 +35,17 @@ NOTE [bounded waits]
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import stat
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 
 import zmq
 
+from . import reap, segment
 from .errors import ConfigError, PeerLostError, ProtocolError
 from .segment import process_alive
 from .wire import Message, parse
@@ -42,43 +57,88 @@ SLICE_S = 0.2
 DRAIN_S = 0.05
 
 
-def runtime_dir(parent: str | None) -> str:
-    """The per-user 0700 socket directory, created if needed and checked."""
-    base = parent or os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    path = os.path.join(base, f"shmloader-{os.geteuid()}")
+#: Prefix of private runtime directories (NOTE [private runtime directory]).
+RUNDIR_PREFIX = "shml-"
+#: File name of the writer's socket inside its private directory.
+SOCKET_NAME = "s"
+#: sun_path holds 108 bytes including the terminating NUL.
+MAX_SOCKET_PATH = 107
+
+
+def runtime_base(parent: str | None) -> str:
+    """The directory private runtime directories are made in."""
+    return (
+        parent
+        or os.environ.get("SHMLOADER_RUNTIME_DIR")
+        or os.environ.get("XDG_RUNTIME_DIR")
+        or "/tmp"
+    )
+
+
+def rundir_prefix(pid: int, start: int, pidns: int) -> str:
+    """``shml-<pid>.<start>.<pidns>-`` in hex: the owner, for reaping; short for sun_path."""
+    return f"{RUNDIR_PREFIX}{pid:x}.{start:x}.{pidns:x}-"
+
+
+def make_private_dir(parent: str | None) -> str:
+    """A new 0700 directory of a random name for this process (NOTE [private runtime directory])."""
+    base = runtime_base(parent)
+    prefix = rundir_prefix(os.getpid(), segment.MY_START, segment.MY_PIDNS)
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        path = tempfile.mkdtemp(prefix=prefix, dir=base)
     except OSError as exc:
         raise ConfigError("SHMLOADER_RUNTIME_DIR", base, f"a writable directory ({exc})") from None
-    st = os.lstat(path)
+    reap.own(directory=path)  # removed on SIGTERM (NOTE [SIGTERM] in reap)
+    sock = os.path.join(path, SOCKET_NAME)
+    if len(sock.encode()) > MAX_SOCKET_PATH:
+        remove_private_dir(path, os.getpid())
+        raise ConfigError(
+            "SHMLOADER_RUNTIME_DIR",
+            base,
+            f"a shorter directory: the socket path {sock} is {len(sock.encode())} bytes and "
+            f"ipc sockets take at most {MAX_SOCKET_PATH}",
+        )
+    return path
+
+
+def check_private_dir(path: str) -> None:
+    """:class:`ProtocolError` unless ``path`` is a real directory of ours with mode 0700.
+
+    ``FileNotFoundError`` when nothing is there.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise ProtocolError(f"runtime directory {path}: {exc.strerror}") from None
     if (
         not stat.S_ISDIR(st.st_mode)
         or st.st_uid != os.geteuid()
         or stat.S_IMODE(st.st_mode) & 0o077
     ):
-        raise ConfigError(
-            "SHMLOADER_RUNTIME_DIR",
-            base,
-            f"a directory where {path} is ours with mode 0700 (it has uid {st.st_uid}, "
-            f"mode {stat.S_IMODE(st.st_mode):o}); remove it or choose another directory",
+        raise ProtocolError(
+            f"runtime directory {path} is not a directory of ours with mode 0700 (uid "
+            f"{st.st_uid}, mode {st.st_mode:o}); refusing to use it"
         )
-    return path
 
 
-#: sun_path holds 108 bytes including the terminating NUL.
-MAX_SOCKET_PATH = 107
+def remove_private_dir(path: str, creator: int) -> None:
+    """Remove our socket and ``path`` itself, only in process ``creator``."""
+    if os.getpid() != creator:
+        return
+    with contextlib.suppress(OSError):
+        sock = os.path.join(path, SOCKET_NAME)
+        if stat.S_ISSOCK(os.lstat(sock).st_mode):
+            os.unlink(sock)
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+    reap.disown(directory=path)
 
 
-def socket_path(parent: str | None, token: str, pid: int) -> str:
-    path = os.path.join(runtime_dir(parent), f"{token}-{pid}.sock")
-    if len(path.encode()) > MAX_SOCKET_PATH:
-        raise ConfigError(
-            "SHMLOADER_RUNTIME_DIR",
-            parent or os.environ.get("XDG_RUNTIME_DIR") or "/tmp",
-            f"a shorter directory: the socket path {path} is {len(path.encode())} bytes and "
-            f"ipc sockets take at most {MAX_SOCKET_PATH}",
-        )
-    return path
+def socket_path(directory: str) -> str:
+    """The writer's socket in its private directory."""
+    return os.path.join(directory, SOCKET_NAME)
 
 
 _context: zmq.Context | None = None
@@ -95,13 +155,52 @@ def context() -> zmq.Context:
 
 
 class Peer:
-    """A process we wait on: rank, role, pid and start time."""
+    """A process we wait on: rank, role, pid and start time.
 
-    def __init__(self, rank: int, role: str, pid: int, start: int) -> None:
+    NOTE [liveness across pid namespaces]
+        A peer in our pid namespace is alive while (pid, start time) runs. A
+        peer in another one (containers sharing ``/dev/shm`` but not pids)
+        has a pid that means nothing here; it is judged by its *life lock*
+        instead: every rank holds an exclusive ``flock`` on its probe segment
+        for as long as its loader's topology lives, and we keep a descriptor
+        of that segment (``life_fd``). ``flock(LOCK_SH | LOCK_NB)`` on it
+        fails while the owner lives and succeeds once every descriptor of the
+        owner is closed, i.e. it died. Works wherever ``/dev/shm`` is shared.
+        Without a life lock (another node) a foreign peer counts as alive and
+        the timeout bounds the wait.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        role: str,
+        pid: int,
+        start: int,
+        *,
+        pidns: int = 0,
+        life_fd: int | None = None,
+    ) -> None:
         self.rank, self.role, self.pid, self.start = rank, role, pid, start
+        self.pidns, self.life_fd = pidns, life_fd
 
     def alive(self) -> bool:
-        return process_alive(self.pid, self.start)
+        if not self.pidns or not segment.MY_PIDNS or self.pidns == segment.MY_PIDNS:
+            return process_alive(self.pid, self.start)
+        if self.life_fd is None:
+            return True
+        return life_lock_held(self.life_fd)
+
+
+def life_lock_held(fd: int) -> bool:
+    """Whether someone else holds the exclusive life lock of ``fd``'s file."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return True  # cannot tell: do not call a peer dead on a doubt
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
 
 
 class _Endpoint:
@@ -166,12 +265,12 @@ class Hub(_Endpoint):
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.creator = os.getpid()  # NOTE [creator-only cleanup]
         self.sock = context().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDTIMEO, 1000)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # our own token and pid: a leftover of this very process
+        check_private_dir(os.path.dirname(path))
         self.sock.bind(f"ipc://{path}")
         os.chmod(path, 0o600)
 
@@ -204,15 +303,22 @@ class Hub(_Endpoint):
         return msg, rank
 
     def close(self) -> None:
+        """Close the socket and remove it and its directory; a no-op in a forked child."""
+        if os.getpid() != self.creator:
+            return  # the parent's socket and files are not ours to touch
         self.sock.close(linger=100)  # let a last END/STOP leave; bounded
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        remove_private_dir(os.path.dirname(self.path), self.creator)
 
 
 class Spoke(_Endpoint):
     """A reader's DEALER socket."""
 
     def __init__(self, path: str, rank: int) -> None:
+        # Gone already (a writer that failed and closed first) is not an error
+        # here: ZeroMQ connects lazily and the wait's liveness check reports it.
+        with contextlib.suppress(FileNotFoundError):
+            check_private_dir(os.path.dirname(path))
+        self.creator = os.getpid()
         self.sock = context().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.ROUTING_ID, b"r%d" % rank)
         self.sock.setsockopt(zmq.LINGER, 500)
@@ -235,4 +341,5 @@ class Spoke(_Endpoint):
         return None
 
     def close(self) -> None:
-        self.sock.close()
+        if os.getpid() == self.creator:  # NOTE [creator-only cleanup]
+            self.sock.close()

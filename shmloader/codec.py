@@ -55,6 +55,7 @@ import importlib
 import json
 import math
 import pickle
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -525,16 +526,40 @@ def _pairs(items: Any) -> Iterator[tuple[Any, Any]]:
         yield pair[0], pair[1]
 
 
+#: Modules a peer's metadata may make this rank import (``allow_modules``).
+_ALLOWED_MODULES: set[str] = set()
+
+
+def allow_modules(*names: str) -> None:
+    """Let batch metadata name types of these modules even before they are imported.
+
+    NOTE [no imports from metadata]
+        Metadata names the namedtuple/dataclass types of a batch as
+        ``module:qualname``. A rank only ever looks such a type up in a module
+        it has already imported (``sys.modules``): importing a module runs its
+        code, and a name chosen by a peer (or a corrupted message) must not
+        decide which code runs here. A module that a rank does not import on
+        its own (the leader's data code imports it lazily) is either imported
+        by the training script on every rank or listed here.
+    """
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"module names are non-empty strings, got {name!r}")
+        _ALLOWED_MODULES.add(name)
+
+
 #: Keyed by (what, name): a name checked as a dataclass must not pass later as
 #: a namedtuple (its __init__, and __post_init__, would run on follower input).
 _RESOLVED: dict[tuple[str, str], type] = {}
 
 
 def _resolve(name: Any, what: str) -> type:
-    """Import a namedtuple/dataclass type named by the leader.
+    """Look up a namedtuple/dataclass type named by the leader.
 
-    Only types that really are namedtuples/dataclasses are accepted; nothing is
-    called but the type's own constructor (namedtuple) or ``object.__new__``.
+    Only in modules already imported here, or allowed (NOTE [no imports from
+    metadata]). Only types that really are namedtuples/dataclasses are
+    accepted; nothing is called but the type's own constructor (namedtuple) or
+    ``object.__new__``.
     """
     cls = _RESOLVED.get((what, name)) if isinstance(name, str) else None
     if cls is not None:
@@ -542,8 +567,16 @@ def _resolve(name: Any, what: str) -> type:
     if not isinstance(name, str) or name.count(":") != 1:
         raise ProtocolError(f"bad type name {name!r:.80}")
     module_name, qualname = name.split(":")
+    obj: Any = sys.modules.get(module_name)
+    if obj is None and module_name not in _ALLOWED_MODULES:
+        raise ProtocolError(
+            f"the {what} type {name} lives in module {module_name!r}, which this rank has not "
+            "imported; shmloader never imports a module a peer names. Import it on every rank "
+            f"before iterating, or call shmloader.codec.allow_modules({module_name!r})"
+        )
     try:
-        obj: Any = importlib.import_module(module_name)
+        if obj is None:
+            obj = importlib.import_module(module_name)
         for part in qualname.split("."):
             obj = getattr(obj, part)
     except Exception as exc:  # any failure to import (a module may raise anything) is bad input

@@ -102,7 +102,7 @@ import torch.distributed as dist
 
 from . import codec, rng, wire
 from . import worker as worker_writer
-from .channel import Hub, Peer, Spoke, socket_path
+from .channel import Hub, Peer, Spoke
 from .config import DEFAULT_TIMEOUT_S, Config
 from .daemon_client import DaemonClient
 from .device import DeviceOps, DeviceStage, warn_pin_memory
@@ -361,7 +361,9 @@ class ShmLoader:
         except BaseException:
             _close_quietly(self._closers())
             raise
-        self._finalizer = weakref.finalize(self, _close_quietly, self._closers())
+        # Runs only in this process, never in a forked child at its exit
+        # (NOTE [creator-only cleanup] in segment).
+        self._finalizer = weakref.finalize(self, _close_in, os.getpid(), self._closers())
         if self._role == "leader" and self._stage is not None and self._stage.on_device:
             warn_pin_memory(self._loader)
 
@@ -371,7 +373,12 @@ class ShmLoader:
         _arrive(self._group_ranks or [], self.config.timeout)  # NOTE [set-up is bounded]
         pg = self._exchange_group(group)
         try:
-            topo = discover(pg, new_token(), node_override=self.config.node)
+            topo = discover(
+                pg,
+                new_token(),
+                node_override=self.config.node,
+                runtime_parent=self.config.runtime_dir,
+            )
             self._topo = topo
             self._role = topo.role()
             error = self._agree_on_loader(make_loader, pg)
@@ -395,17 +402,14 @@ class ShmLoader:
                 self._daemon.register(description)
             if topo.is_leader:
                 self._pool = self._worker_pool()
-            self._hub = Hub(socket_path(self.config.runtime_dir, topo.ring_token, os.getpid()))
+            self._hub = Hub(topo.socket_path)
             self._hello: set[int] = set()
             self._acked = dict.fromkeys(topo.readers, 0)
             self._gone: set[int] = set()
             self._self_releases: collections.deque = collections.deque()
         else:
-            writer = topo.fact(topo.writer)
             self._reader = RingReader(topo.ring_token)
-            self._spoke = Spoke(
-                socket_path(self.config.runtime_dir, topo.ring_token, writer.pid), topo.me
-            )
+            self._spoke = Spoke(topo.socket_path, topo.me)
             self._out = _Releaser(self._spoke, topo.me)
             self._stash: wire.Message | None = None
             me = topo.fact(topo.me)
@@ -504,6 +508,8 @@ class ShmLoader:
             if self._topo.is_writer:
                 closers.append(functools.partial(self._daemon.unregister, self._topo.ring_token))
             closers.append(self._daemon.close)
+        if self._topo is not None:
+            closers.append(self._topo.close)
         return closers
 
     def _connect_daemon(self) -> DaemonClient | None:
@@ -1269,8 +1275,7 @@ class ShmLoader:
 
     def _peer(self, rank: int) -> Peer:
         assert self._topo is not None
-        f = self._topo.fact(rank)
-        return Peer(rank, self._topo.role(rank), f.pid, f.start)
+        return self._topo.peer(rank)
 
     # -- node leader ---------------------------------------------------------
 
@@ -1870,6 +1875,11 @@ def _leader_error(body: dict, leader: int | None) -> ShmLoaderError:
     if f["type"] == "PeerLostError":
         return PeerLostError(None, "peer", f"the leader (rank {leader}) reported: {f['message']}")
     return LeaderError(f["type"], f["message"], f["traceback"], leader_rank=leader)
+
+
+def _close_in(creator: int, closers: list[Callable[[], None]]) -> None:
+    if os.getpid() == creator:
+        _close_quietly(closers)
 
 
 def _close_quietly(closers: list[Callable[[], None]]) -> None:

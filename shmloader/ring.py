@@ -57,6 +57,7 @@ import functools
 import json
 import logging
 import mmap
+import os
 import secrets
 import struct
 import time
@@ -67,6 +68,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import reap
 from .errors import ProtocolError, ShmCapacityError
 from .segment import (
     HEADER_SIZE,
@@ -137,12 +139,25 @@ def new_token() -> str:
     return secrets.token_hex(8)
 
 
-def control_name(token: str) -> str:
+def control_stem(token: str) -> str:
+    """The control segment's name without its random part (NOTE [unpredictable names])."""
     return f"/{PREFIX}{token}-ctl"
 
 
-def slot_name(token: str, index: int, gen: int) -> str:
+def slot_stem(token: str, index: int, gen: int) -> str:
+    """A slot segment's name without its random part: ``<stem>.<random>``."""
     return f"/{PREFIX}{token}-{index}.{gen}"
+
+
+def parse_slot_name(token: str, name: str) -> tuple[int, int]:
+    """(index, gen) of a slot name of ring ``token``; :class:`ProtocolError` otherwise."""
+    prefix = f"/{PREFIX}{token}-"
+    parts = name.removeprefix(prefix).split(".")
+    if not name.startswith(prefix) or len(parts) != 3 or not all(p.isalnum() for p in parts):
+        raise ProtocolError(f"segment {name} does not belong to ring {token}")
+    if not (parts[0].isdigit() and parts[1].isdigit()):
+        raise ProtocolError(f"segment {name} does not belong to ring {token}")
+    return int(parts[0]), int(parts[1])
 
 
 def slot_capacity_for(nbytes: int) -> int:
@@ -177,13 +192,20 @@ class RingWriter:
         self._retired: set[str] = set()  # names of replaced segments (late ATTACHED is fine)
         self._counters = dict.fromkeys(COUNTER_FIELDS, 0)
         self._counters["readers"] = len(self.readers)
-        self.control = Segment.create(control_name(token), KIND_CONTROL, token, CONTROL_CAPACITY)
+        self.control = Segment.create_unique(
+            control_stem(token), KIND_CONTROL, token, CONTROL_CAPACITY
+        )
         # The finalizer must not hold ``self`` (a bound method would): it would
         # keep a dropped, unclosed writer alive until interpreter exit. It
         # shares the control segment and the slot list, mutated in place.
         # Registered before describe() so a failing __init__ leaks nothing.
+        # It runs only in this process, never in a forked child
+        # (NOTE [creator-only cleanup]).
         self._finalizer = weakref.finalize(
-            self, _emergency_unlink, functools.partial(_linked_names, self.control, self.slots)
+            self,
+            _emergency_unlink,
+            os.getpid(),
+            functools.partial(_linked_names, self.control, self.slots),
         )
         self._ctl = self.control.map_shared()
         self.describe(description)
@@ -230,9 +252,9 @@ class RingWriter:
 
     def _create(self, index: int, gen: int, nbytes: int) -> Slot:
         capacity = slot_capacity_for(nbytes)
-        name = slot_name(self.token, index, gen)
+        stem = slot_stem(self.token, index, gen)
         t0 = time.perf_counter()
-        segment = self._adopt(name, capacity)
+        segment = self._adopt(f"{stem}.{secrets.token_hex(8)}", capacity)
         adopted = segment is not None
         if segment is None:
             free = shm_free_bytes()
@@ -242,7 +264,8 @@ class RingWriter:
                 )
             if self._daemon is not None:
                 self._daemon.admit(self.token, capacity + HEADER_SIZE)  # may refuse
-            segment = Segment.create(name, KIND_DATA, self.token, capacity)
+            segment = Segment.create_unique(stem, KIND_DATA, self.token, capacity)
+        name = segment.name
         capacity = segment.capacity
         try:
             mm = segment.map_shared()
@@ -310,10 +333,12 @@ class RingWriter:
         if self._daemon is None or self._daemon.adopt(self.token, name, capacity) is None:
             return None
         try:
-            return Segment.attach(name, kind=KIND_DATA, token=self.token)
+            segment = Segment.attach(name, kind=KIND_DATA, token=self.token)
         except ProtocolError as exc:
             log.warning("shmloader: adopted segment %s failed validation (%s); creating", name, exc)
             return None
+        reap.own(segment=name)  # ours now: removed on SIGTERM like the ones we create
+        return segment
 
     def publish(self, slot: Slot, seq: int, nbytes: int, publish_ns: int) -> None:
         """Mark ``slot`` HELD by every reader for batch ``seq``."""
@@ -414,28 +439,40 @@ def _linked_names(control: Segment, slots: list[Slot]) -> list[str]:
     return names + [s.segment.name for s in slots if s.segment.linked]
 
 
-def _emergency_unlink(names: Callable[[], list[str]]) -> None:
-    """At interpreter exit (or if a writer is dropped unclosed): unlink names."""
+def _emergency_unlink(creator: int, names: Callable[[], list[str]]) -> None:
+    """At interpreter exit (or if a writer is dropped unclosed): unlink names.
+
+    Only in the process that made the writer (NOTE [creator-only cleanup]).
+    """
     from .segment import unlink_name
 
+    if os.getpid() != creator:
+        return
     for name in names():
         unlink_name(name)
+
+
+def _in_creator(creator: int, fn: Callable[[], None]) -> None:
+    if os.getpid() == creator:
+        fn()
 
 
 def private_view(segment: Segment, nbytes: int, on_release: Callable[[], None]) -> np.ndarray:
     """A copy-on-write uint8 view of ``segment``'s first ``nbytes`` of payload.
 
     ``on_release`` runs once when the last object referring to the mapping
-    (the array, any tensor viewing it) is gone: NOTE [slot lifetime]. While
-    it lives, ``view_source`` finds its segment from an address inside it
-    (NOTE [device reads]).
+    (the array, any tensor viewing it) is gone: NOTE [slot lifetime]. It
+    never runs in a forked child, which does not have the mapping either
+    (NOTE [creator-only cleanup]). While the view lives, ``view_source``
+    finds its segment from an address inside it (NOTE [device reads]).
     """
     mm = segment.map_private(nbytes)
     view = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
     address = view.__array_interface__["data"][0]
     entry = (segment, nbytes)
     _VIEWS[address] = entry
-    weakref.finalize(mm, _view_died, address, entry, on_release)
+    release = functools.partial(_in_creator, os.getpid(), on_release)
+    weakref.finalize(mm, _view_died, address, entry, release)
     return view
 
 
@@ -486,6 +523,23 @@ def map_shared_readonly(segment: Segment) -> tuple[mmap.mmap, int]:
     return mm, HEADER_SIZE
 
 
+def open_slot_for_worker(name: str, token: str) -> tuple[Segment, mmap.mmap]:
+    """Open slot ``name`` of ring ``token`` in this process and map it shared, writable.
+
+    For a forked DataLoader worker that writes a batch into a slot: the
+    writer's own mappings are ``MADV_DONTFORK`` (NOTE [creator-only
+    cleanup]), so the worker maps the slot itself, validated like any attach.
+    The caller closes the mapping, then the segment; neither unlinks anything.
+    """
+    parse_slot_name(token, name)
+    segment = Segment.attach(name, kind=KIND_DATA, token=token)
+    try:
+        return segment, segment.map_shared(inherit=True)
+    except BaseException:
+        segment.close()
+        raise
+
+
 class RingReader:
     """A reader's side: open slot segments, one private mapping per batch."""
 
@@ -502,13 +556,12 @@ class RingReader:
         """
         if name in self.segments:
             return False
-        prefix = f"/{PREFIX}{self.token}-"
-        index, _, gen = name.removeprefix(prefix).partition(".")
-        if not name.startswith(prefix) or not (index.isdigit() and gen.isdigit()):
-            raise ProtocolError(f"segment {name} does not belong to ring {self.token}")
+        index, gen = parse_slot_name(self.token, name)
         self.segments[name] = Segment.attach(name, kind=KIND_DATA, token=self.token)
-        for older in range(int(gen)):
-            self.forget(f"{prefix}{index}.{older}")
+        for other in list(self.segments):
+            i, g = parse_slot_name(self.token, other)
+            if i == index and g < gen:
+                self.forget(other)
         return True
 
     def view(self, name: str, nbytes: int, on_release: Callable[[], None]) -> np.ndarray:

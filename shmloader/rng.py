@@ -40,6 +40,8 @@ import torch
 
 #: Give up counting after this many draws between two snapshots.
 MAX_COUNTED_DRAWS = 64
+#: Most draws one message can carry: an ``iter()`` and a ``next()``, each counted.
+MAX_MIRRORED_DRAWS = 2 * MAX_COUNTED_DRAWS
 
 
 def will_consume_base_seed(loader: object) -> bool:
@@ -83,7 +85,17 @@ def count_draws(before: torch.Tensor, after: torch.Tensor) -> int | None:
 
 
 def mirror_draws(n: int) -> None:
-    """Make ``n`` int64 draws from the default generator and discard them."""
+    """Make ``n`` int64 draws from the default generator and discard them.
+
+    ``n`` comes from a peer's message: anything outside
+    ``0..MAX_MIRRORED_DRAWS`` is a :class:`ProtocolError`, never a long loop.
+    """
+    if not 0 <= n <= MAX_MIRRORED_DRAWS:
+        from .errors import ProtocolError
+
+        raise ProtocolError(
+            f"a peer asked for {n} generator draws; a message carries 0..{MAX_MIRRORED_DRAWS}"
+        )
     if n > 0:
         probe = torch.empty((), dtype=torch.int64)
         for _ in range(n):

@@ -13,13 +13,27 @@ starts at ``HEADER_SIZE`` so it can be mapped on its own, page aligned::
     40      8     start     owner start time, clock ticks since boot
     48      8     capacity  payload bytes after the header page
     56      8     created   unix time in ns
-    64      ...   kind-specific (control: counters and a JSON description)
+    64      64    kind-specific (control: counters)
+    128     8     pidns     inode of the owner's pid namespace (0: unknown)
+    136     ...   unused (zero)
     4096    capacity bytes of payload
 
-Names are ``/shml-<token>-<suffix>``: the token is random per ring and job, so
-nothing of an earlier or foreign job is ever opened by accident, and every
-attach re-checks magic, version, token, kind and owner uid before a byte of
-payload is mapped (NOTE [segment trust]).
+Names are ``/shml-<token>-<what>.<random>`` (NOTE [unpredictable names]);
+every attach re-checks magic, version, token, kind and owner uid before a byte
+of payload is mapped (NOTE [segment trust]).
+
+NOTE [unpredictable names]
+    The ring token is visible to every local user in ``/dev/shm``, so a name
+    derived from it alone could be planted in advance (a FIFO there hangs an
+    ``open``, a file there fails a create). Every segment name therefore ends
+    in its own random part (64 bits from ``secrets``) that travels only in
+    our messages (BATCH carries ``seg``; the set-up exchange carries the probe
+    name). ``Segment.create_unique`` creates with ``O_CREAT | O_EXCL |
+    O_NOFOLLOW``; an object already at the name (planted, or a 2^-64
+    collision) means another random name, never a failure. Every open is
+    ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO or a device cannot block us) and is
+    ``fstat``-checked to be a regular file of our uid with mode 0600 before
+    a byte is read or mapped.
 
 NOTE [segment trust]
     A segment is only ever read after ``attach`` validated its header against
@@ -27,21 +41,36 @@ NOTE [segment trust]
     own uid and is mode 0600. Segments are created with ``O_EXCL``: a stale
     segment with the same name is an error, never silently reused. Liveness of
     an owner is (pid, start time): a recycled pid has a different start time.
+    The header records the owner's pid namespace: an owner in another pid
+    namespace (containers that share ``/dev/shm`` but not pids) cannot be
+    judged by its pid, so ``owner_alive`` calls it alive (never reaped by pid).
+
+NOTE [creator-only cleanup]
+    A forked child (a DataLoader worker) inherits every object of its parent,
+    finalizers included: at its interpreter exit they would unlink the
+    parent's names. Every cleanup records the pid that created the resource
+    (``Segment.owner``, ``Hub``, the ring's finalizer) and is a no-op in any
+    other process. Mappings of slots are ``MADV_DONTFORK``: a child neither
+    pins a retired slot nor inherits a writable view; a worker that must write
+    a slot opens it by name itself (``ring.open_slot_for_worker``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import mmap
 import os
+import secrets
 import stat
 import struct
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import posix_ipc
-
+from . import reap
 from .errors import ProtocolError, ShmCapacityError
 
 MAGIC = b"SHMLDR\x00\x01"
@@ -57,6 +86,13 @@ _KINDS = {KIND_CONTROL: "control", KIND_DATA: "data", KIND_PROBE: "probe"}
 
 _HEADER = struct.Struct("<8sHHI16sQQQQ")
 assert _HEADER.size == 64
+_PIDNS = struct.Struct("<Q")
+_PIDNS_AT = 128
+#: Bytes of a header read by ``validate`` (fixed fields up to the pid namespace).
+_HEADER_READ = _PIDNS_AT + _PIDNS.size
+#: Attempts at a fresh random name before ``create_unique`` gives up.
+NAME_TRIES = 16
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 PAGE = mmap.PAGESIZE
 log = logging.getLogger(__name__)
@@ -71,13 +107,15 @@ class Header:
     start: int
     capacity: int
     created_ns: int
+    pidns: int = 0
 
     @property
     def kind_name(self) -> str:
         return _KINDS.get(self.kind, f"kind{self.kind}")
 
     def pack(self) -> bytes:
-        return _HEADER.pack(
+        """The header's bytes up to and including ``pidns`` (zero padded)."""
+        fixed = _HEADER.pack(
             MAGIC,
             HEADER_VERSION,
             self.kind,
@@ -88,6 +126,7 @@ class Header:
             self.capacity,
             self.created_ns,
         )
+        return fixed.ljust(_PIDNS_AT, b"\0") + _PIDNS.pack(self.pidns)
 
     @classmethod
     def unpack(cls, raw: bytes) -> Header:
@@ -105,7 +144,8 @@ class Header:
             token_text = token.rstrip(b"\0").decode("ascii")
         except UnicodeDecodeError:
             raise ProtocolError("segment token is not ASCII") from None
-        return cls(kind, uid, token_text, pid, start, capacity, created)
+        pidns = _PIDNS.unpack_from(raw, _PIDNS_AT)[0] if len(raw) >= _HEADER_READ else 0
+        return cls(kind, uid, token_text, pid, start, capacity, created, pidns)
 
 
 # ------------------------------------------------------------- process identity
@@ -133,13 +173,34 @@ def process_alive(pid: int, start: int) -> bool:
     return now is not None and (start == 0 or now == start)
 
 
+def pid_namespace(pid: int | str = "self") -> int:
+    """Inode of the pid namespace of ``pid`` (0 when it cannot be read)."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 MY_START = proc_start_time(os.getpid()) or 0
+MY_PIDNS = pid_namespace()
+
+
+def owner_alive(header: Header) -> bool:
+    """Whether the owner named by ``header`` may still run (NOTE [segment trust]).
+
+    An owner in another pid namespace than ours cannot be judged by its pid:
+    it counts as alive, so nothing of it is ever reaped by a pid test.
+    """
+    if header.pidns and MY_PIDNS and header.pidns != MY_PIDNS:
+        return True
+    return process_alive(header.pid, header.start)
 
 
 def _refresh_identity() -> None:
-    """Re-read our start time after a fork (os.register_at_fork)."""
-    global MY_START
+    """Re-read our start time and pid namespace after a fork (os.register_at_fork)."""
+    global MY_START, MY_PIDNS
     MY_START = proc_start_time(os.getpid()) or 0
+    MY_PIDNS = pid_namespace()
 
 
 os.register_at_fork(after_in_child=_refresh_identity)
@@ -183,6 +244,7 @@ class Segment:
         self.fd = fd
         self.header = header
         self.linked = True
+        self.owner = os.getpid()  # NOTE [creator-only cleanup]
 
     @property
     def capacity(self) -> int:
@@ -194,19 +256,40 @@ class Segment:
 
         The pages are reserved with ``posix_fallocate``: a full ``/dev/shm``
         fails here with :class:`ShmCapacityError`, never later with SIGBUS.
+        Anything already at ``name`` is left alone and is a
+        :class:`ProtocolError`; ``create_unique`` is the way to get a name
+        nobody can squat (NOTE [unpredictable names]).
         """
+        fd = _create_exclusive(name)
+        if fd is None:
+            raise ProtocolError(
+                f"shared memory segment {name} already exists; refusing to reuse it "
+                "(`shmloader gc --dry-run` lists stale segments)"
+            )
+        return cls._initialise(name, fd, kind, token, capacity)
+
+    @classmethod
+    def create_unique(cls, stem: str, kind: int, token: str, capacity: int) -> Segment:
+        """Create ``<stem>.<random>`` exclusively (NOTE [unpredictable names]).
+
+        An object already at a drawn name (planted by someone, or a collision)
+        means another draw, never a failure, up to ``NAME_TRIES`` draws.
+        """
+        for _ in range(NAME_TRIES):
+            name = f"{stem}.{secrets.token_hex(8)}"
+            fd = _create_exclusive(name)
+            if fd is not None:
+                return cls._initialise(name, fd, kind, token, capacity)
+            log.warning("shmloader: %s is taken by something we did not make; drew again", name)
+        raise ProtocolError(
+            f"{NAME_TRIES} random names {stem}.* in {SHM_DIR} were all taken: someone is "
+            f"filling {SHM_DIR}; check its contents (`ls -la {SHM_DIR}`)"
+        )
+
+    @classmethod
+    def _initialise(cls, name: str, fd: int, kind: int, token: str, capacity: int) -> Segment:
         capacity = _round_up(max(capacity, PAGE), PAGE)
         total = HEADER_SIZE + capacity
-        try:
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
-        except posix_ipc.ExistentialError:
-            if not _replace_stale(name):
-                raise ProtocolError(
-                    f"shared memory segment {name} already exists and belongs to a live process "
-                    "or is not ours; refusing to reuse it (`shmloader gc --dry-run` lists stale)"
-                ) from None
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
-        fd = shm.fd
         try:
             os.fchmod(fd, 0o600)  # the umask may not narrow it, but be explicit
             try:
@@ -216,23 +299,30 @@ class Segment:
                     raise ShmCapacityError(total, shm_free_bytes(), f"creating {name}") from None
                 raise
             header = Header(
-                kind, os.geteuid(), token, os.getpid(), MY_START, capacity, time.time_ns()
+                kind,
+                os.geteuid(),
+                token,
+                os.getpid(),
+                MY_START,
+                capacity,
+                time.time_ns(),
+                MY_PIDNS,
             )
             os.pwrite(fd, header.pack(), 0)
         except BaseException:
             os.close(fd)
             _unlink_quietly(name)
             raise
+        reap.own(segment=name)  # removed on SIGTERM (NOTE [SIGTERM] in reap)
         return cls(name, fd, header)
 
     @classmethod
     def attach(cls, name: str, *, kind: int, token: str | None) -> Segment:
         """Open ``name`` and validate it (NOTE [segment trust])."""
         try:
-            shm = posix_ipc.SharedMemory(name, 0, read_only=False)
-        except posix_ipc.ExistentialError:
+            fd = open_checked(name, writable=True)
+        except FileNotFoundError:
             raise ProtocolError(f"shared memory segment {name} does not exist") from None
-        fd = shm.fd
         try:
             header = validate(fd, name, kind=kind, token=token)
         except BaseException:
@@ -240,9 +330,16 @@ class Segment:
             raise
         return cls(name, fd, header)
 
-    def map_shared(self) -> mmap.mmap:
-        """The whole segment, MAP_SHARED: the writer's view."""
-        return mmap.mmap(self.fd, HEADER_SIZE + self.capacity, flags=mmap.MAP_SHARED)
+    def map_shared(self, *, inherit: bool = False) -> mmap.mmap:
+        """The whole segment, MAP_SHARED: the writer's view.
+
+        Not inherited by a forked child unless ``inherit`` (NOTE [creator-only
+        cleanup]).
+        """
+        mm = mmap.mmap(self.fd, HEADER_SIZE + self.capacity, flags=mmap.MAP_SHARED)
+        if not inherit:
+            dont_fork(mm)
+        return mm
 
     def map_private(self, nbytes: int) -> mmap.mmap:
         """The first ``nbytes`` of payload, copy-on-write (MAP_PRIVATE).
@@ -254,18 +351,22 @@ class Segment:
         if nbytes > self.capacity:
             raise ProtocolError(f"{nbytes} bytes asked of {self.name}, which holds {self.capacity}")
         length = _round_up(max(nbytes, 1), PAGE)
-        return mmap.mmap(
+        mm = mmap.mmap(
             self.fd,
             length,
             flags=mmap.MAP_PRIVATE,
             prot=mmap.PROT_READ | mmap.PROT_WRITE,
             offset=HEADER_SIZE,
         )
+        dont_fork(mm)
+        return mm
 
     def unlink(self) -> None:
-        if self.linked:
+        """Remove the name; a no-op outside the process that made this object."""
+        if self.linked and self.owner == os.getpid():
             self.linked = False
             _unlink_quietly(self.name)
+            reap.disown(segment=self.name)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -279,11 +380,13 @@ class Segment:
 def validate(fd: int, name: str, *, kind: int | None, token: str | None) -> Header:
     """Check owner, mode, size and header of an open segment (NOTE [segment trust])."""
     st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise ProtocolError(f"{name} is not a regular file (mode {st.st_mode:o}); not ours")
     if st.st_uid != os.geteuid():
         raise ProtocolError(f"{name} belongs to uid {st.st_uid}, not to us ({os.geteuid()})")
     if stat.S_IMODE(st.st_mode) & 0o077:
         raise ProtocolError(f"{name} has mode {stat.S_IMODE(st.st_mode):o}; expected 0600")
-    header = Header.unpack(os.pread(fd, _HEADER.size, 0))
+    header = Header.unpack(os.pread(fd, _HEADER_READ, 0))
     if kind is not None and header.kind != kind:
         raise ProtocolError(f"{name} is a {header.kind_name} segment, expected {_KINDS[kind]}")
     if token is not None and header.token != token:
@@ -297,26 +400,43 @@ def validate(fd: int, name: str, *, kind: int | None, token: str | None) -> Head
     return header
 
 
-def _replace_stale(name: str) -> bool:
-    """Unlink ``name`` if it is our uid's segment whose owner is dead; True if done.
+def open_checked(name: str, *, writable: bool = False) -> int:
+    """Open ``name`` without following links or blocking, and check it is a regular file.
 
-    A segment left by a crashed earlier run under the same name is detected by
-    its header and replaced, never reused. Anything that fails validation
-    (another user's, corrupt) or whose owner still runs is left alone.
+    ``O_NOFOLLOW | O_NONBLOCK``: a symlink fails, a planted FIFO or device
+    cannot block the open; anything but a regular file is refused before a
+    byte is read (NOTE [unpredictable names]). Owner and mode are checked by
+    ``validate``. ``FileNotFoundError`` when nothing is there.
     """
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | _OPEN_FLAGS
     try:
-        header = read_header(name)
-    except (OSError, ProtocolError):
-        return False
-    if process_alive(header.pid, header.start):
-        return False
-    log.warning("shmloader: replacing stale segment %s of dead pid %d", name, header.pid)
-    return unlink_name(name)
+        fd = os.open(shm_path(name), flags)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise ProtocolError(f"cannot open {name}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ProtocolError(f"{name} is not a regular file (mode {st.st_mode:o}); not ours")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _create_exclusive(name: str) -> int | None:
+    """A new 0600 file at ``name``, or None when anything is there already."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS
+    try:
+        return os.open(shm_path(name), flags, 0o600)
+    except FileExistsError:
+        return None
 
 
 def read_header(name: str) -> Header:
     """Header of a segment by name without keeping it open (for stat and gc)."""
-    fd = os.open(shm_path(name), os.O_RDONLY | os.O_NOFOLLOW)
+    fd = open_checked(name)
     try:
         return validate(fd, name, kind=None, token=None)
     finally:
@@ -329,6 +449,79 @@ def list_segments() -> list[str]:
         return sorted("/" + n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX))
     except FileNotFoundError:
         return []
+
+
+def dont_fork(mm: mmap.mmap) -> bool:
+    """``MADV_DONTFORK`` on ``mm``: a forked child does not get this mapping.
+
+    In the child the Python ``mmap`` object still exists (the child has a copy
+    of every object) but its address range is empty: something else could be
+    mapped there, and the object's eventual ``munmap`` would then remove it.
+    So the range is reserved in the child right after the fork with an
+    inaccessible anonymous mapping (``PROT_NONE``, no memory): a stray access
+    still faults, and the stale ``munmap`` only drops the reservation.
+
+    Where the platform has no ``MADV_DONTFORK`` (not Linux) the child inherits
+    the mapping as before: it then pins the pages while it lives, and its
+    writes to a MAP_SHARED view would reach the segment. Returns whether the
+    advice was taken.
+    """
+    advice = getattr(mmap, "MADV_DONTFORK", None)
+    if advice is None:
+        return False
+    try:
+        mm.madvise(advice)
+    except OSError:
+        return False
+    view = ctypes.c_char.from_buffer(mm)
+    addr = ctypes.addressof(view)
+    del view  # the buffer export must not outlive this line, or mm cannot close
+    _NOT_FORKED[addr] = (weakref.ref(mm, lambda _, a=addr: _NOT_FORKED.pop(a, None)), len(mm))
+    return True
+
+
+#: Live ``MADV_DONTFORK`` mappings: address -> (weak reference, length).
+_NOT_FORKED: dict[int, tuple[weakref.ref, int]] = {}
+_MAP_FIXED_NOREPLACE = 0x100000
+
+
+def _libc_mmap() -> Callable[..., int] | None:
+    """libc's ``mmap``, resolved now: a forked child must not ``dlopen``/``dlsym``
+    (another thread of the parent may have held the loader's lock at the fork)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).mmap
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    return fn
+
+
+_MMAP = _libc_mmap()
+
+
+def _reserve_in_child() -> None:
+    """After a fork, in the child: hold the address ranges of mappings it did not get."""
+    if not _NOT_FORKED or _MMAP is None:
+        return
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED_NOREPLACE
+    for addr, (ref, length) in list(_NOT_FORKED.items()):
+        mm = ref()
+        if mm is None or mm.closed:
+            continue
+        # NOREPLACE: never over anything the child has (an old kernel treats it
+        # as a hint; a range placed elsewhere is then simply not needed).
+        _MMAP(addr, length, 0, flags, -1, 0)
+
+
+os.register_at_fork(after_in_child=_reserve_in_child)
 
 
 def touch(mm: mmap.mmap) -> None:
@@ -353,9 +546,9 @@ def touch(mm: mmap.mmap) -> None:
 def unlink_name(name: str) -> bool:
     """Remove a segment name; False when it was already gone."""
     try:
-        posix_ipc.unlink_shared_memory(name)
+        os.unlink(shm_path(name))
         return True
-    except posix_ipc.ExistentialError:
+    except FileNotFoundError:
         return False
 
 

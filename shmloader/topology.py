@@ -7,7 +7,9 @@ verified:
 
 1. every rank *claims* a node key: ``SHMLOADER_NODE`` (when set), the kernel's
    boot id and the device and inode of ``/dev/shm``;
-2. every rank creates a small probe segment named with its own random token;
+2. every rank creates a small probe segment of a random name (carried in the
+   claim, NOTE [unpredictable names]) and holds a life lock on it
+   (NOTE [liveness across pid namespaces] in ``channel``);
 3. after one all-gather of the claims, each rank tries to open the probes of
    the ranks that claim its key; a second all-gather shares what each saw;
 4. a node is a set of ranks with the same claim that *mutually* saw each
@@ -30,17 +32,21 @@ lowest rank. The payload crosses the network once per node.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import socket
 import struct
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from . import segment
+from . import reap, segment
+from .channel import Peer, make_private_dir, remove_private_dir, socket_path
 from .errors import ProtocolError, TopologyMismatchError
 from .segment import KIND_PROBE, PREFIX, SHM_DIR, Segment
 
@@ -57,9 +63,56 @@ class RankFacts:
     host: str
     claim: str
     token: str
+    probe: str = ""  # name of this rank's probe segment (random part included)
+    pidns: int = 0  # inode of this rank's pid namespace (0: unknown)
+    rundir: str = ""  # this rank's private runtime directory (NOTE [private runtime directory])
 
     def to_json(self) -> dict:
         return self.__dict__.copy()
+
+
+class _Held:
+    """What a topology holds open: our locked probe, peers' probes, our runtime dir.
+
+    Released by ``GroupTopology.close`` or when the topology is garbage, only in
+    the process that made it (NOTE [creator-only cleanup]).
+    """
+
+    def __init__(self, probe: Segment, rundir: str) -> None:
+        self.probe = probe
+        self.rundir = rundir
+        self.peers: dict[int, Segment] = {}
+        self.creator = os.getpid()
+        _ALL_HELD.add(self)
+
+    def release(self) -> None:
+        if os.getpid() != self.creator:
+            return
+        for seg in [self.probe, *self.peers.values()]:
+            seg.unlink()
+            seg.close()
+        self.peers.clear()
+        if self.rundir:
+            remove_private_dir(self.rundir, self.creator)
+
+
+_ALL_HELD: weakref.WeakSet[_Held] = weakref.WeakSet()
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child: close our copies of the probe descriptors.
+
+    A ``flock`` lives until every descriptor of its open file is closed; a
+    child (a DataLoader worker) that kept its copy would keep its parent's
+    life lock held after the parent died.
+    """
+    for held in list(_ALL_HELD):
+        for seg in [held.probe, *held.peers.values()]:
+            with contextlib.suppress(OSError):
+                seg.close()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 @dataclass(frozen=True)
@@ -74,6 +127,16 @@ class GroupTopology:
     ranks: tuple[int, ...]
     nodes: tuple[tuple[int, ...], ...]
     facts: tuple[RankFacts, ...]
+    held: _Held | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.held is not None:
+            weakref.finalize(self, self.held.release)
+
+    def close(self) -> None:
+        """Drop the life lock and the peers' probes, remove our runtime directory."""
+        if self.held is not None:
+            self.held.release()
 
     @property
     def leader(self) -> int:
@@ -107,6 +170,24 @@ class GroupTopology:
 
     def fact(self, rank: int) -> RankFacts:
         return next(f for f in self.facts if f.rank == rank)
+
+    @property
+    def socket_path(self) -> str:
+        """The socket of this rank's node writer (in the writer's private directory)."""
+        return socket_path(self.fact(self.writer).rundir)
+
+    def peer(self, rank: int) -> Peer:
+        """``rank`` as a process we can wait on (NOTE [liveness across pid namespaces])."""
+        f = self.fact(rank)
+        probe = self.held.peers.get(rank) if self.held is not None else None
+        return Peer(
+            rank,
+            self.role(rank),
+            f.pid,
+            f.start,
+            pidns=f.pidns,
+            life_fd=probe.fd if probe is not None else None,
+        )
 
     @property
     def ring_token(self) -> str:
@@ -168,42 +249,61 @@ def discover(
     token: str,
     *,
     node_override: str | None,
+    runtime_parent: str | None = None,
 ) -> GroupTopology:
     """Run the set-up exchange over ``group`` (a gloo group) and return the roles.
 
-    Collective over ``group``: every rank of it must call it.
+    Collective over ``group``: every rank of it must call it. Before it
+    starts, this rank's dead leftovers are reaped (``reap.reap_own``).
     """
+    reap.reap_own(runtime_parent)
     me = dist.get_rank()
     ranks = tuple(dist.get_process_group_ranks(group))
-    mine = RankFacts(
-        # segment.MY_START read now, not at import: it is refreshed after a fork
-        me,
-        os.getpid(),
-        segment.MY_START,
-        socket.gethostname(),
-        node_claim(node_override),
-        token,
-    )
-    probe_name = f"/{PREFIX}{token}-probe"
-    probe = Segment.create(probe_name, KIND_PROBE, token, 0)
+    probe = Segment.create_unique(f"/{PREFIX}{token}-probe", KIND_PROBE, token, 0)
+    fcntl.flock(probe.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # our life lock: nobody else has it
+    held = _Held(probe, "")
     try:
+        held.rundir = make_private_dir(runtime_parent)
+        mine = RankFacts(
+            # segment.MY_START read now, not at import: it is refreshed after a fork
+            me,
+            os.getpid(),
+            segment.MY_START,
+            socket.gethostname(),
+            node_claim(node_override),
+            token,
+            probe.name,
+            segment.MY_PIDNS,
+            held.rundir,
+        )
         gathered = all_gather_bytes(json.dumps(mine.to_json()).encode(), group)
         facts = [_parse_facts(raw) for raw in gathered]
-        seen = [f.rank for f in facts if f.claim == mine.claim and _can_see(f, me)]
+        seen = [f.rank for f in facts if f.claim == mine.claim and _can_see(f, me, held)]
         seen_all = [json.loads(raw) for raw in all_gather_bytes(json.dumps(seen).encode(), group)]
-    finally:
-        probe.unlink()
-        probe.close()
-    by_rank = {f.rank: f for f in facts}
-    if sorted(by_rank) != sorted(ranks):
-        raise TopologyMismatchError(
-            f"set-up exchange returned ranks {sorted(by_rank)} for a group of {sorted(ranks)}"
-        )
-    saw = {f.rank: set(s) for f, s in zip(facts, seen_all, strict=True)}
-    nodes = _nodes(sorted(ranks), by_rank, saw)
+        probe.unlink()  # the descriptor (and its life lock) stays
+        by_rank = {f.rank: f for f in facts}
+        if sorted(by_rank) != sorted(ranks):
+            raise TopologyMismatchError(
+                f"set-up exchange returned ranks {sorted(by_rank)} for a group of {sorted(ranks)}"
+            )
+        saw = {f.rank: set(s) for f, s in zip(facts, seen_all, strict=True)}
+        nodes = _nodes(sorted(ranks), by_rank, saw)
+    except BaseException:
+        held.release()
+        raise
     leader = min(ranks)
     nodes.sort(key=lambda n: (leader not in n, n[0]))
-    return GroupTopology(me, tuple(sorted(ranks)), tuple(tuple(n) for n in nodes), tuple(facts))
+    node = next(n for n in nodes if me in n)
+    for rank in list(held.peers):
+        if rank not in node:  # only the ranks of our node are ever waited on by lock
+            seg = held.peers.pop(rank)
+            seg.close()
+    if node[0] != me:  # not a writer: nobody will connect to our directory
+        remove_private_dir(held.rundir, held.creator)
+        held.rundir = ""
+    return GroupTopology(
+        me, tuple(sorted(ranks)), tuple(tuple(n) for n in nodes), tuple(facts), held
+    )
 
 
 def _parse_facts(raw: bytes) -> RankFacts:
@@ -216,21 +316,31 @@ def _parse_facts(raw: bytes) -> RankFacts:
             str(d["host"]),
             str(d["claim"]),
             str(d["token"]),
+            str(d["probe"]),
+            int(d["pidns"]),
+            str(d["rundir"]),
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise ProtocolError(f"bad set-up facts from a peer: {exc}") from None
 
 
-def _can_see(f: RankFacts, me: int) -> bool:
+def _can_see(f: RankFacts, me: int, held: _Held) -> bool:
+    """Whether ``f``'s probe is visible here; keeps it open for liveness when so."""
     if f.rank == me:
         return True
+    if not f.probe.startswith(f"/{PREFIX}{f.token}-probe."):
+        return False
     try:
-        seg = Segment.attach(f"/{PREFIX}{f.token}-probe", kind=KIND_PROBE, token=f.token)
+        seg = Segment.attach(f.probe, kind=KIND_PROBE, token=f.token)
     except ProtocolError:
         return False
-    ok = seg.header.pid == f.pid
-    seg.close()
-    return ok
+    if seg.header.pid != f.pid:
+        seg.close()
+        return False
+    with contextlib.suppress(KeyError):
+        held.peers.pop(f.rank).close()
+    held.peers[f.rank] = seg
+    return True
 
 
 def _nodes(

@@ -31,7 +31,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .codec import MAX_META_BYTES
 from .errors import PeerLostError, ProtocolError
+from .rng import MAX_MIRRORED_DRAWS
 
 KIND_BATCH, KIND_END, KIND_ERROR, KIND_STOP = 1, 2, 3, 4
 _FIELDS = 8
@@ -103,6 +105,11 @@ class CrossNode:
         kind, it, nbytes, meta_len, draws, crc, epoch, pos = (int(x) for x in head)
         if kind not in (KIND_BATCH, KIND_END, KIND_ERROR, KIND_STOP) or nbytes < 0 or meta_len < 0:
             raise ProtocolError(f"bad cross-node header {head.tolist()}")
+        if meta_len > MAX_META_BYTES or not 0 <= draws <= MAX_MIRRORED_DRAWS:
+            raise ProtocolError(
+                f"cross-node header {head.tolist()} out of bounds: metadata at most "
+                f"{MAX_META_BYTES} bytes, draws 0..{MAX_MIRRORED_DRAWS}"
+            )
         meta = b""
         if meta_len:
             buf = torch.empty(meta_len, dtype=torch.uint8)

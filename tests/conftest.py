@@ -82,6 +82,9 @@ def no_leaks(monkeypatch):
     """Fail the test if it leaves a shml- segment, a socket file or a child process."""
     runtime = tempfile.mkdtemp(prefix="shmlrt-", dir="/tmp")
     monkeypatch.setenv("SHMLOADER_RUNTIME_DIR", runtime)
+    # Loaders reap dead leftovers of our uid when they start; a test run must
+    # never touch other runs' (tests of reaping switch it back on).
+    monkeypatch.setenv("SHMLOADER_REAP", "0")
     before_shm = _shm_entries()
     before_children = _children()
     yield runtime
@@ -90,6 +93,7 @@ def no_leaks(monkeypatch):
         leaked_shm = {n for n in _shm_entries() - before_shm if _ours(n)}
         leaked_children = _children() - before_children
         sockets = [os.path.join(d, f) for d, _, files in os.walk(runtime) for f in files]
+        sockets += [os.path.join(runtime, n) for n in os.listdir(runtime) if n.startswith("shml-")]
         if not (leaked_shm or leaked_children or sockets) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -101,7 +105,7 @@ def no_leaks(monkeypatch):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join("/dev/shm", name))
     if sockets:
-        problems.append(f"socket files left in the runtime directory: {sockets}")
+        problems.append(f"sockets or directories left in the runtime directory: {sockets}")
     if leaked_children:
         problems.append(f"child processes left running: {sorted(leaked_children)}")
         for pid in leaked_children:

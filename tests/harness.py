@@ -99,17 +99,21 @@ class RankFailure(AssertionError):
     pass
 
 
-def _gc_main(shm_dir: str | None) -> None:
+def _gc_main(shm_dir: str | None, owners: set[int] | None) -> None:
     if shm_dir is not None:
         _enter_private_shm(shm_dir)
     from shmloader import admin
 
-    admin.collect_garbage(dry_run=False)
+    admin.collect_garbage(dry_run=False, owners=owners)
 
 
-def gc_on_node(shm_dir: str | None) -> None:
-    """Run `shmloader gc` as an operator on that (simulated) node would."""
-    p = mp.get_context("spawn").Process(target=_gc_main, args=(shm_dir,))
+def gc_on_node(shm_dir: str | None, owners: set[int] | None = None) -> None:
+    """Run `shmloader gc` as an operator on that (simulated) node would.
+
+    ``owners``: only what these (dead) processes left, so that a test never
+    collects other runs' leftovers in the host's ``/dev/shm``.
+    """
+    p = mp.get_context("spawn").Process(target=_gc_main, args=(shm_dir, owners))
     p.start()
     p.join(60)
     if p.is_alive():
@@ -207,7 +211,7 @@ def run_ranks(
                 p.join(5)
             if gc_after:
                 for d in shm_dirs:
-                    gc_on_node(d)
+                    gc_on_node(d, {p.pid for p in procs if p.pid is not None})
         results: list[Any] = []
         errors = []
         for rank in range(world):

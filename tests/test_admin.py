@@ -178,7 +178,10 @@ def test_gc_removes_only_dead_owners_and_dry_run_removes_nothing(capsys, no_leak
                 assert os.path.exists(_shm_path(name)), f"--dry-run removed {name}"
             assert os.path.exists(stale_sock)
 
-            code, out, _ = run_cli(["gc"], capsys)
+            # Scoped to this test's jobs: a test never collects other runs' leftovers.
+            scope = [dead, dead_data, recycled, unknown_start]
+            tokens = {s.header.token for s in scope} | {ring.token, junk_token, "abcd"}
+            code, out, _ = run_cli(["gc", *(f"--token={t}" for t in sorted(tokens))], capsys)
             assert code == 0
             for name in should_go:
                 assert not os.path.exists(_shm_path(name)), f"gc left {name}"
@@ -210,7 +213,7 @@ def test_gc_json_and_nothing_to_do(capsys) -> None:
         item = items[0]
         assert item["type"] == "segment" and item["kind"] == "data" and not item["removed"]
         assert item["bytes"] == HEADER_SIZE + seg.capacity and item["token"] == seg.header.token
-        code, out, _ = run_cli(["gc", "--json"], capsys)
+        code, out, _ = run_cli(["gc", "--json", "--token", seg.header.token], capsys)
         assert [i["removed"] for i in json.loads(out) if i["name"] == seg.name] == [True]
     mine = [i for i in admin.collect_garbage(dry_run=True) if i["token"] == seg.header.token]
     assert mine == []

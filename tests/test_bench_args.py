@@ -35,7 +35,10 @@ def test_crossnode_help_prints_usage_and_runs_nothing() -> None:
 @pytest.mark.timeout(120)
 def test_crossnode_small_run_writes_its_table(tmp_path) -> None:
     out = tmp_path / "crossnode.md"
-    assert crossnode.main(["--sizes", "1", "--steps", "2", "--out", str(out)]) == 0
+    assert (
+        crossnode.main(["--sizes", "1", "--steps", "2", "--node-shm", "64m", "--out", str(out)])
+        == 0
+    )
     lines = out.read_text().splitlines()
     assert lines[0].startswith("| batch MiB") and lines[2].startswith("| 1 | ")
 

@@ -28,7 +28,7 @@ import zmq
 from shmloader import admin
 from shmloader.daemon_client import MAX_REQUEST, DaemonClient
 from shmloader.errors import ProtocolError, ShmCapacityError
-from shmloader.ring import RingWriter, control_name, new_token
+from shmloader.ring import RingWriter, control_stem, new_token
 from shmloader.segment import HEADER_SIZE, KIND_DATA, MY_START, Header, Segment, shm_path
 from tests.test_admin import run_cli
 
@@ -401,7 +401,9 @@ def test_sigkilled_writer_is_reaped_within_2s(daemons: Daemons) -> None:
     with forked(_doomed_writer, token, child_end) as child:
         assert parent_end.poll(20), "the child never created its ring"
         data_name = parent_end.recv()
-        ctl = control_name(token)
+        (ctl,) = [
+            "/" + n for n in os.listdir("/dev/shm") if n.startswith(control_stem(token)[1:] + ".")
+        ]
         assert exists(ctl) and exists(data_name)
         wait_until(lambda: token in {j["token"] for j in d.stats()["jobs"]}, 5, "job discovered")
         os.kill(child.pid, signal.SIGKILL)
@@ -830,6 +832,26 @@ def test_reports_of_invented_ranks_do_not_grow_the_daemon(daemons: Daemons) -> N
 
 
 @pytest.mark.timeout(40)
+def test_daemon_reaps_dead_private_runtime_dirs(daemons: Daemons, no_leaks) -> None:
+    """A writer killed before its close leaves ``shml-<pid>...`` with its socket: reaped."""
+    from shmloader.channel import SOCKET_NAME, make_private_dir, remove_private_dir, rundir_prefix
+
+    dead = tempfile.mkdtemp(prefix=rundir_prefix(dead_pid(), 1, 0), dir=no_leaks)
+    live = make_private_dir(no_leaks)
+    for path in (dead, live):
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(os.path.join(path, SOCKET_NAME))
+    try:
+        d = daemons.start("--reap-interval", "0.1", env={"SHMLOADER_RUNTIME_DIR": no_leaks})
+        wait_until(lambda: not os.path.exists(dead), 5, "the dead writer's directory reaped")
+        assert os.path.exists(os.path.join(live, SOCKET_NAME)), "a live process's socket went"
+        assert d.stats()["daemon"]["reaped_sockets"] >= 1
+        assert f"reaped the runtime directory {dead}" in d.output()
+    finally:
+        remove_private_dir(live, os.getpid())
+        shutil.rmtree(dead, ignore_errors=True)
+
+
 def test_daemon_reaps_stale_sockets(daemons: Daemons, no_leaks) -> None:
     runtime = os.path.join(no_leaks, f"shmloader-{os.geteuid()}")
     os.makedirs(runtime, mode=0o700)

@@ -25,10 +25,10 @@ from shmloader.ring import (
     RingReader,
     RingWriter,
     SlotState,
-    control_name,
+    control_stem,
     new_token,
     slot_capacity_for,
-    slot_name,
+    slot_stem,
 )
 from shmloader.segment import (
     HEADER_SIZE,
@@ -356,6 +356,13 @@ def test_touch_without_madvise_populate_keeps_header_and_data(made) -> None:
 # --------------------------------------------------------------------- ring
 
 
+def control_name(token: str) -> str:
+    """The ring's control segment: the one name ``<control stem>.<random>``."""
+    found = [n for n in names(token) if n.startswith(control_stem(token) + ".")]
+    assert len(found) == 1, found
+    return found[0]
+
+
 def _ctl_description(token: str) -> dict:
     h = segment.read_header(control_name(token))
     assert h.kind == KIND_CONTROL
@@ -392,7 +399,8 @@ def test_publish_reuse_and_growth(writer, token) -> None:
     w = writer()
     s0 = w.acquire(1000)
     assert (s0.index, s0.gen, s0.state) == (0, 0, SlotState.FREE)
-    assert s0.segment.name == slot_name(token, 0, 0) and s0.segment.name in names(token)
+    assert s0.segment.name.startswith(slot_stem(token, 0, 0) + ".")
+    assert s0.segment.name in names(token)
     assert s0.payload.nbytes == s0.capacity >= 1000
     assert w.acquire(1000) is s0  # still FREE: the same slot
     w.publish(s0, seq=1, nbytes=1000, publish_ns=5)
@@ -457,7 +465,8 @@ def test_regrow_a_too_small_free_slot(writer, token) -> None:
     assert grown.capacity >= old_cap * 3
     assert s.state == SlotState.RETIRED
     assert old_name not in names(token)
-    assert grown.segment.name == slot_name(token, 0, 1) in names(token)
+    assert grown.segment.name.startswith(slot_stem(token, 0, 1) + ".")
+    assert grown.segment.name in names(token)
     assert w.slots == [grown]
     # A late ATTACHED for the retired segment is harmless.
     w.attached(1, old_name)
@@ -678,7 +687,7 @@ def test_reader_refuses_foreign_and_unopened_segments(writer, token, made) -> No
             r.view(s.segment.name, 10, lambda: None)
         with pytest.raises(ProtocolError, match="does not belong"):
             r.open(f"/shml-{new_token()}-0.0")
-        probe = made("0.7", kind=KIND_PROBE)  # our token, wrong kind
+        probe = made("0.7.abc", kind=KIND_PROBE)  # our token, wrong kind
         with pytest.raises(ProtocolError, match="probe"):
             r.open(probe.name)
         r.open(s.segment.name)
@@ -703,22 +712,26 @@ def test_reader_mapping_survives_unlink_and_close(writer, token) -> None:
     r.close()
 
 
-def test_a_stale_segment_of_a_dead_owner_is_replaced_not_reused(made, token) -> None:
+def test_a_stale_segment_of_a_dead_owner_is_never_reused(made, token) -> None:
+    """Names are random (NOTE [unpredictable names]): a name taken, even by a dead
+    owner's segment, is refused by ``create`` and skipped by ``create_unique``."""
     import dataclasses
     import subprocess
 
-    seg = made("stale")
+    seg = made("stale.0")
     dead = subprocess.Popen(["true"])
     dead.wait()
     stale = dataclasses.replace(seg.header, pid=dead.pid, start=1)
     os.pwrite(seg.fd, stale.pack(), 0)
-    os.pwrite(seg.fd, b"old", segment.HEADER_SIZE)
-    fresh = Segment.create(seg.name, KIND_DATA, token, PAGE)
+    with pytest.raises(ProtocolError, match="already exists"):
+        Segment.create(seg.name, KIND_DATA, token, PAGE)
+    assert segment.read_header(seg.name).pid == dead.pid  # left for gc, untouched
+    fresh = Segment.create_unique(f"/shml-{token}-stale", KIND_DATA, token, PAGE)
     try:
-        header = segment.read_header(seg.name)
-        assert header.pid == os.getpid() and header.start == MY_START
-        assert os.pread(fresh.fd, 3, segment.HEADER_SIZE) == b"\0\0\0", "old bytes reused"
+        assert fresh.name != seg.name and fresh.name.startswith(f"/shml-{token}-stale.")
+        assert segment.read_header(fresh.name).pid == os.getpid()
     finally:
+        fresh.unlink()
         fresh.close()
 
 

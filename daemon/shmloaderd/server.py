@@ -43,6 +43,7 @@ import zmq
 
 from shmloader.admin import (
     build_document,
+    dead_runtime_dirs,
     empty_job,
     remove_if_dead,
     scan_entries,
@@ -50,6 +51,7 @@ from shmloader.admin import (
 )
 from shmloader.daemon_client import MAX_REQUEST, DaemonClient
 from shmloader.errors import ProtocolError, human_bytes
+from shmloader.reap import remove_runtime_dir
 from shmloader.segment import HEADER_SIZE
 
 from . import notify, protocol
@@ -322,7 +324,11 @@ class Daemon:
             log.exception("reap pass failed; retrying at the next one")
 
     def _reap_sockets(self) -> None:
-        """Unlink sockets of dead writers in our uid's runtime directories."""
+        """Remove dead writers' private runtime directories and older-layout sockets."""
+        for path in dead_runtime_dirs():
+            if remove_runtime_dir(path):
+                self.reaped_sockets += 1
+                log.info("reaped the runtime directory %s: its process is gone", path)
         for path in stale_sockets():
             try:
                 os.unlink(path)

@@ -11,9 +11,8 @@ import torch.distributed as dist
 import zmq
 
 from shmloader import Config, ShmLoader, wire
-from shmloader.channel import Hub, runtime_dir, socket_path
-from shmloader.errors import ConfigError
-from shmloader.ring import new_token
+from shmloader.channel import Hub, check_private_dir, make_private_dir, socket_path
+from shmloader.errors import ConfigError, ProtocolError
 from tests import ranks
 from tests.faults.scenarios import outcome
 from tests.harness import run_ranks
@@ -92,20 +91,25 @@ def test_a_group_that_is_not_part_of_the_world_is_a_config_error():
 
 
 def test_runtime_dir_of_another_user_is_refused(tmp_path):
-    owned = tmp_path / f"shmloader-{os.geteuid()}"
-    owned.mkdir(mode=0o700)
-    os.chown(owned, 12345, 12345)
-    with pytest.raises(ConfigError, match="SHMLOADER_RUNTIME_DIR") as info:
-        runtime_dir(str(tmp_path))
-    assert "12345" in str(info.value)
-    os.chown(owned, os.geteuid(), os.getegid())
-    os.chmod(owned, 0o755)
-    with pytest.raises(ConfigError, match="mode 0700"):
-        runtime_dir(str(tmp_path))
+    """The fixed ``shmloader-<uid>`` of earlier versions can be squatted; a
+    private directory cannot, and one not ours or open to others is refused."""
+    squat = tmp_path / f"shmloader-{os.geteuid()}"
+    squat.mkdir(mode=0o700)
+    os.chown(squat, 12345, 12345)
+    mine = make_private_dir(str(tmp_path))  # the squat is irrelevant
+    check_private_dir(mine)
+    os.chown(mine, 12345, 12345)
+    with pytest.raises(ProtocolError, match="uid 12345"):
+        check_private_dir(mine)
+    os.chown(mine, os.geteuid(), os.getegid())
+    os.chmod(mine, 0o755)
+    with pytest.raises(ProtocolError, match="mode 0700"):
+        check_private_dir(mine)
+    os.rmdir(mine)
 
 
 def test_garbage_frames_are_dropped_and_logged_never_a_crash(no_leaks, caplog):
-    path = socket_path(no_leaks, new_token(), os.getpid())
+    path = socket_path(make_private_dir(no_leaks))
     hub = Hub(path)
     peer = zmq.Context.instance().socket(zmq.DEALER)
     peer.setsockopt(zmq.ROUTING_ID, b"r1")
@@ -155,5 +159,6 @@ def test_a_runtime_dir_too_long_for_an_ipc_socket_is_a_config_error(tmp_path):
     deep = tmp_path / ("d" * 90)
     deep.mkdir()
     with pytest.raises(ConfigError, match="SHMLOADER_RUNTIME_DIR") as info:
-        socket_path(str(deep), new_token(), os.getpid())
+        make_private_dir(str(deep))
     assert "107" in str(info.value)
+    assert os.listdir(deep) == []  # the too-long directory was not left behind

@@ -70,6 +70,13 @@ NOTE [pool names]
     headers name the leader's main process as owner, so a killed leader's
     segments are reaped by ``shmloader gc`` or the daemon like the rest of
     its ring. ``close`` unlinks every generation it knows of.
+
+    The names are still unpredictable (NOTE [unpredictable names] in
+    ``segment``): ``<stem>.<random>``. The control segment's name travels to
+    the workers in the pickled ``PoolSpec``; each slot's random part lives in
+    its record (``NAME``), written by whoever creates that generation (the
+    main process for generation 0, the growing worker after), so every
+    process derives the current name from the control segment.
 """
 
 from __future__ import annotations
@@ -89,7 +96,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import ProtocolError, ShmCapacityError, ShmLoaderError
-from .ring import GRANULE, RingWriter, Slot, SlotState, slot_capacity_for, slot_name
+from .ring import GRANULE, RingWriter, Slot, SlotState, slot_capacity_for, slot_stem
 from .segment import (
     HEADER_SIZE,
     KIND_DATA,
@@ -111,7 +118,8 @@ POOL_VERSION = 1
 FREE, WRITING, FILLED, HELD = 1, 2, 3, 4
 STATE_NAMES = {0: "INVALID", FREE: "FREE", WRITING: "WRITING", FILLED: "FILLED", HELD: "HELD"}
 # Word indices of a slot record (WRITE_NS: the worker's last encode + write, for stats).
-STATE, GEN, CAPACITY, PID, TICKET, WRITE_NS = range(6)
+#: NAME: the random part of the current generation's segment name (NOTE [pool names])
+STATE, GEN, CAPACITY, PID, TICKET, WRITE_NS, NAME = range(7)
 _RECORD_WORDS = 8  # 64 bytes per slot: one cache line
 _RECORDS_AT = 8  # in words: slot records start at payload offset 64
 #: A worker's wait for a FREE slot polls with this backoff (seconds).
@@ -121,8 +129,19 @@ POLL_FIRST_S, POLL_MAX_S = 50e-6, 2e-3
 _POOLS: weakref.WeakValueDictionary[str, WorkerPool] = weakref.WeakValueDictionary()
 
 
-def pool_name(token: str) -> str:
+def pool_stem(token: str) -> str:
+    """The pool control segment's name without its random part."""
     return f"/{PREFIX}{token}-pool"
+
+
+def pool_slot_name(token: str, i: int, gen: int, suffix: int) -> str:
+    """Generation ``gen`` of pool slot ``i``: ``slot_stem`` plus its recorded random part."""
+    return f"{slot_stem(token, i, gen)}.{suffix:016x}"
+
+
+def _suffix(segment: Segment) -> int:
+    """The random part of a name made by ``Segment.create_unique``."""
+    return int(segment.name.rsplit(".", 1)[1], 16)
 
 
 def per_worker_slots(prefetch_factor: int, ring_slots: int, num_workers: int) -> int:
@@ -135,6 +154,7 @@ class PoolSpec:
     """What a worker needs to find and use its partition (pickled to every worker)."""
 
     token: str
+    control: str  # the pool control segment's name (random: NOTE [pool names])
     num_workers: int
     per_worker: int
     prefetch_factor: int
@@ -200,8 +220,13 @@ class WorkerPool:
         self.ring = ring
         self.daemon = daemon
         per_worker = per_worker_slots(prefetch_factor, ring_slots, num_workers)
+        words = _RECORDS_AT + num_workers * per_worker * _RECORD_WORDS
+        self.control = Segment.create_unique(
+            pool_stem(ring.token), KIND_DATA, ring.token, words * 8
+        )
         self.spec = PoolSpec(
             ring.token,
+            self.control.name,
             num_workers,
             per_worker,
             prefetch_factor,
@@ -214,8 +239,6 @@ class WorkerPool:
         if self.base != 0:
             raise AssertionError("the worker pool must be the ring's first slots")
         self._closed = False
-        words = _RECORDS_AT + self.spec.total * _RECORD_WORDS
-        self.control = Segment.create(pool_name(ring.token), KIND_DATA, ring.token, words * 8)
         self._mm = self.control.map_shared()
         self.words = np.frombuffer(self._mm, np.uint64, count=words, offset=HEADER_SIZE)
         self.words[:3] = (POOL_VERSION, num_workers, per_worker)
@@ -227,19 +250,24 @@ class WorkerPool:
         try:
             for i in range(self.spec.total):
                 slot = ring.add_pooled(self._new_segment(i, GRANULE))
-                self._record(i)[[STATE, GEN, CAPACITY]] = (FREE, slot.gen, slot.capacity)
+                self._record(i)[[STATE, GEN, CAPACITY, NAME]] = (
+                    FREE,
+                    slot.gen,
+                    slot.capacity,
+                    _suffix(slot.segment),
+                )
         except BaseException:
             self.close()
             raise
         _POOLS[ring.token] = self
 
     def _new_segment(self, i: int, capacity: int) -> Segment:
-        name = slot_name(self.ring.token, i, 0)
         if self.daemon is not None:
             self.daemon.admit(self.ring.token, capacity + HEADER_SIZE)
-        segment = Segment.create(name, KIND_DATA, self.ring.token, capacity)
+        stem = slot_stem(self.ring.token, i, 0)
+        segment = Segment.create_unique(stem, KIND_DATA, self.ring.token, capacity)
         if self.daemon is not None:
-            self.daemon.add_segment(self.ring.token, name, HEADER_SIZE + segment.capacity)
+            self.daemon.add_segment(self.ring.token, segment.name, HEADER_SIZE + segment.capacity)
         return segment
 
     def _record(self, i: int) -> np.ndarray:
@@ -273,7 +301,7 @@ class WorkerPool:
 
     def _install(self, i: int, gen: int) -> Slot:
         """Generation ``gen`` of slot ``i``, grown by a worker, replaces the ring's older one."""
-        name = slot_name(self.ring.token, i, gen)
+        name = pool_slot_name(self.ring.token, i, gen, int(self._record(i)[NAME]))
         segment = Segment.attach(name, kind=KIND_DATA, token=self.ring.token)
         try:
             if self.daemon is not None and segment.capacity > self._largest:
@@ -331,9 +359,13 @@ class WorkerPool:
         try:
             self._install(i, gen)
         except (ProtocolError, OSError):
-            unlink_name(slot_name(self.ring.token, i, gen))
+            unlink_name(pool_slot_name(self.ring.token, i, gen, int(self._record(i)[NAME])))
             slot = self.ring.slots[self.base + i]
-            self._record(i)[[GEN, CAPACITY]] = (slot.gen, slot.capacity)
+            self._record(i)[[GEN, CAPACITY, NAME]] = (
+                slot.gen,
+                slot.capacity,
+                _suffix(slot.segment),
+            )
 
     @property
     def total_bytes(self) -> int:
@@ -359,7 +391,7 @@ def _unlink_all(control: Segment, token: str, words: np.ndarray, creator: int) -
         total = int(words[1]) * int(words[2])
         for i in range(total):
             at = _RECORDS_AT + i * _RECORD_WORDS
-            unlink_name(slot_name(token, i, int(words[at + GEN])))
+            unlink_name(pool_slot_name(token, i, int(words[at + GEN]), int(words[at + NAME])))
     control.unlink()
     control.close()
 
@@ -384,7 +416,7 @@ class WorkerSlots:
         self.worker_id = worker_id
         self.pid = os.getpid()
         self.first = range(worker_id * spec.per_worker, (worker_id + 1) * spec.per_worker)
-        self.control = Segment.attach(pool_name(spec.token), kind=KIND_DATA, token=spec.token)
+        self.control = Segment.attach(spec.control, kind=KIND_DATA, token=spec.token)
         mm = self.control.map_shared()
         self.words = np.frombuffer(mm, np.uint64, offset=HEADER_SIZE)
         self.maps: dict[int, tuple[int, Segment, mmap.mmap, np.ndarray]] = {}
@@ -455,7 +487,7 @@ class WorkerSlots:
         held = self.maps.get(i)
         if held is None or held[0] != gen:
             self._forget(i)
-            name = slot_name(self.spec.token, i, gen)
+            name = pool_slot_name(self.spec.token, i, gen, int(rec[NAME]))
             segment = Segment.attach(name, kind=KIND_DATA, token=self.spec.token)
             mm = segment.map_shared()
             touch(mm)  # populate this process's page tables once, not per batch
@@ -491,14 +523,15 @@ class WorkerSlots:
             self.grown = True
         capacity = slot_capacity_for(max(nbytes, int(cap * 1.5)))
         new = gen + 1
-        name = slot_name(self.spec.token, i, new)
         rec = self._record(i)
-        rec[GEN] = new  # before the name exists: close() and reclaim() find it from here
-        try:
-            segment = Segment.create(name, KIND_DATA, self.spec.token, capacity)
-        except BaseException:
-            rec[GEN] = gen
-            raise
+        old_name = int(rec[NAME])
+        stem = slot_stem(self.spec.token, i, new)
+        segment = Segment.create_unique(stem, KIND_DATA, self.spec.token, capacity)
+        # Recorded at once, while the header still names this worker: if it dies
+        # before this, gc reaps the segment (dead owner); after, close() and
+        # reclaim() find it from here.
+        rec[NAME] = _suffix(segment)
+        rec[GEN] = new
         try:
             # the job's owner is the leader's main process, not this short-lived worker
             header = dataclasses.replace(
@@ -511,7 +544,7 @@ class WorkerSlots:
         except BaseException:
             segment.unlink()
             segment.close()
-            rec[GEN] = gen
+            rec[GEN], rec[NAME] = gen, old_name
             raise
         self._forget(i)
         view = np.frombuffer(mm, np.uint8, count=segment.capacity, offset=HEADER_SIZE)

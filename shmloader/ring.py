@@ -309,7 +309,7 @@ class RingWriter:
         old = self.slots[index]
         if not old.pooled or old.state != SlotState.FREE:
             raise ProtocolError(f"slot {index} is not a FREE pooled slot ({old.state.name})")
-        gen = int(segment.name.rpartition(".")[2])
+        _index, gen = parse_slot_name(self.token, segment.name)
         slot = self._pooled_slot(index, gen, segment, populate=False)
         self._retire(old)
         self.slots[index] = slot

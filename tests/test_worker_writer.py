@@ -292,6 +292,53 @@ def test_a_dropped_slotref_frees_its_slot():
         leader.close()
 
 
+def test_pool_names_cannot_be_predicted_or_squatted():
+    """FIFOs planted at every name derivable from the ring token change nothing.
+
+    NOTE [pool names]: the control segment and each slot generation carry a
+    random part; a fixed name would make the pool hang or fail on a planted file.
+    """
+    import re
+
+    token = new_token()
+    loader = DataLoader(Sized(9), batch_size=3, num_workers=1)  # batches grow: new generations
+    per = per_worker_slots(loader.prefetch_factor, 2, 1)
+    planted = [f"/dev/shm/shml-{token}-pool"]
+    planted += [f"/dev/shm/shml-{token}-{i}.{gen}" for i in range(per) for gen in range(4)]
+    for path in planted:
+        os.mkfifo(path, 0o600)
+    ring = RingWriter(token, frozenset(), {"test": True}, self_rank=0)
+    pool = None
+    try:
+        pool = WorkerPool(
+            ring,
+            num_workers=1,
+            prefetch_factor=loader.prefetch_factor,
+            ring_slots=2,
+            timeout=20.0,
+            allow_pickle=False,
+        )
+        assert install(loader, pool.spec)
+        assert re.fullmatch(rf"/shml-{token}-pool\.[0-9a-f]{{16}}", pool.control.name)
+        gens = set()
+        for seq, ref in enumerate(loader):
+            slot = pool.adopt(ref)
+            gens.add(slot.gen)
+            assert re.fullmatch(
+                rf"/shml-{token}-{ref.index}\.{slot.gen}\.[0-9a-f]{{16}}", slot.segment.name
+            )
+            ring.publish(slot, seq, ref.nbytes, 0)
+            ring.release(0, slot.index, slot.gen)
+            pool.sync()
+        assert max(gens) >= 1, "no slot grew: the test did not reach the worker's growth path"
+    finally:
+        ring.close()
+        if pool is not None:
+            pool.close()
+        for path in planted:
+            os.unlink(path)
+
+
 def test_pool_larger_than_dev_shm_is_a_capacity_error_before_any_batch(monkeypatch):
     import shmloader.pool as pool_mod
 

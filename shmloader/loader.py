@@ -313,6 +313,7 @@ class ShmLoader:
         self._seq = 0  # batches announced by this writer
         self._pos = 0  # writer: position stamped on the next message of this epoch
         self._left: dict[int, tuple[int, int]] = {}  # reader: it -> (epoch, pos) when left
+        self._noted = 0  # the last iteration _note_left accounted for
         self._iter_epoch = 0  # the epoch the current iteration started in
         self._ring_warned = 0  # ring size last warned about (NOTE [ring growth])
         self._delivered = 0  # position in the epoch: batches the user received (or skipped)
@@ -603,6 +604,21 @@ class ShmLoader:
             )
         return self._length
 
+    def _note_left(self) -> None:
+        """Remember where this rank left an unfinished iteration (NOTE [iteration numbers]).
+
+        Called before anything resets the position: a new ``iter()`` or a
+        ``set_epoch`` to another epoch, whichever comes first.
+        """
+        if self._noted == self._it:
+            return
+        self._noted = self._it
+        if self._exhausted or self._it == 0:
+            return
+        self._left[self._it] = (self._iter_epoch, self._delivered)
+        for old in [k for k in self._left if k < self._it - 4]:
+            del self._left[old]
+
     def set_epoch(self, epoch: int) -> None:
         """Record ``epoch`` and forward it to the leader's loader and sampler.
 
@@ -614,6 +630,7 @@ class ShmLoader:
         if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
             raise ConfigError("epoch", epoch, "an integer >= 0")
         if epoch != self._epoch:  # a new epoch starts at its beginning
+            self._note_left()
             self._delivered, self._exhausted, self._sampler_base = 0, False, 0
         self._epoch = epoch
         if self._xnode is not None:
@@ -630,10 +647,7 @@ class ShmLoader:
                 "writer",
                 "it closed its ShmLoader: no more batches will come",
             )
-        if not self._exhausted and self._it > 0:
-            self._left[self._it] = (self._iter_epoch, self._delivered)  # NOTE [iteration numbers]
-            for old in [k for k in self._left if k < self._it - 4]:
-                del self._left[old]
+        self._note_left()
         self._it += 1
         self._iter_epoch = self._epoch
         cursor, skip = self._take_resume()

@@ -537,7 +537,7 @@ class WorkerSlots:
             header = dataclasses.replace(
                 segment.header, pid=self.spec.owner_pid, start=self.spec.owner_start
             )
-            os.pwrite(segment.fd, header.pack(), 0)
+            header.write(segment.fd)
             segment.header = header
             mm = segment.map_shared()
             touch(mm)

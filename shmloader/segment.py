@@ -128,6 +128,16 @@ class Header:
         )
         return fixed.ljust(_PIDNS_AT, b"\0") + _PIDNS.pack(self.pidns)
 
+    def write(self, fd: int) -> None:
+        """Rewrite this header in place, leaving the bytes between its fields alone.
+
+        A control segment keeps the ring's counters right after the fixed
+        fields (``ring._COUNTERS_AT``): ``pack()``'s zero padding would wipe them.
+        """
+        fixed = self.pack()
+        os.pwrite(fd, fixed[: _HEADER.size], 0)
+        os.pwrite(fd, fixed[_PIDNS_AT:], _PIDNS_AT)
+
     @classmethod
     def unpack(cls, raw: bytes) -> Header:
         """Parse a header; :class:`ProtocolError` unless it is one of ours."""

@@ -281,7 +281,7 @@ def test_a_dead_jobs_bytes_are_what_gc_frees(capsys) -> None:
         ctl = ring.control
         h = ctl.header
         dead = Header(h.kind, h.uid, h.token, dead_pid(), h.start, h.capacity, h.created_ns)
-        os.pwrite(ctl.fd, dead.pack(), 0)  # now the writer is dead
+        dead.write(ctl.fd)  # now the writer is dead
         job = next(j for j in admin.scan()["jobs"] if j["token"] == ring.token)
         assert job["state"] == "dead" and job["ring_bytes"] == slot.capacity
         freed = [i for i in admin.collect_garbage(dry_run=True) if i["token"] == ring.token]
@@ -289,7 +289,7 @@ def test_a_dead_jobs_bytes_are_what_gc_frees(capsys) -> None:
         assert would_free == HEADER_SIZE + ctl.capacity
         assert job["bytes"] == job["reclaimable_bytes"] == would_free
         assert job["age_s"] is not None and job["started_unix"] == h.created_ns / 1e9
-        os.pwrite(ctl.fd, h.pack(), 0)  # ours again, so that close() unlinks it
+        h.write(ctl.fd)  # ours again, so that close() unlinks it
 
 
 @pytest.mark.timeout(20)

@@ -611,7 +611,7 @@ def test_every_role_delivers_the_same_batches_through_the_device_stage():
         assert r["all_registered"] and r["stats"]["device_registered"]
         # once per slot segment (a slot that grows is a new segment), never per batch
         assert r["registrations"] == len(r["segments"]) == len(set(r["segments"]))
-        assert 0 < r["registrations"] < len(r["batches"]) // 2
+        assert 0 < r["registrations"] <= len(r["batches"]) // 2  # slots recycled
     assert all(r["registrations"] == 0 for r in alone)  # sharing off: nothing to register
 
 

@@ -182,8 +182,11 @@ def test_kept_small_leaves_keep_nothing_and_kept_batches_are_named_in_a_warning(
     out = run_ranks(keep_small_then_whole, 2)
     for o in out:
         assert o["small"]["labels"] == list(range(20)), o["small"]
-    # every rank kept 20 labels, yet the ring stayed at its depth (slots + 1)
-    assert out[0]["small"]["slots"] <= 3, out[0]["small"]
+    # every rank kept 20 labels, yet the ring stayed near its depth (slots + 1 = 3; one
+    # more when the leader publishes before a follower's RELEASE of the batch it just
+    # rebound arrives: the comprehension drops it only after receiving the next one).
+    # Kept views would have grown it to 20.
+    assert out[0]["small"]["slots"] <= 4, out[0]["small"]
     warned = [m for m in out[0]["warnings"] if "past its depth" in m]
     assert warned, out[0]["warnings"]
     assert "batch 0 by rank(s) [1]" in warned[0] and "SHMLOADER_SLOTS" in warned[0], warned[0]

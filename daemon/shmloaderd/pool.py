@@ -213,11 +213,11 @@ class Pool:
         seg = item.segment
         old = seg.header
         new = Header(KIND_DATA, old.uid, token, pid, start, old.capacity, time.time_ns())
-        os.pwrite(seg.fd, new.pack(), 0)
+        new.write(seg.fd)
         try:
             os.link(shm_path(seg.name), shm_path(name))
         except OSError as exc:
-            os.pwrite(seg.fd, old.pack(), 0)  # still ours
+            old.write(seg.fd)  # still ours
             with self.lock:
                 self.items.append(item)
             why = "it exists" if exc.errno == errno.EEXIST else exc.strerror

@@ -121,6 +121,7 @@ def leader_exits_on_error(rank: int, world: int) -> dict:
         # what _fail made sure of. (Files are removed by hand, not by the loader.)
         loader._ring.close()
         os.unlink(loader._hub.path)
+        os.rmdir(os.path.dirname(loader._hub.path))  # its private runtime directory
         os._exit(3)
     loader.close()
     return out

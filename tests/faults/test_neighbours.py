@@ -691,9 +691,10 @@ def test_a_cross_node_header_with_a_huge_meta_len_is_refused_before_allocating()
             tensor.copy_(torch.tensor(self.head, dtype=torch.int64))
 
     for head in (
-        [xnode.KIND_BATCH, 1, 0, 1 << 50, 0, -1],
-        [xnode.KIND_BATCH, 1, 0, 0, 1 << 40, -1],
-        [xnode.KIND_END, 1, 0, 0, -5, -1],
+        # kind, it, nbytes, meta_len, draws, crc, epoch, pos
+        [xnode.KIND_BATCH, 1, 0, 1 << 50, 0, -1, 0, 0],
+        [xnode.KIND_BATCH, 1, 0, 0, 1 << 40, -1, 0, 0],
+        [xnode.KIND_END, 1, 0, 0, -5, -1, 0, 0],
     ):
         with pytest.raises(ProtocolError, match="out of bounds"):
             Fake(head).receive_header()

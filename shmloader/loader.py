@@ -1154,7 +1154,13 @@ class ShmLoader:
         """NOTE [ring growth]: say what is held when the ring outgrows its depth."""
         ring = self._ring
         assert ring is not None
-        live = [s for s in ring.slots if s.state != SlotState.RETIRED]
+        # Pooled slots (the workers' pool, sized for the DataLoader's prefetch) count
+        # only while ranks hold them: the pool's size is not growth.
+        live = [
+            s
+            for s in ring.slots
+            if s.state != SlotState.RETIRED and (not s.pooled or s.state == SlotState.HELD)
+        ]
         depth = self.config.slots + 1
         if len(live) <= max(depth, 2 * self._ring_warned):
             return

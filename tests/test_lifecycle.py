@@ -187,9 +187,9 @@ def test_kept_small_leaves_keep_nothing_and_kept_batches_are_named_in_a_warning(
     # rebound arrives: the comprehension drops it only after receiving the next one).
     # Kept views would have grown it to 20.
     assert out[0]["small"]["slots"] <= 4, out[0]["small"]
+    # then rank 1 keeps whole batches: the warning names what it holds, and the fix
     warned = [m for m in out[0]["warnings"] if "past its depth" in m]
-    assert warned, out[0]["warnings"]
-    assert "batch 0 by rank(s) [1]" in warned[0] and "SHMLOADER_SLOTS" in warned[0], warned[0]
+    assert any("batch 0 by rank(s) [1]" in m and "SHMLOADER_SLOTS" in m for m in warned), warned
 
 
 def test_the_timeout_follows_the_process_group_unless_set():

@@ -49,7 +49,7 @@ def _timed(fn: Callable[..., Any], acc: dict[str, list[float]], name: str) -> Ca
 
 def targets() -> list[tuple[Any, str, str]]:
     """(owner, attribute, label) of every library step the breakdown times."""
-    from shmloader import codec, loader, ring
+    from shmloader import codec, follower, loader, ring
     from shmloader.channel import Spoke
 
     targets: list[tuple[Any, str, str]] = [
@@ -63,7 +63,7 @@ def targets() -> list[tuple[Any, str, str]]:
         (loader.ShmLoader, "_announce", "leader: _announce"),
         (loader.ShmLoader, "_publish", "leader: _publish (all)"),
         (loader.ShmLoader, "_attach", "follower: _attach"),
-        (loader._Releaser, "send", "follower: _Releaser.send (releases, requests)"),
+        (follower._Releaser, "send", "follower: _Releaser.send (releases, requests)"),
     ]
     return targets
 

@@ -5,7 +5,7 @@ iterator of every role (local, leader, node leader, follower) in one
 :class:`DeviceStage`; the roles' loops do not change. The stage runs in the
 consuming thread (no background thread: a follower's ZeroMQ socket belongs to
 the thread that iterates, and releases are sent from it, NOTE [prompt release]
-in ``loader``).
+in ``follower``).
 
 One ``next()`` on a CUDA rank::
 

@@ -7,6 +7,12 @@ it on its node; a *follower* maps what its node's writer published. With
 sharing off every rank is *local*: it builds and iterates its own loader,
 exactly as without shmloader.
 
+This module keeps the public API, set-up, epochs, checkpoints, stats and
+close; each role's loop lives in its own module (``local``, ``leader``,
+``relay``, ``follower``, with ``writer`` and ``reader`` for what the writers
+and the readers share; the map is in ``roles``). ``ShmLoader`` inherits
+them all, so every role works on the same ``self``.
+
 One batch, leader to a follower on another node::
 
     leader                          node leader (node B)          follower (node B)
@@ -63,12 +69,6 @@ NOTE [small leaves]
     slot, which is released as soon as the large leaves die. A batch made
     only of small leaves is released right at delivery.
 
-NOTE [ring growth]
-    The ring's expected depth is ``SHMLOADER_SLOTS + 1``: the window of
-    unconsumed batches plus the one in use. Past that, some rank keeps old
-    batches (or parts of them) alive; the writer warns, naming each held
-    batch and its holders, at the first growth and each doubling after.
-
 NOTE [same failure in both modes]
     With sharing off every rank still runs each batch through the codec's
     checks (``codec.encode``, which builds metadata only and copies no
@@ -80,28 +80,21 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import dataclasses
 import datetime
 import functools
 import json
-import logging
 import os
 import statistics
-import threading
 import time
-import traceback
 import weakref
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import codec, rng, wire
-from . import worker as worker_writer
+from . import codec, rng, wire  # noqa: F401  (codec: tests/faults patch loader.codec)
 from .channel import Hub, Peer, Spoke
 from .config import DEFAULT_TIMEOUT_S, Config
 from .daemon_client import DaemonClient
@@ -109,27 +102,26 @@ from .device import DeviceOps, DeviceStage, warn_pin_memory
 from .device import resolve as resolve_device
 from .errors import (
     ConfigError,
-    DivergenceError,
-    LeaderError,
-    LeaderStoppedError,
     LoaderStateError,
     PeerLostError,
-    ProtocolError,
     ShmLoaderError,
     TopologyMismatchError,
-    human_bytes,
 )
+from .follower import _Follower, _Releaser
+from .leader import _Leader
+from .local import _stateful
 from .mesh import resolve_group
-from .pool import SlotRef, WorkerPool
-from .ring import RingReader, RingWriter, Slot, SlotState, new_token, private_view
+from .pool import WorkerPool
+from .relay import _Relay
+from .ring import RingReader, RingWriter, new_token
+from .roles import _error_body, _json_body, _leader_error, log
 from .topology import GroupTopology, broadcast_bytes, discover
 from .wire import Kind
-from .xnode import KIND_BATCH, KIND_END, KIND_ERROR, KIND_STOP, CrossNode
+from .xnode import CrossNode
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-log = logging.getLogger(__name__)
 
 STATE_FORMAT = "shmloader.state/2"
 #: Earlier formats ``load_state_dict`` still accepts (no RNG, no saving rank).
@@ -140,8 +132,6 @@ REPORT_EVERY_S = 1.0
 WAIT_WINDOW = 256
 #: Most per-rank rows a writer puts in its ring's description (for ``stat``).
 DESCRIBED_RANKS = 64
-#: Longest a writer waits, on close or on an error, for readers it must reach.
-CLOSE_WAIT_S = 10.0
 
 #: gloo exchange groups made for non-gloo SP groups, one per rank tuple for the
 #: life of the process: every ShmLoader over the same ranks shares it, so ranks
@@ -149,107 +139,7 @@ CLOSE_WAIT_S = 10.0
 _EXCHANGE_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
-class _Releaser:
-    """A reader's outgoing messages, and its RELEASEs sent the moment a batch dies.
-
-    NOTE [prompt release]
-        A reader's batch dies (``weakref.finalize`` on its mapping) when the
-        user drops it, typically when ``batch`` is rebound at the top of the
-        next step. Sending RELEASE right then, instead of with the reader's
-        next request, lets the writer reuse that slot for the very next
-        batch, so a lockstep job needs two slots, not three.
-
-    NOTE [one thread per socket]
-        ZeroMQ sockets are not thread-safe, and a finalizer runs on whichever
-        thread drops the last reference (a prefetch thread iterates while
-        the main thread drops batches; a garbage collection runs finalizers
-        anywhere, even inside one of our own socket calls). So:
-
-        - the *owner* is the thread that iterates: every ``next()`` claims
-          the socket for its thread (``claim``);
-        - a finalizer only appends to ``pending`` (a deque: atomic appends),
-          and sends at once only when it runs on the owner thread and takes
-          ``lock`` without blocking, i.e. when no socket call is under way;
-        - every socket call holds ``lock`` and first flushes ``pending``, and
-          a wait flushes it once per slice: releases queued by other threads
-          leave with the owner's next call or within one slice of a wait.
-    """
-
-    def __init__(self, spoke: Spoke, rank: int) -> None:
-        self.spoke = spoke
-        self.rank = rank
-        self.pending: collections.deque = collections.deque()
-        self.lock = threading.Lock()
-        self.holder = 0  # the thread holding ``lock``, 0 when free
-        self.owner = threading.get_ident()
-        self.closed = False  # after close(): batches that die later release nothing
-
-    def claim(self) -> None:
-        """The calling thread iterates: it owns the socket from now on."""
-        self.owner = threading.get_ident()
-
-    def release(self, item: tuple[int, int, int]) -> None:
-        """The finalizer callback: queue, and send now when that is safe."""
-        if self.closed:
-            return
-        self.pending.append(item)
-        if threading.get_ident() == self.owner and self.lock.acquire(blocking=False):
-            self.holder = threading.get_ident()
-            try:
-                self._flush()
-            finally:
-                self.holder = 0
-                self.lock.release()
-
-    def send(self, parts: list) -> None:
-        """Send ``parts`` (if any) after every queued RELEASE."""
-        me = threading.get_ident()
-        if self.holder == me:  # inside our own wait (a handler): the socket is ours
-            self._flush()
-            if parts:
-                self.spoke.send(parts)
-            return
-        with self._holding():
-            self._flush()
-            if parts:
-                self.spoke.send(parts)
-
-    def flush(self) -> None:
-        """Send what other threads queued; only from inside ``receiving``."""
-        if self.holder == threading.get_ident():
-            self._flush()
-
-    def _flush(self) -> None:
-        while True:
-            try:
-                index, gen, seq = self.pending.popleft()
-            except IndexError:
-                return
-            self.spoke.send(wire.frames(Kind.RELEASE, seq, rank=self.rank, slot=index, gen=gen))
-
-    @contextlib.contextmanager
-    def _holding(self) -> Iterator[None]:
-        if not self.lock.acquire(timeout=CLOSE_WAIT_S):
-            raise ShmLoaderError(
-                "a reader's socket stayed busy for 10 s: two threads iterate one ShmLoader "
-                "at once; iterate it from one thread (a prefetch thread is fine)"
-            )
-        self.holder = threading.get_ident()
-        try:
-            yield
-        finally:
-            self.holder = 0
-            self.lock.release()
-
-    @contextlib.contextmanager
-    def receiving(self) -> Iterator[None]:
-        """Hold the socket for a wait; finalizers meanwhile only queue."""
-        with self._holding():
-            self._flush()
-            yield
-
-
-class ShmLoader:
+class ShmLoader(_Leader, _Relay, _Follower):
     """Iterate one loader per SP group; every rank of ``group`` gets identical batches.
 
     Args:
@@ -417,31 +307,6 @@ class ShmLoader:
             self._out.send(wire.frames(Kind.HELLO, rank=topo.me, pid=me.pid, start=me.start))
         if len(topo.nodes) > 1 and topo.me in topo.node_leaders:
             self._xnode = CrossNode(pg, topo.leader, topo.node_leaders)
-
-    def _worker_pool(self) -> WorkerPool | None:
-        """A slot pool written by the leader's DataLoader workers (``worker``), or None.
-
-        Only for a ``torch.utils.data.DataLoader`` with ``num_workers > 0``;
-        any other loader is written by the leader's main process.
-        """
-        loader = self._loader
-        workers = getattr(loader, "num_workers", 0)
-        if not isinstance(loader, torch.utils.data.DataLoader) or not workers:
-            return None
-        assert self._ring is not None
-        pool = WorkerPool(
-            self._ring,
-            num_workers=workers,
-            prefetch_factor=loader.prefetch_factor or 2,
-            ring_slots=self.config.slots,
-            timeout=self.config.timeout,
-            allow_pickle=self.config.allow_pickle,
-            daemon=self._daemon,
-        )
-        if not worker_writer.install(loader, pool.spec):
-            pool.close()
-            return None
-        return pool
 
     def _agree_on_loader(
         self, make_loader: Callable[[], Iterable[Any]], pg: dist.ProcessGroup
@@ -858,61 +723,12 @@ class ShmLoader:
             "group": group,
         }
 
-    # ------------------------------------------------------------ iteration
+    # ------------------------------------------------------ used by every role
 
     @property
     def _me(self) -> int:
         assert self._topo is not None
         return self._topo.me
-
-    def _local_iteration(self, skip: int) -> Iterator[Any]:
-        source, _ = self._open_source(skip)
-        while True:
-            self._check_open()
-            self._mark_boundary()
-            box = []  # NOTE [no batch in the frame]
-            try:
-                box.append(next(source))
-            except StopIteration:
-                self._exhausted = True
-                return
-            # NOTE [same failure in both modes]: a batch sharing could not carry
-            # fails here too, whatever the launcher sets.
-            codec.encode(box[0], allow_pickle=self.config.allow_pickle)
-            self._delivered += 1
-            yield box.pop()
-
-    def _open_source(self, skip: int) -> tuple[Iterator[Any], int]:
-        """``iter()`` the user's loader and fast-forward ``skip`` batches (a resume).
-
-        Returns the iterator and the default-generator draws made so far
-        (NOTE [RNG mirroring]). Skipping replays the skipped batches through
-        the loader, so its sampler, workers and RNG end where an
-        uninterrupted run would be.
-        """
-        self._capture_rng()  # the first request of this iteration
-        self._just_opened = True
-        before = rng.snapshot()
-        source = iter(self._loader)  # type: ignore[arg-type]
-        for _ in range(skip):
-            try:
-                next(source)
-            except StopIteration:
-                break
-        if self._rng_undo is not None:  # NOTE [RNG at the step boundary]
-            rng.restore(self._rng_undo)
-            self._rng_undo = None
-        return source, self._count(before)
-
-    def _mark_boundary(self) -> None:
-        """Remember a stateful loader's state at an optimizer-step boundary."""
-        k = self.accumulation_steps
-        if k > 1 and self._delivered % k == 0 and _stateful(self._loader):
-            self._boundary_state = self._loader.state_dict()  # type: ignore[union-attr]
-        if self._just_opened:  # _open_source captured this request before opening
-            self._just_opened = False
-        else:
-            self._capture_rng()
 
     def _capture_rng(self) -> None:
         """At a request of a step's first micro-batch, before the loader's draws for it.
@@ -926,655 +742,9 @@ class ShmLoader:
         if k > 1 and self._delivered % k == 0:
             self._rng_boundary = rng.capture()
 
-    def _count(self, before: torch.Tensor) -> int:
-        n = rng.count_draws(before, rng.snapshot())
-        if n is None:
-            if not self._warned_rng:
-                self._warned_rng = True
-                log.warning(
-                    "shmloader: the leader's loader drew from the default torch generator in a way "
-                    "followers cannot mirror (e.g. torch.rand in a main-process collate_fn); "
-                    "followers' RNG will differ from sharing-off (NOTE [RNG mirroring])"
-                )
-            return 0
-        return n
-
-    # -- leader --------------------------------------------------------------
-
-    def _leader_iteration(self, it: int, skip: int) -> Iterator[Any]:
-        try:
-            if self._pool is not None:
-                self._pool.reclaim()  # slots of workers that died in an earlier iteration
-            source, pending = self._open_source(skip)
-            while True:
-                self._check_open()
-                self._mark_boundary()
-                if self._pool is not None:  # free what ranks released before we block on workers
-                    self._pump()
-                    self._pool.sync()
-                before = rng.snapshot()
-                box = []  # NOTE [no batch in the frame]
-                t_wait = time.perf_counter()
-                try:
-                    box.append(next(source))
-                except StopIteration:
-                    self._end(it, pending + self._count(before))
-                    self._exhausted = True
-                    return
-                self._note_wait(t_wait)
-                draws, pending = pending + self._count(before), 0
-                self._delivered += 1
-                yield self._publish(it, box.pop(), draws)
-        except GeneratorExit:
-            raise
-        except BaseException as exc:
-            self._fail(it, exc)
-            raise
-
-    def _publish(self, it: int, batch: Any, draws: int) -> Any:
-        """Write ``batch`` once into the ring, announce it; return the leader's own copy.
-
-        The leader, too, gets a copy-on-write view of the slot (unless
-        ``SHMLOADER_COPY``), so the loader's batch can be freed at once: the
-        node holds each batch once, in the ring, and every rank of the group
-        sees the very same structure. A ``SlotRef`` (a DataLoader worker wrote
-        the batch into a pool slot, ``worker``) is announced as it is.
-        """
-        if isinstance(batch, worker_writer.WorkerFailure):
-            raise batch.exception()
-        if isinstance(batch, SlotRef):
-            return self._publish_ref(it, batch, draws)
-        enc = codec.encode(batch, allow_pickle=self.config.allow_pickle)
-        self._await_readers()
-        t0 = time.perf_counter_ns()
-        slot = self._ring.acquire(enc.nbytes) if enc.nbytes else None  # type: ignore[union-attr]
-        if slot is not None:
-            codec.write_payload(enc, slot.payload)
-        t1 = time.perf_counter_ns()
-        payload = slot.payload[: enc.nbytes] if slot is not None else None
-        crc = _crc(payload) if self.config.verify and payload is not None else -1
-        if self._xnode is not None:
-            self._xnode.send(KIND_BATCH, it, enc.meta, payload, draws=draws, crc=crc)
-        self._announce(it, enc.meta, enc.nbytes, slot, draws, t1 - t0, crc)
-        self._stats["published"] += 1
-        self._stats["bytes_published"] += enc.nbytes
-        self._stats["publish_ms_total"] += (time.perf_counter_ns() - t0) / 1e6
-        self._stats["write_ms_last"] = (t1 - t0) / 1e6
-        if self.config.copy:
-            if slot is not None:
-                self._ring.release(self._me, slot.index, slot.gen)  # type: ignore[union-attr]
-            return batch
-        return codec.decode(
-            enc.meta,
-            self._own_view(slot, enc.nbytes),
-            allow_pickle=self.config.allow_pickle,
-            own_below=self.config.small_copy_bytes,
-        )
-
-    def _publish_ref(self, it: int, ref: SlotRef, draws: int) -> Any:
-        """Announce a batch a worker wrote into a pool slot: metadata only, no payload copy."""
-        assert self._pool is not None and self._ring is not None
-        self._await_readers()
-        t0 = time.perf_counter_ns()
-        slot = self._pool.adopt(ref) if ref.nbytes else None  # no payload: no slot
-        payload = slot.payload[: ref.nbytes] if slot is not None else None
-        crc = _crc(payload) if self.config.verify and payload is not None else -1
-        if self._xnode is not None:
-            self._xnode.send(KIND_BATCH, it, ref.meta, payload, draws=draws, crc=crc)
-        self._announce(it, ref.meta, ref.nbytes, slot, draws, 0, crc)
-        self._stats["published"] += 1
-        self._stats["worker_written"] += 1
-        self._stats["bytes_published"] += ref.nbytes
-        self._stats["publish_ms_total"] += (time.perf_counter_ns() - t0) / 1e6
-        self._stats["write_ms_last"] = 0.0  # the main process wrote nothing
-        self._stats["worker_write_ms_last"] = self._pool.last_write_ns / 1e6
-        view = self._own_view(slot, ref.nbytes)
-        if self.config.copy:
-            batch = _owned_copy(codec.decode(ref.meta, view, allow_pickle=self.config.allow_pickle))
-            del view
-            return batch
-        batch = codec.decode(
-            ref.meta,
-            view,
-            allow_pickle=self.config.allow_pickle,
-            own_below=self.config.small_copy_bytes,
-        )
-        # the main process's own work on this batch, waiting for readers left out
-        self._stats["main_ms_last"] = (time.perf_counter_ns() - t0) / 1e6
-        return batch
-
-    def _own_view(self, slot: Slot | None, nbytes: int) -> np.ndarray:
-        """The writer's private view of a slot it just published; releases itself."""
-        if slot is None:
-            return np.empty(0, np.uint8)
-        release = functools.partial(self._self_releases.append, (slot.index, slot.gen))
-        return private_view(slot.segment, nbytes, release)
-
-    def _end(self, it: int, draws: int) -> None:
-        if self._xnode is not None:
-            self._xnode.send(KIND_END, it, b"", draws=draws)
-        self._await_readers(window=False)
-        self._tell_readers(self._stamped(Kind.END, it, draws=draws))
-
-    def _fail(self, it: int, exc: BaseException) -> None:
-        """Tell every reader (and from the leader every node leader) that this iteration failed.
-
-        Readers that have not said HELLO yet are waited for (bounded): a
-        message sent before their connection is up would be lost, and they
-        would report the leader lost instead of its error.
-        """
-        try:
-            stop = isinstance(exc, KeyboardInterrupt | SystemExit)
-            if stop:
-                kind = KIND_STOP
-                body = {"reason": f"{type(exc).__name__} on the leader"}
-                parts = self._stamped(Kind.STOP, it, closed=0, reason=body["reason"])
-            else:
-                kind, body = KIND_ERROR, _error_body(it, exc)
-                parts = wire.frames(Kind.ERROR, self._seq, **body)
-            link_broken = self._xnode is not None and self._xnode.broken
-            if self._xnode is not None and self._role == "leader" and not link_broken:
-                self._xnode.send_json(kind, it, body)
-            with contextlib.suppress(PeerLostError):
-                self._await_readers(window=False, timeout=min(self.config.timeout, CLOSE_WAIT_S))
-            self._tell_last(parts)
-        except Exception as notify_error:  # the original error matters more
-            log.warning("shmloader: could not tell followers about %r: %s", exc, notify_error)
-
-    # -- writer bookkeeping (leader and node leader) -------------------------
-
-    def _announce(
-        self, it: int, meta: bytes, nbytes: int, slot: Slot | None, draws: int, ns: int, crc: int
-    ) -> None:
-        """Tell this node's readers that batch ``seq`` is in ``slot``."""
-        ring = self._ring
-        assert ring is not None
-        seq = self._seq
-        self._seq += 1
-        if slot is not None:
-            ring.publish(slot, seq, nbytes, ns)
-        parts = self._stamped(
-            Kind.BATCH,
-            it,
-            seq,
-            meta,
-            slot=-1 if slot is None else slot.index,
-            gen=0 if slot is None else slot.gen,
-            seg="" if slot is None else slot.segment.name,
-            nbytes=nbytes,
-            draws=draws,
-            crc=crc,
-        )
-        self._pos += 1
-        if self._xnode is not None:
-            self._xnode.position = (self._epoch, self._pos)
-        self._tell_readers(parts)
-        self._warn_growth()
-        self._report()
-
-    def _stamped(
-        self, kind: Kind, it: int, seq: int | None = None, blob: bytes | None = None, **body: Any
-    ) -> list:
-        """A writer message stamped with (iteration, epoch, position) (NOTE [iteration numbers]).
-
-        ERROR and STOP carry the next batch number as ``seq``: readers ACK it
-        (``_tell_last``).
-        """
-        return wire.frames(
-            kind,
-            self._seq if seq is None else seq,
-            blob,
-            it=it,
-            epoch=self._epoch,
-            pos=self._pos,
-            **body,
-        )
-
-    def _tell_last(self, parts: list) -> None:
-        """Send a writer's last word (ERROR, STOP) and wait, bounded, until each reader has it.
-
-        The process may exit right after (the error propagates): a message
-        still in ZeroMQ's queue would be lost, and readers would report the
-        writer dead instead of its error. Readers ACK it with its ``seq``.
-        """
-        self._tell_readers(parts, best_effort=True)
-        seq = wire.parse(parts).seq
-        try:
-            self._wait_for(
-                lambda: [
-                    r for r in self._topo.readers if r not in self._gone and self._acked[r] <= seq
-                ],
-                min(self.config.timeout, CLOSE_WAIT_S),
-                "making sure followers received the leader's error",
-            )
-        except PeerLostError as exc:
-            log.warning("shmloader: not every follower confirmed the error: %s", exc)
-
-    def _warn_growth(self) -> None:
-        """NOTE [ring growth]: say what is held when the ring outgrows its depth."""
-        ring = self._ring
-        assert ring is not None
-        # Pooled slots (the workers' pool, sized for the DataLoader's prefetch) count
-        # only while ranks hold them: the pool's size is not growth.
-        live = [
-            s
-            for s in ring.slots
-            if s.state != SlotState.RETIRED and (not s.pooled or s.state == SlotState.HELD)
-        ]
-        depth = self.config.slots + 1
-        if len(live) <= max(depth, 2 * self._ring_warned):
-            return
-        self._ring_warned = len(live)
-        held = [
-            f"batch {s.seq} by rank(s) {sorted(s.holders)}"
-            for s in sorted(live, key=lambda s: s.seq)
-            if s.state == SlotState.HELD
-        ]
-        log.warning(
-            "shmloader: the ring of group %s on this node grew to %d slots (%s), past its depth of "
-            "%d (SHMLOADER_SLOTS=%d + the batch in use): still held: %s. A rank keeps parts of "
-            "old batches alive (a metric keeping a tensor, a prefetch queue): keep .clone() "
-            "copies of what you keep (leaves of at most %d bytes already are copies), or raise "
-            "SHMLOADER_SLOTS to the batches a rank keeps in flight",
-            list(self._topo.ranks) if self._topo else "?",
-            len(live),
-            human_bytes(ring.total_bytes),
-            depth,
-            self.config.slots,
-            "; ".join(held) or "nothing (released since)",
-            self.config.small_copy_bytes,
-        )
-
-    def _tell_readers(self, parts: list, *, best_effort: bool = False) -> None:
-        """Send to every live reader; a lost one raises after all others were told."""
-        assert self._hub is not None and self._topo is not None
-        lost: PeerLostError | None = None
-        for rank in self._topo.readers:
-            if rank in self._gone:
-                continue
-            try:
-                self._hub.send(rank, parts)
-            except PeerLostError as exc:
-                self._drop_reader(rank)
-                lost = lost or exc
-        if lost is not None and not best_effort:
-            raise lost
-
-    def _drop_reader(self, rank: int) -> None:
-        """``rank`` said BYE or is unreachable: stop waiting for it and sending to it."""
-        self._gone.add(rank)
-        assert self._ring is not None
-        self._ring.drop_reader(rank)
-
-    def _handle(self, msg: wire.Message, rank: int | None) -> bool:
-        """Apply one reader message to the writer's state; never raises on bad input."""
-        ring = self._ring
-        assert ring is not None
-        if rank not in self._acked:
-            log.warning("shmloader: message from rank %s, which is not a reader here", rank)
-            return False
-        try:
-            if msg.kind == Kind.HELLO:
-                self._hello.add(rank)
-            elif msg.kind == Kind.ACK:
-                self._acked[rank] = max(self._acked[rank], msg.seq + 1)
-            elif msg.kind == Kind.RELEASE:
-                ring.release(rank, msg["slot"], msg["gen"])
-            elif msg.kind == Kind.ATTACHED:
-                ring.attached(rank, msg["seg"])
-            elif msg.kind == Kind.BYE:
-                self._drop_reader(rank)
-            else:
-                raise ProtocolError(f"{msg.kind.name} is not a reader's message")
-        except ProtocolError as exc:
-            log.warning("shmloader: dropped a message from rank %d: %s", rank, exc)
-        return False
-
-    def _pump(self) -> None:
-        """Apply every message already waiting, and our own releases (node leader)."""
-        assert self._hub is not None and self._ring is not None
-        while (got := self._hub.receive(0)) is not None:
-            self._handle(*got)
-        while self._self_releases:
-            index, gen = self._self_releases.popleft()
-            with contextlib.suppress(ProtocolError):
-                self._ring.release(self._me, index, gen)
-
-    def _wait_for(self, waiting: Callable[[], list[int]], timeout: float, doing: str) -> None:
-        """Handle reader messages until ``waiting()`` is empty (NOTE [bounded waits])."""
-        hub = self._hub
-        assert hub is not None
-        self._pump()
-        if not waiting():
-            return
-
-        def handle(msg: wire.Message, rank: int | None) -> bool:
-            self._handle(msg, rank)
-            return not waiting()
-
-        t0 = time.perf_counter()
-        hub.wait(handle, lambda: [self._peer(r) for r in waiting()], timeout=timeout, doing=doing)
-        self._stats["wait_readers_ms_total"] += (time.perf_counter() - t0) * 1e3
-
-    def _await_readers(self, *, window: bool = True, timeout: float | None = None) -> None:
-        """Wait until every reader said HELLO and (``window``) none lags ``slots`` behind."""
-        topo = self._topo
-        assert topo is not None
-        slots = self.config.slots
-
-        def waiting() -> list[int]:
-            live = [r for r in topo.readers if r not in self._gone]
-            late = [r for r in live if r not in self._hello]
-            if late or not window:
-                return late
-            return [r for r in live if self._seq - self._acked[r] >= slots]
-
-        self._wait_for(
-            waiting,
-            self.config.timeout if timeout is None else timeout,
-            f"waiting for followers to take batch {self._seq}",
-        )
-
-    def _await_attach(self) -> None:
-        """Before unlinking at close: let readers open the segments they were told about.
-
-        A reader maps a slot by name, so a name unlinked before a lagging
-        reader opened it would make that reader fail. Bounded by
-        ``CLOSE_WAIT_S``; readers that said BYE or died are not waited for.
-        """
-        ring = self._ring
-        assert ring is not None
-        try:
-            self._wait_for(
-                lambda: sorted(ring.unattached() - self._gone),
-                min(self.config.timeout, CLOSE_WAIT_S),
-                "closing: waiting for followers to map the last batches",
-            )
-        except PeerLostError as exc:
-            log.warning("shmloader: closing without every follower's last batch: %s", exc)
-
     def _peer(self, rank: int) -> Peer:
         assert self._topo is not None
         return self._topo.peer(rank)
-
-    # -- node leader ---------------------------------------------------------
-
-    def _relay_iteration(self, it: int) -> Iterator[Any]:
-        try:
-            yield from self._relay(it)
-        except GeneratorExit:
-            raise
-        except LeaderError:
-            raise  # already forwarded to this node's readers
-        except BaseException as exc:  # e.g. the cross-node link broke: tell our readers
-            self._fail(it, exc)
-            raise
-
-    def _relay(self, it: int) -> Iterator[Any]:
-        xnode, ring = self._xnode, self._ring
-        assert xnode is not None and ring is not None
-        while True:
-            self._check_open()
-            t_wait = time.perf_counter()
-            head, self._xstash = self._xstash or xnode.receive_header(), None
-            self._note_wait(t_wait)
-            kind, leader_it, nbytes, meta, draws, crc, epoch, pos = head
-            theirs = (leader_it, epoch, pos)
-            mine = (it, self._epoch, self._delivered)
-            terminal = kind in (KIND_ERROR, KIND_STOP)
-            if leader_it < it and not terminal:  # this node left that iteration early
-                if nbytes:
-                    xnode.receive_payload(np.empty(nbytes, np.uint8))
-                self._left_behind(leader_it, pos, kind == KIND_END)
-                continue
-            if leader_it > it:  # the leader left our iteration: keep its message for the next
-                self._xstash = head
-                raise self._diverged("left", theirs, mine)
-            if kind == KIND_END:
-                if (epoch, pos) != mine[1:]:
-                    raise self._diverged("ended", theirs, mine)
-                self._await_readers(window=False)
-                self._tell_readers(self._stamped(Kind.END, it, draws=draws))
-                rng.mirror_draws(draws)
-                self._exhausted = True
-                return
-            if terminal:
-                body = _json_body(meta)
-                if kind == KIND_STOP:
-                    reason = str(body.get("reason", ""))
-                    self._tell_last(self._stamped(Kind.STOP, it, reason=reason, closed=0))
-                    raise self._stopped(reason, theirs, mine)
-                body["it"] = it
-                self._tell_last(wire.frames(Kind.ERROR, self._seq, **_error_fields(body)))
-                raise _leader_error(body, self._topo.leader if self._topo else None)
-            if (epoch, pos) != mine[1:]:
-                if nbytes:
-                    xnode.receive_payload(np.empty(nbytes, np.uint8))
-                raise self._diverged("batch", theirs, mine)
-            t0 = time.perf_counter_ns()
-            self._await_readers()
-            slot = ring.acquire(nbytes) if nbytes else None
-            if slot is not None:
-                xnode.receive_payload(slot.payload[:nbytes])
-                if crc >= 0:
-                    _check_crc(slot.payload[:nbytes], crc, self._seq)
-            self._announce(it, meta, nbytes, slot, draws, time.perf_counter_ns() - t0, crc)
-            yield self._deliver(meta, self._own_view(slot, nbytes), draws, t0)
-
-    def _diverged(
-        self, how: str, theirs: tuple[int, int, int], mine: tuple[int, int, int]
-    ) -> DivergenceError:
-        """NOTE [iteration numbers]: this rank and its writer iterate differently."""
-        what = {
-            "left": (
-                f"the leader left iteration {mine[0]} after {mine[2]} batches and went on to "
-                f"iteration {theirs[0]}, while this rank still asked for batch {mine[2]} "
-                "(one rank broke out of its loop, another did not)"
-            ),
-            "ended": (
-                f"the leader's epoch ended after {theirs[2]} batches, while this rank "
-                f"received {mine[2]}"
-            ),
-            "batch": (
-                f"the leader sent batch {theirs[2]} of epoch {theirs[1]}, while this rank "
-                f"expected batch {mine[2]} of epoch {mine[1]} (a set_epoch() or "
-                "load_state_dict() made on some ranks only?)"
-            ),
-        }[how]
-        topo = self._topo
-        return DivergenceError(
-            what,
-            rank=topo.me if topo else None,
-            leader_rank=topo.leader if topo else None,
-            leader_position=theirs,
-            position=mine,
-        )
-
-    def _stopped(
-        self, reason: str, theirs: tuple[int, int, int], mine: tuple[int, int, int]
-    ) -> LeaderStoppedError:
-        log.warning("shmloader: the leader stopped: %s", reason)
-        return LeaderStoppedError(
-            reason,
-            leader_rank=self._topo.leader if self._topo else None,
-            leader_position=theirs,
-            position=mine,
-        )
-
-    def _left_behind(self, it: int, pos: int, end: bool) -> None:
-        """A message of iteration ``it``, which this rank left early: warn once, naming both."""
-        left = self._left.pop(it, None)
-        if left is None:
-            return
-        log.warning(
-            "shmloader: rank %s left iteration %d (epoch %d) after %d batches, but the leader "
-            "went on (%s); those batches were released unused. Ranks of one group that break "
-            "out of an epoch must break at the same point, or they train on different batches",
-            self._topo.me if self._topo else "?",
-            it,
-            left[0],
-            left[1],
-            f"its epoch ended after {pos} batches" if end else f"it sent batch {pos}",
-        )
-
-    def _deliver(self, meta: bytes, payload: np.ndarray, draws: int, t0: int) -> Any:
-        """Decode a received batch (views of ``payload``), mirror RNG draws, count it."""
-        batch = codec.decode(
-            meta,
-            payload,
-            allow_pickle=self.config.allow_pickle,
-            own_below=self.config.small_copy_bytes,
-        )
-        nbytes = payload.nbytes
-        del payload  # NOTE [small leaves]: a batch of small leaves only is released here
-        if self.config.copy:
-            batch = _owned_copy(batch)
-        self._capture_rng()  # NOTE [RNG at the step boundary]
-        rng.mirror_draws(draws)
-        self._delivered += 1
-        elapsed = (time.perf_counter_ns() - t0) / 1e6
-        self._stats["received"] += 1
-        self._stats["bytes_received"] += nbytes
-        self._stats["receive_ms_total"] += elapsed
-        self._stats["receive_ms_last"] = elapsed
-        self._report()
-        return batch
-
-    # -- follower ------------------------------------------------------------
-
-    def _next_event(self, it: int) -> wire.Message:
-        """The next message that matters to iteration ``it`` (NOTE [iteration numbers]).
-
-        That is a message of iteration ``it``, the writer's last word (ERROR,
-        STOP) or a message of a later iteration (then also kept in
-        ``_stash`` for the next one). Leftovers of earlier iterations are
-        ACKed and released right here, inside the receive path: the writer
-        may be waiting for exactly those.
-        """
-        spoke, topo = self._spoke, self._topo
-        assert spoke is not None and topo is not None
-        self._out.claim()  # NOTE [one thread per socket]: the iterating thread owns it
-        if self._stash is not None:
-            msg, self._stash = self._stash, None
-            if self._sort(msg, it):
-                return msg
-        found: list[wire.Message] = []
-
-        def handle(msg: wire.Message, _rank: int | None) -> bool:
-            if self._sort(msg, it):
-                found.append(msg)
-                return True
-            return False
-
-        peer = self._peer(topo.writer)
-        t0 = time.perf_counter()
-        with self._out.receiving():
-            spoke.wait(
-                handle,
-                lambda: [peer],
-                timeout=self.config.timeout,
-                doing=f"waiting for batch {self._delivered} of iteration {it}",
-                idle=self._out.flush,
-            )
-        self._note_wait(t0)
-        return found[0]
-
-    def _sort(self, msg: wire.Message, it: int) -> bool:
-        """Whether ``msg`` ends the wait for iteration ``it``; drop an earlier one's leftovers."""
-        terminal = msg.kind in (Kind.ERROR, Kind.STOP)
-        if terminal:  # the writer waits (bounded) until it knows we have it: _tell_last
-            self._out.send(wire.frames(Kind.ACK, msg.seq, rank=self._me))
-        msg_it = msg.body.get("it", it)
-        if msg_it == it:
-            return True
-        closed = msg.kind == Kind.STOP and msg["closed"]
-        if terminal and (msg_it < it or closed):  # the writer's last word, in any iteration
-            return True
-        if msg_it > it:  # the writer moved on: keep the message for the next iteration
-            self._stash = msg
-            return True
-        self._drop(msg)
-        if msg.kind in (Kind.BATCH, Kind.END):
-            self._left_behind(msg_it, msg["pos"], msg.kind == Kind.END)
-        return False
-
-    def _drop(self, msg: wire.Message) -> None:
-        """ACK and RELEASE a batch this rank will not use (its iteration is over)."""
-        if msg.kind != Kind.BATCH:
-            return
-        self._out.send(wire.frames(Kind.ACK, msg.seq, rank=self._me))
-        if msg["slot"] >= 0:
-            self._attach(msg["seg"])
-            self._out.pending.append((msg["slot"], msg["gen"], msg.seq))
-            self._out.send([])
-
-    def _attach(self, seg: str) -> None:
-        assert self._reader is not None and self._spoke is not None
-        try:
-            opened = self._reader.open(seg)
-        except ProtocolError as exc:
-            writer = self._peer(self._topo.writer) if self._topo else None
-            if writer is not None and not writer.alive():
-                raise PeerLostError(
-                    writer.rank, writer.role, f"it died before we mapped {seg}"
-                ) from None
-            raise ShmLoaderError(
-                f"cannot map the batch in {seg}: {exc}. The writer may have closed its ShmLoader "
-                "while this rank was still iterating: close() every rank's loader only after "
-                "every rank finished iterating"
-            ) from None
-        if opened:
-            self._out.send(wire.frames(Kind.ATTACHED, rank=self._me, seg=seg))
-
-    def _follower_iteration(self, it: int) -> Iterator[Any]:
-        reader, spoke, topo = self._reader, self._spoke, self._topo
-        assert reader is not None and spoke is not None and topo is not None
-        while True:
-            self._check_open()
-            msg = self._next_event(it)
-            mine = (it, self._epoch, self._delivered)
-            theirs = (msg.body.get("it", it), msg.body.get("epoch", -1), msg.body.get("pos", -1))
-            if msg is self._stash:  # a later iteration started while we still iterate
-                raise self._diverged("left", theirs, mine)
-            if msg.kind == Kind.END:
-                if theirs[1:] != mine[1:]:
-                    raise self._diverged("ended", theirs, mine)
-                rng.mirror_draws(msg["draws"])
-                self._exhausted = True
-                return
-            if msg.kind == Kind.STOP:
-                if msg["closed"]:
-                    self._writer_closed = True
-                    raise PeerLostError(
-                        topo.writer,
-                        topo.role(topo.writer),
-                        "it closed its ShmLoader while this rank was still iterating",
-                    )
-                raise self._stopped(msg["reason"], theirs, mine)
-            if msg.kind == Kind.ERROR:
-                raise _leader_error(msg.body, topo.leader)
-            if msg.kind != Kind.BATCH:
-                log.warning("shmloader: unexpected %s from the writer; ignored", msg.kind.name)
-                continue
-            if theirs[1:] != mine[1:]:
-                self._drop(msg)
-                raise self._diverged("batch", theirs, mine)
-            t0 = time.perf_counter_ns()
-            self._out.send(wire.frames(Kind.ACK, msg.seq, rank=self._me))
-            yield self._deliver(msg.blob, self._map(msg), msg["draws"], t0)
-
-    def _map(self, msg: wire.Message) -> np.ndarray:
-        """A private view of the payload a BATCH announced (empty without payload)."""
-        nbytes = msg["nbytes"]
-        if not nbytes:
-            return np.empty(0, np.uint8)
-        assert self._reader is not None
-        self._attach(msg["seg"])
-        release = functools.partial(self._out.release, (msg["slot"], msg["gen"], msg.seq))
-        payload = self._reader.view(msg["seg"], nbytes, release)
-        if msg["crc"] >= 0:
-            _check_crc(payload, msg["crc"], msg.seq)
-        return payload
 
 
 # ------------------------------------------------------------------ helpers
@@ -1707,12 +877,6 @@ def _forward_set_epoch(loader: object, epoch: int) -> None:
             fn(epoch)
 
 
-def _stateful(loader: object) -> bool:
-    return callable(getattr(loader, "state_dict", None)) and callable(
-        getattr(loader, "load_state_dict", None)
-    )
-
-
 def _find_sharded(loader: object) -> Any:
     """The loader's ``ShardedSampler`` or ``ShardedBatchSampler``, or None."""
     from .sampler import ShardedBatchSampler, ShardedSampler
@@ -1809,92 +973,6 @@ def _validate_state(state: Any, topology: dict[str, Any]) -> tuple[int, int, Any
             "ranks: resume with the same SP group layout. " + _RECIPE
         )
     return state["epoch"], state["batches"], state.get("loader")
-
-
-def _owned_copy(batch: Any) -> Any:
-    """Replace shared views by owned copies (``SHMLOADER_COPY=1``).
-
-    A module-level recursion with an explicit memo, not a nested closure: a
-    closure that refers to itself is a reference cycle, which would keep the
-    copies (and through them nothing else, but still memory) alive until the
-    cycle collector runs.
-    """
-    return _clone(batch, {})
-
-
-def _clone(obj: Any, memo: dict[int, Any]) -> Any:
-    if isinstance(obj, torch.Tensor | np.ndarray):
-        if id(obj) not in memo:  # aliases stay aliases
-            memo[id(obj)] = obj.clone() if isinstance(obj, torch.Tensor) else obj.copy()
-        return memo[id(obj)]
-    if isinstance(obj, list):
-        return [_clone(v, memo) for v in obj]
-    if type(obj) is tuple:
-        return tuple(_clone(v, memo) for v in obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_clone(v, memo) for v in obj))
-    if isinstance(obj, dict):
-        return {k: _clone(v, memo) for k, v in obj.items()}
-    if hasattr(obj, "__dataclass_fields__") and not isinstance(obj, type):
-        new = copy.copy(obj)
-        for name in obj.__dataclass_fields__:
-            object.__setattr__(new, name, _clone(getattr(obj, name), memo))
-        return new
-    return obj
-
-
-def _crc(payload: np.ndarray) -> int:
-    return zlib.crc32(payload)
-
-
-def _check_crc(payload: np.ndarray, expected: int, seq: int) -> None:
-    got = _crc(payload)
-    if got != expected:
-        raise ProtocolError(
-            f"batch {seq}: payload CRC-32 {got:08x} != {expected:08x} announced by the writer; "
-            "the shared memory was modified or corrupted between write and read"
-        )
-
-
-def _json_body(meta: bytes) -> dict:
-    try:
-        body = json.loads(meta)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        body = None
-    if isinstance(body, dict):
-        return body
-    return {"type": "ProtocolError", "message": repr(meta[:200])}
-
-
-def _error_body(it: int, exc: BaseException) -> dict[str, Any]:
-    return {
-        "it": it,
-        "type": type(exc).__qualname__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(exc)),
-    }
-
-
-def _error_fields(body: dict) -> dict:
-    return {
-        "it": int(body.get("it", 0)) if isinstance(body.get("it", 0), int) else 0,
-        "type": str(body.get("type", "Exception")),
-        "message": str(body.get("message", "")),
-        "traceback": str(body.get("traceback", "")),
-    }
-
-
-def _leader_error(body: dict, leader: int | None) -> ShmLoaderError:
-    """The error a reader raises for the leader's ERROR message.
-
-    A peer lost by the leader is a peer lost by the whole group: readers raise
-    ``PeerLostError`` with the leader's account. Anything else the leader's
-    loader raised becomes ``LeaderError`` carrying type, message and traceback.
-    """
-    f = _error_fields(body)
-    if f["type"] == "PeerLostError":
-        return PeerLostError(None, "peer", f"the leader (rank {leader}) reported: {f['message']}")
-    return LeaderError(f["type"], f["message"], f["traceback"], leader_rank=leader)
 
 
 def _close_in(creator: int, closers: list[Callable[[], None]]) -> None:

@@ -36,7 +36,7 @@ NOTE [slot lifetime]
     of that batch is garbage), so a batch never changes under a reader that
     still holds any part of it. The writer therefore never rewrites a HELD
     slot: it takes a FREE one or grows the ring by one slot. Growth is
-    bounded by the window rule in ``loader`` (a writer runs at most
+    bounded by the window rule in ``writer`` (a writer runs at most
     ``slots`` batches ahead of its slowest reader) plus what readers
     deliberately keep alive.
 

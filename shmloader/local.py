@@ -1,0 +1,98 @@
+"""The rank that runs the user's loader: ``local`` (sharing off), and the leader built on it.
+
+With sharing off every rank is *local*: it iterates its own loader exactly
+as without shmloader, and still runs each batch through the codec's checks
+(NOTE [same failure in both modes] in ``loader``)::
+
+    local
+    -----
+    source = iter(loader)          (_open_source: skip a resumed cursor)
+    _mark_boundary()               (optimizer-step boundary: loader state, RNG)
+    batch = next(source)
+    codec.encode(batch)            (metadata only: the checks sharing makes)
+    yield batch
+
+The leader (``leader``) opens and steps its loader the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from . import codec, rng
+from .roles import log
+
+
+class _Local:
+    """Open, fast-forward and step the user's loader; the local role's loop."""
+
+    def _local_iteration(self, skip: int) -> Iterator[Any]:
+        source, _ = self._open_source(skip)
+        while True:
+            self._check_open()
+            self._mark_boundary()
+            box = []  # NOTE [no batch in the frame] (loader)
+            try:
+                box.append(next(source))
+            except StopIteration:
+                self._exhausted = True
+                return
+            # NOTE [same failure in both modes] (loader): a batch sharing could not carry
+            # fails here too, whatever the launcher sets.
+            codec.encode(box[0], allow_pickle=self.config.allow_pickle)
+            self._delivered += 1
+            yield box.pop()
+
+    def _open_source(self, skip: int) -> tuple[Iterator[Any], int]:
+        """``iter()`` the user's loader and fast-forward ``skip`` batches (a resume).
+
+        Returns the iterator and the default-generator draws made so far
+        (NOTE [RNG mirroring] in ``rng``). Skipping replays the skipped batches through
+        the loader, so its sampler, workers and RNG end where an
+        uninterrupted run would be.
+        """
+        self._capture_rng()  # the first request of this iteration
+        self._just_opened = True
+        before = rng.snapshot()
+        source = iter(self._loader)  # type: ignore[arg-type]
+        for _ in range(skip):
+            try:
+                next(source)
+            except StopIteration:
+                break
+        if self._rng_undo is not None:  # NOTE [RNG at the step boundary] (rng)
+            rng.restore(self._rng_undo)
+            self._rng_undo = None
+        return source, self._count(before)
+
+    def _mark_boundary(self) -> None:
+        """Remember a stateful loader's state at an optimizer-step boundary."""
+        k = self.accumulation_steps
+        if k > 1 and self._delivered % k == 0 and _stateful(self._loader):
+            self._boundary_state = self._loader.state_dict()  # type: ignore[union-attr]
+        if self._just_opened:  # _open_source captured this request before opening
+            self._just_opened = False
+        else:
+            self._capture_rng()
+
+    def _count(self, before: torch.Tensor) -> int:
+        n = rng.count_draws(before, rng.snapshot())
+        if n is None:
+            if not self._warned_rng:
+                self._warned_rng = True
+                log.warning(
+                    "shmloader: the leader's loader drew from the default torch generator in a way "
+                    "followers cannot mirror (e.g. torch.rand in a main-process collate_fn); "
+                    "followers' RNG will differ from sharing-off (NOTE [RNG mirroring])"
+                )
+            return 0
+        return n
+
+
+def _stateful(loader: object) -> bool:
+    return callable(getattr(loader, "state_dict", None)) and callable(
+        getattr(loader, "load_state_dict", None)
+    )

@@ -1,0 +1,292 @@
+"""What a writer does (the leader and each node leader): its node's readers and ring.
+
+A writer publishes each batch into its node's ring and tells its readers;
+the readers' HELLO / ACK / RELEASE / ATTACHED / BYE come back on the hub::
+
+    writer (_Writer)                     reader (a follower of this node)
+    ----------------                     --------------------------------
+    _await_readers: every reader said  <--HELLO-------  set-up
+      HELLO, none lags SLOTS behind    <--ACK---------  took batch seq
+    ring.publish(slot, seq)
+    _announce: hub.send(BATCH) ---------BATCH-------->  maps it
+    _pump / _handle                    <--ATTACHED----  first map of a segment
+                                       <--RELEASE-----  the batch died
+                                       <--BYE---------  closed
+    _end: END ---------------------------END--------->  iteration over
+    _fail: ERROR | STOP, then _tell_last waits (bounded) for each reader's ACK
+
+NOTE [ring growth]
+    The ring's expected depth is ``SHMLOADER_SLOTS + 2``: the window of
+    unconsumed batches, the one in use, and the one a reader just dropped
+    whose RELEASE is on its way (a loop drops a batch only once it holds the
+    next). Pooled worker slots count only while ranks hold them. Past that, some rank keeps old
+    batches (or parts of them) alive; the writer warns, naming each held
+    batch and its holders, at the first growth and each doubling after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import wire
+from .errors import PeerLostError, ProtocolError, human_bytes
+from .ring import Slot, SlotState, private_view
+from .roles import CLOSE_WAIT_S, _error_body, log
+from .wire import Kind
+from .xnode import KIND_ERROR, KIND_STOP
+
+
+class _Writer:
+    """Bookkeeping shared by the leader and the node leader (this node's writer)."""
+
+    def _own_view(self, slot: Slot | None, nbytes: int) -> np.ndarray:
+        """The writer's private view of a slot it just published; releases itself."""
+        if slot is None:
+            return np.empty(0, np.uint8)
+        release = functools.partial(self._self_releases.append, (slot.index, slot.gen))
+        return private_view(slot.segment, nbytes, release)
+
+    def _fail(self, it: int, exc: BaseException) -> None:
+        """Tell every reader (and from the leader every node leader) that this iteration failed.
+
+        Readers that have not said HELLO yet are waited for (bounded): a
+        message sent before their connection is up would be lost, and they
+        would report the leader lost instead of its error.
+        """
+        try:
+            stop = isinstance(exc, KeyboardInterrupt | SystemExit)
+            if stop:
+                kind = KIND_STOP
+                body = {"reason": f"{type(exc).__name__} on the leader"}
+                parts = self._stamped(Kind.STOP, it, closed=0, reason=body["reason"])
+            else:
+                kind, body = KIND_ERROR, _error_body(it, exc)
+                parts = wire.frames(Kind.ERROR, self._seq, **body)
+            link_broken = self._xnode is not None and self._xnode.broken
+            if self._xnode is not None and self._role == "leader" and not link_broken:
+                self._xnode.send_json(kind, it, body)
+            with contextlib.suppress(PeerLostError):
+                self._await_readers(window=False, timeout=min(self.config.timeout, CLOSE_WAIT_S))
+            self._tell_last(parts)
+        except Exception as notify_error:  # the original error matters more
+            log.warning("shmloader: could not tell followers about %r: %s", exc, notify_error)
+
+    def _announce(
+        self, it: int, meta: bytes, nbytes: int, slot: Slot | None, draws: int, ns: int, crc: int
+    ) -> None:
+        """Tell this node's readers that batch ``seq`` is in ``slot``."""
+        ring = self._ring
+        assert ring is not None
+        seq = self._seq
+        self._seq += 1
+        if slot is not None:
+            ring.publish(slot, seq, nbytes, ns)
+        parts = self._stamped(
+            Kind.BATCH,
+            it,
+            seq,
+            meta,
+            slot=-1 if slot is None else slot.index,
+            gen=0 if slot is None else slot.gen,
+            seg="" if slot is None else slot.segment.name,
+            nbytes=nbytes,
+            draws=draws,
+            crc=crc,
+        )
+        self._pos += 1
+        if self._xnode is not None:
+            self._xnode.position = (self._epoch, self._pos)
+        self._tell_readers(parts)
+        self._warn_growth()
+        self._report()
+
+    def _stamped(
+        self, kind: Kind, it: int, seq: int | None = None, blob: bytes | None = None, **body: Any
+    ) -> list:
+        """A writer message stamped with (iteration, epoch, position).
+
+        NOTE [iteration numbers] in ``loader``. ERROR and STOP carry the next
+        batch number as ``seq``: readers ACK it (``_tell_last``).
+        """
+        return wire.frames(
+            kind,
+            self._seq if seq is None else seq,
+            blob,
+            it=it,
+            epoch=self._epoch,
+            pos=self._pos,
+            **body,
+        )
+
+    def _tell_last(self, parts: list) -> None:
+        """Send a writer's last word (ERROR, STOP) and wait, bounded, until each reader has it.
+
+        The process may exit right after (the error propagates): a message
+        still in ZeroMQ's queue would be lost, and readers would report the
+        writer dead instead of its error. Readers ACK it with its ``seq``.
+        """
+        self._tell_readers(parts, best_effort=True)
+        seq = wire.parse(parts).seq
+        try:
+            self._wait_for(
+                lambda: [
+                    r for r in self._topo.readers if r not in self._gone and self._acked[r] <= seq
+                ],
+                min(self.config.timeout, CLOSE_WAIT_S),
+                "making sure followers received the leader's error",
+            )
+        except PeerLostError as exc:
+            log.warning("shmloader: not every follower confirmed the error: %s", exc)
+
+    def _warn_growth(self) -> None:
+        """NOTE [ring growth]: say what is held when the ring outgrows its depth."""
+        ring = self._ring
+        assert ring is not None
+        # Pooled slots (the workers' pool, sized for the DataLoader's prefetch) count
+        # only while ranks hold them: the pool's size is not growth.
+        live = [
+            s
+            for s in ring.slots
+            if s.state != SlotState.RETIRED and (not s.pooled or s.state == SlotState.HELD)
+        ]
+        # The writer runs SHMLOADER_SLOTS batches ahead of a reader's ACK; the reader
+        # holds the batch in use and, for a moment, the one it just dropped (its
+        # RELEASE is on the way): more than that is something kept.
+        depth = self.config.slots + 2
+        if len(live) <= max(depth, 2 * self._ring_warned):
+            return
+        self._ring_warned = len(live)
+        held = [
+            f"batch {s.seq} by rank(s) {sorted(s.holders)}"
+            for s in sorted(live, key=lambda s: s.seq)
+            if s.state == SlotState.HELD
+        ]
+        log.warning(
+            "shmloader: the ring of group %s on this node grew to %d slots (%s), past its depth of "
+            "%d (SHMLOADER_SLOTS=%d + the batch in use + one being released): still held: %s. "
+            "A rank keeps parts of "
+            "old batches alive (a metric keeping a tensor, a prefetch queue): keep .clone() "
+            "copies of what you keep (leaves of at most %d bytes already are copies), or raise "
+            "SHMLOADER_SLOTS to the batches a rank keeps in flight",
+            list(self._topo.ranks) if self._topo else "?",
+            len(live),
+            human_bytes(ring.total_bytes),
+            depth,
+            self.config.slots,
+            "; ".join(held) or "nothing (released since)",
+            self.config.small_copy_bytes,
+        )
+
+    def _tell_readers(self, parts: list, *, best_effort: bool = False) -> None:
+        """Send to every live reader; a lost one raises after all others were told."""
+        assert self._hub is not None and self._topo is not None
+        lost: PeerLostError | None = None
+        for rank in self._topo.readers:
+            if rank in self._gone:
+                continue
+            try:
+                self._hub.send(rank, parts)
+            except PeerLostError as exc:
+                self._drop_reader(rank)
+                lost = lost or exc
+        if lost is not None and not best_effort:
+            raise lost
+
+    def _drop_reader(self, rank: int) -> None:
+        """``rank`` said BYE or is unreachable: stop waiting for it and sending to it."""
+        self._gone.add(rank)
+        assert self._ring is not None
+        self._ring.drop_reader(rank)
+
+    def _handle(self, msg: wire.Message, rank: int | None) -> bool:
+        """Apply one reader message to the writer's state; never raises on bad input."""
+        ring = self._ring
+        assert ring is not None
+        if rank not in self._acked:
+            log.warning("shmloader: message from rank %s, which is not a reader here", rank)
+            return False
+        try:
+            if msg.kind == Kind.HELLO:
+                self._hello.add(rank)
+            elif msg.kind == Kind.ACK:
+                self._acked[rank] = max(self._acked[rank], msg.seq + 1)
+            elif msg.kind == Kind.RELEASE:
+                ring.release(rank, msg["slot"], msg["gen"])
+            elif msg.kind == Kind.ATTACHED:
+                ring.attached(rank, msg["seg"])
+            elif msg.kind == Kind.BYE:
+                self._drop_reader(rank)
+            else:
+                raise ProtocolError(f"{msg.kind.name} is not a reader's message")
+        except ProtocolError as exc:
+            log.warning("shmloader: dropped a message from rank %d: %s", rank, exc)
+        return False
+
+    def _pump(self) -> None:
+        """Apply every message already waiting, and our own releases (node leader)."""
+        assert self._hub is not None and self._ring is not None
+        while (got := self._hub.receive(0)) is not None:
+            self._handle(*got)
+        while self._self_releases:
+            index, gen = self._self_releases.popleft()
+            with contextlib.suppress(ProtocolError):
+                self._ring.release(self._me, index, gen)
+
+    def _wait_for(self, waiting: Callable[[], list[int]], timeout: float, doing: str) -> None:
+        """Handle reader messages until ``waiting()`` is empty (NOTE [bounded waits], channel)."""
+        hub = self._hub
+        assert hub is not None
+        self._pump()
+        if not waiting():
+            return
+
+        def handle(msg: wire.Message, rank: int | None) -> bool:
+            self._handle(msg, rank)
+            return not waiting()
+
+        t0 = time.perf_counter()
+        hub.wait(handle, lambda: [self._peer(r) for r in waiting()], timeout=timeout, doing=doing)
+        self._stats["wait_readers_ms_total"] += (time.perf_counter() - t0) * 1e3
+
+    def _await_readers(self, *, window: bool = True, timeout: float | None = None) -> None:
+        """Wait until every reader said HELLO and (``window``) none lags ``slots`` behind."""
+        topo = self._topo
+        assert topo is not None
+        slots = self.config.slots
+
+        def waiting() -> list[int]:
+            live = [r for r in topo.readers if r not in self._gone]
+            late = [r for r in live if r not in self._hello]
+            if late or not window:
+                return late
+            return [r for r in live if self._seq - self._acked[r] >= slots]
+
+        self._wait_for(
+            waiting,
+            self.config.timeout if timeout is None else timeout,
+            f"waiting for followers to take batch {self._seq}",
+        )
+
+    def _await_attach(self) -> None:
+        """Before unlinking at close: let readers open the segments they were told about.
+
+        A reader maps a slot by name, so a name unlinked before a lagging
+        reader opened it would make that reader fail. Bounded by
+        ``CLOSE_WAIT_S``; readers that said BYE or died are not waited for.
+        """
+        ring = self._ring
+        assert ring is not None
+        try:
+            self._wait_for(
+                lambda: sorted(ring.unattached() - self._gone),
+                min(self.config.timeout, CLOSE_WAIT_S),
+                "closing: waiting for followers to map the last batches",
+            )
+        except PeerLostError as exc:
+            log.warning("shmloader: closing without every follower's last batch: %s", exc)

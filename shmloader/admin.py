@@ -465,24 +465,30 @@ def scan() -> dict[str, Any]:
 # -------------------------------------------------------------------------- gc
 
 
-def runtime_dirs(runtime_dir: str | None = None) -> list[str]:
-    """Our uid's socket directories under every runtime base we know of.
-
-    Bases: ``runtime_dir``, ``$SHMLOADER_RUNTIME_DIR``, ``$XDG_RUNTIME_DIR``,
-    ``/run/user/<uid>`` and ``/tmp``; in each, ``shmloader-<uid>`` and
-    ``shmloader-<uid>-*`` (private ``mkdtemp`` directories). Only real
-    directories (no symlink) owned by us and closed to others count.
-    """
-    uid = os.geteuid()
+def runtime_bases(runtime_dir: str | None = None) -> list[str]:
+    """Every runtime base we know of, once each: ``runtime_dir``,
+    ``$SHMLOADER_RUNTIME_DIR``, ``$XDG_RUNTIME_DIR``, ``/run/user/<uid>``, ``/tmp``."""
     bases = [
         runtime_dir,
         os.environ.get("SHMLOADER_RUNTIME_DIR"),
         os.environ.get("XDG_RUNTIME_DIR"),
-        f"/run/user/{uid}",
+        f"/run/user/{os.geteuid()}",
         "/tmp",
     ]
+    return list(dict.fromkeys(b for b in bases if b))
+
+
+def runtime_dirs(runtime_dir: str | None = None) -> list[str]:
+    """Our uid's shared socket directories of the older layout, under every runtime base.
+
+    ``shmloader-<uid>`` and ``shmloader-<uid>-*`` in each of
+    :func:`runtime_bases` (jobs of earlier versions; today each writer has a
+    private ``shml-...`` directory: :func:`dead_runtime_dirs`). Only real
+    directories (no symlink) owned by us and closed to others count.
+    """
+    uid = os.geteuid()
     out: list[str] = []
-    for base in dict.fromkeys(b for b in bases if b):
+    for base in runtime_bases(runtime_dir):
         try:
             names = os.listdir(base)
         except OSError:
@@ -551,16 +557,8 @@ def dead_runtime_dirs(runtime_dir: str | None = None) -> list[str]:
     """
     from .reap import runtime_dirs as private_dirs
 
-    uid = os.geteuid()
-    bases = [
-        runtime_dir,
-        os.environ.get("SHMLOADER_RUNTIME_DIR"),
-        os.environ.get("XDG_RUNTIME_DIR"),
-        f"/run/user/{uid}",
-        "/tmp",
-    ]
     dead = []
-    for base in dict.fromkeys(b for b in bases if b):
+    for base in runtime_bases(runtime_dir):
         dead += [path for path, _pid, alive in private_dirs(base) if not alive]
     return dead
 

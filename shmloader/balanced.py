@@ -127,7 +127,15 @@ import torch
 from torch.utils.data import Sampler
 
 from .errors import TopologyMismatchError
-from .sampler import _MAX_SEED, _broadcast_seed, _check_bool, _check_int, _generator, _is_int
+from .sampler import (
+    _MAX_SEED,
+    _broadcast_seed,
+    _check_bool,
+    _check_int,
+    _check_state_head,
+    _generator,
+    _is_int,
+)
 
 __all__ = ["BalancedBatchSampler", "plan_window"]
 
@@ -904,27 +912,11 @@ class BalancedBatchSampler(Sampler[list[int]]):
         :class:`TopologyMismatchError`. The state's ``seed`` is adopted. Under another
         ``num_replicas`` the rest of the epoch is re-planned (module docstring).
         """
-        if not isinstance(state, Mapping):
-            raise ValueError(f"state={state!r} is not valid: expected a dict from state_dict()")
-        missing = [key for key in _STATE_KEYS if key not in state]
-        if missing:
-            raise ValueError(f"sampler state is not valid: missing field(s) {missing}")
-        unknown = sorted(str(key) for key in state if key not in _STATE_KEYS)
-        if unknown:
-            raise ValueError(f"sampler state is not valid: unknown field(s) {unknown}")
+        epoch, seed, old_n = _check_state_head(state, _STATE_KEYS, STATE_FORMAT, STATE_VERSION)
 
         def name(key: str) -> str:
             return f"state[{key!r}]"
 
-        if state["format"] != STATE_FORMAT:
-            raise ValueError(
-                f"{name('format')}={state['format']!r} is not valid: expected {STATE_FORMAT!r}"
-            )
-        _check_int(name("version"), state["version"], STATE_VERSION, STATE_VERSION)
-        epoch = _check_int(name("epoch"), state["epoch"], 0)
-        seed = _check_int(name("seed"), state["seed"], 0, _MAX_SEED)
-        old_n = _check_int(name("num_replicas"), state["num_replicas"], 1)
-        _check_int(name("rank"), state["rank"], 0, old_n - 1)
         mine: dict[str, object] = {
             "dataset_len": len(self._lengths),
             "max_tokens": self._max_tokens,

@@ -159,6 +159,32 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _check_state_head(
+    state: object, keys: tuple[str, ...], fmt: str, version: int
+) -> tuple[int, int, int]:
+    """Validate the fields every sampler state shares; return (epoch, seed, num_replicas).
+
+    ``state`` must be a mapping with exactly ``keys``, of format ``fmt`` and
+    version ``version``; a refused field is a ``ValueError`` naming it.
+    """
+    if not isinstance(state, Mapping):
+        raise ValueError(f"state={state!r} is not valid: expected a dict from state_dict()")
+    missing = [key for key in keys if key not in state]
+    if missing:
+        raise ValueError(f"sampler state is not valid: missing field(s) {missing}")
+    unknown = sorted(str(key) for key in state if key not in keys)
+    if unknown:
+        raise ValueError(f"sampler state is not valid: unknown field(s) {unknown}")
+    if state["format"] != fmt:
+        raise ValueError(f"state['format']={state['format']!r} is not valid: expected {fmt!r}")
+    _check_int("state['version']", state["version"], version, version)
+    epoch = _check_int("state['epoch']", state["epoch"], 0)
+    seed = _check_int("state['seed']", state["seed"], 0, _MAX_SEED)
+    old_n = _check_int("state['num_replicas']", state["num_replicas"], 1)
+    _check_int("state['rank']", state["rank"], 0, old_n - 1)
+    return epoch, seed, old_n
+
+
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> int:
     if not _is_int(value):
         raise ValueError(f"{name}={value!r} is not valid: expected an int")
@@ -596,27 +622,11 @@ class ShardedSampler(Sampler[int]):
         the epoch is re-split (see the module docstring); under the same ``num_replicas`` and
         any rank the segment continues exactly.
         """
-        if not isinstance(state, Mapping):
-            raise ValueError(f"state={state!r} is not valid: expected a dict from state_dict()")
-        missing = [key for key in _STATE_KEYS if key not in state]
-        if missing:
-            raise ValueError(f"sampler state is not valid: missing field(s) {missing}")
-        unknown = sorted(str(key) for key in state if key not in _STATE_KEYS)
-        if unknown:
-            raise ValueError(f"sampler state is not valid: unknown field(s) {unknown}")
+        epoch, seed, old_n = _check_state_head(state, _STATE_KEYS, STATE_FORMAT, STATE_VERSION)
 
         def field(name: str) -> str:
             return f"state[{name!r}]"
 
-        if state["format"] != STATE_FORMAT:
-            raise ValueError(
-                f"{field('format')}={state['format']!r} is not valid: expected {STATE_FORMAT!r}"
-            )
-        _check_int(field("version"), state["version"], STATE_VERSION, STATE_VERSION)
-        epoch = _check_int(field("epoch"), state["epoch"], 0)
-        seed = _check_int(field("seed"), state["seed"], 0, _MAX_SEED)
-        old_n = _check_int(field("num_replicas"), state["num_replicas"], 1)
-        _check_int(field("rank"), state["rank"], 0, old_n - 1)
         dataset_len = _check_int(field("dataset_len"), state["dataset_len"], 0)
         if dataset_len != self._dataset_len:
             raise ValueError(

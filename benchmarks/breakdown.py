@@ -166,7 +166,7 @@ def cache_effect(sizes: tuple[int, ...] = (1, 64, 256, 1024), repeats: int = 11)
 
     from .workload import BatchSpec, TemplatedBatches
 
-    enc = codec.encode(TemplatedBatches(BatchSpec.for_bytes(MiB), 1)[0])
+    enc = codec.encode(TemplatedBatches(BatchSpec.for_bytes(MiB), 1).batch(0))
     payload = np.zeros(enc.nbytes, np.uint8)
     lines = ["codec.decode of the same 1 MiB batch's metadata, right after a copy of:"]
     for size in sizes:

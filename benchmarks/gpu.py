@@ -137,7 +137,7 @@ def run_rank(rank: int, cfg: dict[str, Any], port: int) -> dict[str, Any]:
     from shmloader import Config, ShmLoader
 
     from . import procstat
-    from .workload import BatchSpec, TemplatedBatches, whole
+    from .workload import BatchSpec, TemplatedBatches, build
 
     torch.set_num_threads(1)
     count = torch.cuda.device_count()
@@ -160,7 +160,7 @@ def run_rank(rank: int, cfg: dict[str, Any], port: int) -> dict[str, Any]:
             batch_size=None,
             shuffle=False,
             num_workers=cfg["workers"],
-            collate_fn=whole,
+            collate_fn=build,
             prefetch_factor=1 if cfg["workers"] else None,
             pin_memory=pin,
         )

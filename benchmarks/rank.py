@@ -64,7 +64,7 @@ from .workload import BatchSpec, realistic_loader, tensors, transport_loader
 class Case:
     """One configuration: a run kind, a way (``mode``), an SP size and a batch size."""
 
-    run: str  # "transport", "realistic" or "profile" (benchmarks.breakdown)
+    run: str  # "transport", "realistic", "budget" or "profile" (benchmarks.breakdown)
     mode: str  # "base", "broadcast", "objlist" or "shmloader"
     sp: int
     target_bytes: int
@@ -504,6 +504,11 @@ def copy_once(sources: list[np.ndarray], dest: np.ndarray) -> float:
     return ms_since(t0)
 
 
+def _build_ms(batch: Any) -> float | None:
+    """How long the loader took to write this batch (the transport workload says)."""
+    return batch.get("build_ms") if isinstance(batch, dict) else None
+
+
 def _sample_points(case: Case) -> set[int]:
     """Measured steps (0-based) after which memory is sampled, spread over the phase."""
     n = min(case.memory_samples, case.steps)
@@ -537,7 +542,7 @@ def phase_a(way: Way, case: Case, rec: Recorder) -> None:
         way.settle()
         dist.barrier(way.group)
         batch, got = way.take()
-        fields.update(got)
+        fields.update(got, build_ms=_build_ms(batch))
         dist.barrier(way.group)  # nobody's drop or read competes with another's take
         t0 = now_ns()
         prev = None
@@ -566,6 +571,7 @@ def phase_b(way: Way, case: Case, rec: Recorder) -> None:
     for i in range(case.steps):
         dist.barrier(way.group)
         batch, fields = way.e2e()
+        fields["build_ms"] = _build_ms(batch)
         prev = None
         rec.add("B", fields)
         if i in samples:
@@ -666,7 +672,7 @@ def run_rank(rank: int, case: Case, port: int) -> dict[str, Any]:
         if case.run == "profile":
             from .breakdown import profile as body
         else:
-            body = transport if case.run == "transport" else realistic
+            body = transport if case.run == "transport" else realistic  # budget: realistic
         body(rank, case, group, rec)
         dist.barrier(group)
         return rec.result()

@@ -4,7 +4,11 @@ Runs the same workload three ways (``base``: every SP rank loads its own
 batch; ``broadcast``: the leader loads and sends the batch over gloo as in the
 seed; ``shmloader``: ``ShmLoader`` embedded mode), plus the whole batch
 through ``broadcast_object_list`` (``objlist``) at the smaller sizes, then a
-"realistic workers" run for CPU and memory. Each configuration runs in
+"realistic workers" run for CPU and memory, and an equal-CPU-budget run
+(``budget``: the realistic workload with ``w`` workers on every base rank
+against ``SP x w`` on shmloader's one loading rank: the same worker
+processes on the node, so steps per second show how much faster data
+arrives for the same CPU). Each configuration runs in
 freshly spawned ranks; a line per configuration goes to stderr. Writes
 ``results.json``, ``results.md``, ``delivery.png`` and ``e2e.png`` to
 ``--out`` (default ``benchmarks/results``; with ``--quick`` a new temporary
@@ -79,6 +83,21 @@ def plan(args: argparse.Namespace) -> list[Case]:
                     args.realistic_warmup,
                     args.realistic_steps,
                     args.realistic_workers,
+                    decode_scale=args.decode_scale,
+                )
+            )
+    for sp in args.sp:  # equal CPU budget: as many worker processes on the node either way
+        w = args.budget_workers
+        for mode, workers in (("base", w), ("shmloader", sp * w)):
+            cases.append(
+                Case(
+                    "budget",
+                    mode,
+                    sp,
+                    int(args.realistic_mib * MiB),
+                    args.realistic_warmup,
+                    args.budget_steps,
+                    workers,
                     decode_scale=args.decode_scale,
                 )
             )
@@ -209,7 +228,7 @@ def _collect_garbage() -> None:
 
 def _summary(row: dict[str, Any]) -> str:
     f = report._fmt
-    if row["run"] == "realistic":
+    if row["run"] in ("realistic", "budget"):
         return (
             f"wait p50 {f(row.get('wait_ms_p50'))} ms, {f(row.get('steps_per_s'))} steps/s, "
             f"cpu {f(row['cpu_s'])} s, batch mem {f(row.get('batch_mem_mib'), 0)} MiB"
@@ -260,9 +279,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--runs",
         nargs="+",
-        choices=("transport", "realistic"),
-        default=["transport", "realistic"],
-        help="only these runs (default both)",
+        choices=("transport", "realistic", "budget"),
+        default=["transport", "realistic", "budget"],
+        help="only these runs (default all)",
     )
     args = p.parse_args(argv)
     if args.out is None:
@@ -277,6 +296,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.objlist_max_mib, args.objlist_steps = 16, 2
         args.realistic_mib, args.realistic_steps, args.realistic_warmup = 4, 3, 1
         args.realistic_workers = 1
+        args.budget_workers, args.budget_steps = 1, 3
         args.timeout = min(args.timeout, 120.0)
     else:
         args.sizes = args.sizes or [1, 16, 64, 256, 1024]
@@ -284,6 +304,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.objlist_max_mib, args.objlist_steps = 256, 2
         args.realistic_mib, args.realistic_steps, args.realistic_warmup = 32, 8, 2
         args.realistic_workers = 2
+        args.budget_workers, args.budget_steps = 1, 16
     return args
 
 

@@ -18,11 +18,16 @@ video patches fill the rest of the byte budget (60 % / 40 %).
 
 Two datasets produce it:
 
-- :class:`TemplatedBatches` (transport runs): every item is a whole collated
-  batch whose leaves are written by tiling small pre-generated blocks into
-  freshly allocated tensors (shared memory inside a DataLoader worker, as
-  ``default_collate`` does). Loading a batch costs one write of its bytes and
-  nothing else, so delivery measurements are not drowned by decode work.
+- :class:`TemplatedBatches` (transport runs): every item is one whole batch
+  to make; its collate, :func:`build`, writes the leaves by tiling small
+  pre-generated blocks into tensors it allocates the way ``default_collate``
+  does (``UntypedStorage._new_shared``: fresh shared memory inside a
+  DataLoader worker, so the batch reaches the main process without a copy).
+  Loading a batch costs one write of its bytes and nothing else, so delivery
+  measurements are not drowned by decode work. The batch carries
+  ``build_ms``, the time that write took (the worker's write into fresh
+  shared memory for the base ways, into its ring slot for shmloader's
+  zero-copy way: NOTE [collate into the slot] in ``shmloader.worker``).
 - :class:`RealisticSamples` (CPU/memory runs): every item is one sample whose
   images and video frames are "decoded" (random pixels at ``decode_scale``
   times the target resolution), resized with ``avg_pool2d``, normalised and
@@ -32,6 +37,7 @@ Two datasets produce it:
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,8 +137,8 @@ def sample_meta(index: int, sample: int, tokens: int, spec: BatchSpec) -> dict[s
 def _new_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised tensor; in shared memory inside a DataLoader worker.
 
-    Inside a worker this is what ``default_collate`` does for its output, so
-    handing the batch to the main process moves a descriptor, not the bytes.
+    Inside a worker this is the call ``default_collate`` makes for its output,
+    so handing the batch to the main process moves a descriptor, not the bytes.
     """
     if get_worker_info() is None:
         return torch.empty(shape, dtype=dtype)
@@ -160,12 +166,22 @@ def _tile(out: torch.Tensor, block: torch.Tensor) -> None:
         flat[start:end].copy_(block[: end - start])
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """What :class:`TemplatedBatches` yields: which batch to make (:func:`build` makes it)."""
+
+    dataset: TemplatedBatches
+    index: int
+
+
 class TemplatedBatches(Dataset):
     """``length`` whole batches of ``spec``, each written fresh from small templates.
 
     Producing a batch costs one write of its bytes into new memory: the
     transport measurements see real, freshly loaded tensors without decode
-    work on the 2-core machine.
+    work on the 2-core machine. Items are :class:`Recipe` s, made into
+    batches by the collate :func:`build` (where a DataLoader allocates a
+    batch's memory); :meth:`batch` makes one directly.
     """
 
     def __init__(self, spec: BatchSpec, length: int) -> None:
@@ -178,7 +194,12 @@ class TemplatedBatches(Dataset):
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
+    def __getitem__(self, index: int) -> Recipe:
+        return Recipe(self, index)
+
+    def batch(self, index: int) -> dict[str, Any]:
+        """Batch ``index``: every leaf written once into memory allocated here."""
+        t0 = time.perf_counter_ns()
         leaves = {}
         for name, (shape, dtype) in self.spec.leaves().items():
             leaves[name] = _new_tensor(shape, dtype)
@@ -197,12 +218,13 @@ class TemplatedBatches(Dataset):
             "pixel_values_videos": leaves["pixel_values_videos"],
             "video_grid_thw": leaves["video_grid_thw"],
             "meta": [sample_meta(index, s, per_sample, self.spec) for s in range(SAMPLES)],
+            "build_ms": (time.perf_counter_ns() - t0) / 1e6,
         }
 
 
-def whole(batch: dict[str, Any]) -> dict[str, Any]:
-    """Collate function of a dataset that already yields whole batches."""
-    return batch
+def build(item: Recipe) -> dict[str, Any]:
+    """Collate of :class:`TemplatedBatches` (``batch_size=None``): make the batch."""
+    return item.dataset.batch(item.index)
 
 
 # --------------------------------------------------------------- realistic
@@ -288,7 +310,7 @@ def transport_loader(spec: BatchSpec, length: int, workers: int) -> DataLoader:
         batch_size=None,
         shuffle=False,
         num_workers=workers,
-        collate_fn=whole,
+        collate_fn=build,
         prefetch_factor=1 if workers else None,
     )
 

@@ -36,6 +36,18 @@ the broadcast share::
     0        64                 4160          4224
     |leaf 0  |pad|leaf 1 ........|pad|leaf 2 ..|
 
+NOTE [placed leaves]
+    A writer that made some leaves directly inside the destination buffer (a
+    DataLoader worker whose collate stacked into its ring slot, see
+    ``worker``) passes ``placed=``: a leaf whose bytes already lie there,
+    contiguous and ``ALIGN``-aligned, keeps that offset and is not copied
+    again (its source in ``Encoded`` is ``None``); the other leaves follow
+    from ``start`` on, in first-seen order. Placed leaves never overlap one
+    another (a second view of the same bytes is copied like any other leaf),
+    so readers see the same independent leaves either way; the gaps between
+    leaves are never read. Decoders need nothing new: every leaf carries its
+    offset.
+
 NOTE [platform-dependent numpy types]
     ``np.longdouble`` / ``np.clongdouble`` (``float128``, ``complex256``) are
     the x87 80-bit extended type in 12 or 16 bytes on x86, IEEE quad on
@@ -56,7 +68,7 @@ import json
 import math
 import pickle
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,7 +144,7 @@ class Encoded:
     meta: bytes
     nbytes: int
     leaves: tuple[Leaf, ...]
-    sources: tuple[Any, ...]
+    sources: tuple[Any, ...]  # None: the leaf already lies in place (NOTE [placed leaves])
 
 
 def align(n: int, to: int = ALIGN) -> int:
@@ -142,14 +154,22 @@ def align(n: int, to: int = ALIGN) -> int:
 # --------------------------------------------------------------------- encode
 
 
+#: ``placed(obj, nbytes)``: the offset at which ``obj``'s bytes already lie in
+#: the destination, or None (NOTE [placed leaves]).
+Placed = Callable[[Any, int], "int | None"]
+
+
 class _Encoder:
-    def __init__(self, allow_pickle: bool) -> None:
+    def __init__(self, allow_pickle: bool, placed: Placed | None = None, start: int = 0) -> None:
         self.allow_pickle = allow_pickle
         self.leaves: list[Leaf] = []
         self.sources: list[Any] = []
         self.seen: dict[int, int] = {}  # id(obj) -> leaf index, for aliases
         self.keep: list[Any] = []  # keep ids stable while encoding
-        self.offset = 0
+        self.offset = start  # where the next copied leaf goes
+        self.end = 0  # end of the last byte of any leaf
+        self.placed = placed
+        self.spans: list[tuple[int, int]] = []  # placed leaves' [start, end)
 
     def leaf(self, obj: Any, kind: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> list:
         index = self.seen.get(id(obj))
@@ -157,11 +177,32 @@ class _Encoder:
             index = len(self.leaves)
             self.seen[id(obj)] = index
             self.keep.append(obj)
-            offset = align(self.offset)
+            offset = self.in_place(obj, kind, nbytes)
+            source = None if offset is not None else obj
+            if offset is None:
+                offset = align(self.offset)
+                self.offset = offset + nbytes
             self.leaves.append(Leaf(kind, dtype, shape, offset, nbytes))
-            self.sources.append(obj)
-            self.offset = offset + nbytes
+            self.sources.append(source)
+            self.end = max(self.end, offset + nbytes)
         return ["@", index]
+
+    def in_place(self, obj: Any, kind: str, nbytes: int) -> int | None:
+        """``obj``'s offset in the destination when it already lies there (NOTE [placed leaves])."""
+        if self.placed is None or kind not in ("t", "a") or nbytes == 0:
+            return None
+        if kind == "t" and (not obj.is_contiguous() or obj.is_conj() or obj.is_neg()):
+            return None
+        if kind == "a" and not obj.flags.c_contiguous:
+            return None
+        offset = self.placed(obj, nbytes)
+        if offset is None or offset % ALIGN:
+            return None
+        end = offset + nbytes
+        if any(a < end and offset < b for a, b in self.spans):
+            return None  # another view of bytes already placed: copy this one
+        self.spans.append((offset, end))
+        return offset
 
     def node(self, obj: Any, path: str) -> Any:
         t = type(obj)
@@ -283,22 +324,26 @@ def _type_name(t: type) -> str:
     return f"{t.__module__}:{t.__qualname__}"
 
 
-def encode(batch: Any, *, allow_pickle: bool = False) -> Encoded:
+def encode(
+    batch: Any, *, allow_pickle: bool = False, placed: Placed | None = None, start: int = 0
+) -> Encoded:
     """Describe ``batch``: metadata bytes, payload layout and the sources to copy.
 
+    ``placed`` and ``start``: leaves that already lie in the destination keep
+    their offsets, the others go from ``start`` on (NOTE [placed leaves]).
     Raises :class:`UnsupportedBatchError` naming the path of the first leaf it
     cannot carry; nothing has been written anywhere when it does.
     """
-    enc = _Encoder(allow_pickle)
+    enc = _Encoder(allow_pickle, placed, start)
     tree = enc.node(batch, "batch")
     table = [[lf.kind, lf.dtype, list(lf.shape), lf.offset, lf.nbytes] for lf in enc.leaves]
-    doc = {"v": FORMAT_VERSION, "n": enc.offset, "L": table, "t": tree}
+    doc = {"v": FORMAT_VERSION, "n": enc.end, "L": table, "t": tree}
     text = json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     try:
         meta = text.encode()
     except UnicodeEncodeError:  # a str holding lone surrogates: escape it as \udXXX
         meta = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-    return Encoded(meta, enc.offset, tuple(enc.leaves), tuple(enc.sources))
+    return Encoded(meta, enc.end, tuple(enc.leaves), tuple(enc.sources))
 
 
 def write_payload(encoded: Encoded, dest: np.ndarray) -> None:
@@ -313,7 +358,7 @@ def write_payload(encoded: Encoded, dest: np.ndarray) -> None:
     if dest.nbytes < encoded.nbytes:
         raise ValueError(f"dest holds {dest.nbytes} bytes; the payload needs {encoded.nbytes}")
     for leaf, src in zip(encoded.leaves, encoded.sources, strict=True):
-        if leaf.nbytes == 0:
+        if leaf.nbytes == 0 or src is None:  # nothing, or already in place
             continue
         window = dest[leaf.offset : leaf.offset + leaf.nbytes]
         if leaf.kind == "t":

@@ -149,6 +149,7 @@ class _Leader(_Local, _Writer):
         self._stats["publish_ms_total"] += (time.perf_counter_ns() - t0) / 1e6
         self._stats["write_ms_last"] = 0.0  # the main process wrote nothing
         self._stats["worker_write_ms_last"] = self._pool.last_write_ns / 1e6
+        self._stats["bytes_collated_in_place"] += self._pool.last_placed
         view = self._own_view(slot, ref.nbytes)
         if self.config.copy:
             batch = _owned_copy(codec.decode(ref.meta, view, allow_pickle=self.config.allow_pickle))

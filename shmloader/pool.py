@@ -21,7 +21,8 @@ Control segment (``/shml-<token>-pool``, one page of header, then)::
     0           version          POOL_VERSION
     8           num_workers
     16          per_worker
-    64 + 64*i   slot i: state, gen, capacity, writer pid, ticket, write ns
+    64 + 64*i   slot i: state, gen, capacity, writer pid, ticket, write ns,
+                name (random part), bytes collated in place
 
 Pool slot state machine (the ``state`` word; the ring's own FREE/HELD runs
 beside it, see ``ring.py``)::
@@ -119,7 +120,8 @@ FREE, WRITING, FILLED, HELD = 1, 2, 3, 4
 STATE_NAMES = {0: "INVALID", FREE: "FREE", WRITING: "WRITING", FILLED: "FILLED", HELD: "HELD"}
 # Word indices of a slot record (WRITE_NS: the worker's last encode + write, for stats).
 #: NAME: the random part of the current generation's segment name (NOTE [pool names])
-STATE, GEN, CAPACITY, PID, TICKET, WRITE_NS, NAME = range(7)
+#: PLACED: bytes of the batch its collate made in the slot (NOTE [collate into the slot])
+STATE, GEN, CAPACITY, PID, TICKET, WRITE_NS, NAME, PLACED = range(8)
 _RECORD_WORDS = 8  # 64 bytes per slot: one cache line
 _RECORDS_AT = 8  # in words: slot records start at payload offset 64
 #: A worker's wait for a FREE slot polls with this backoff (seconds).
@@ -244,6 +246,7 @@ class WorkerPool:
         self.words[:3] = (POOL_VERSION, num_workers, per_worker)
         self._largest = 0  # largest slot capacity admitted by the daemon so far
         self.last_write_ns = 0  # the adopted batch's write into its slot, in its worker
+        self.last_placed = 0  # bytes of it that its collate made in place
         self._finalizer = weakref.finalize(
             self, _unlink_all, self.control, ring.token, self.words, os.getpid()
         )
@@ -297,6 +300,7 @@ class WorkerPool:
         rec[STATE] = HELD
         ref.adopted = True
         self.last_write_ns = int(rec[WRITE_NS])
+        self.last_placed = int(rec[PLACED])
         return slot
 
     def _install(self, i: int, gen: int) -> Slot:
@@ -421,6 +425,8 @@ class WorkerSlots:
         self.words = np.frombuffer(mm, np.uint64, offset=HEADER_SIZE)
         self.maps: dict[int, tuple[int, Segment, mmap.mmap, np.ndarray]] = {}
         self.grown = False  # has this worker checked /dev/shm for the pool's size yet
+        self.last_nbytes = 0  # this worker's last batch: the size to claim for the next
+        self.unsent: dict[int, int] = {}  # slot -> a generation grown since its claim
 
     def _record(self, i: int) -> np.ndarray:
         at = _RECORDS_AT + i * _RECORD_WORDS
@@ -525,6 +531,12 @@ class WorkerSlots:
         new = gen + 1
         rec = self._record(i)
         old_name = int(rec[NAME])
+        # Grown twice within one claim (a batch that outgrew the slot it was
+        # collated into): no SlotRef ever named the generation in between, so
+        # nobody else will install it, and its name would be lost below.
+        stale = (
+            pool_slot_name(self.spec.token, i, gen, old_name) if self.unsent.get(i) == gen else None
+        )
         stem = slot_stem(self.spec.token, i, new)
         segment = Segment.create_unique(stem, KIND_DATA, self.spec.token, capacity)
         # Recorded at once, while the header still names this worker: if it dies
@@ -547,18 +559,24 @@ class WorkerSlots:
             rec[GEN], rec[NAME] = gen, old_name
             raise
         self._forget(i)
+        if stale is not None:
+            unlink_name(stale)
         view = np.frombuffer(mm, np.uint8, count=segment.capacity, offset=HEADER_SIZE)
         self.maps[i] = (new, segment, mm, view)
         rec[CAPACITY] = segment.capacity
+        self.unsent[i] = new
         return new
 
-    def filled(self, i: int, write_ns: int) -> None:
+    def filled(self, i: int, write_ns: int, placed: int = 0) -> None:
+        self.unsent.pop(i, None)
         rec = self._record(i)
         rec[WRITE_NS] = write_ns
+        rec[PLACED] = placed
         rec[STATE] = FILLED
 
     def free(self, i: int) -> None:
         """Give a claimed slot back unwritten (the encode or write failed)."""
+        self.unsent.pop(i, None)  # its generation stays recorded: the main process installs it
         self._record(i)[STATE] = FREE
 
     def _forget(self, i: int) -> None:

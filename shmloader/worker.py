@@ -11,15 +11,39 @@ process, keeps its in-order delivery, and the leader announces the slot::
 
     DataLoader worker w                          leader main process
     -------------------                          -------------------
-    batch = collate_fn(samples)    (user's)
-    enc = codec.encode(batch)      (refuses bad leaves: WorkerFailure)
-    i = claim(enc.nbytes)          FREE -> WRITING (grow if too small)
-    codec.write_payload(enc, slot i)   the one write of the payload
+    i = claim(hint)                FREE -> WRITING (grow if too small)
+    batch = collate_fn(samples)    (user's; its shared-memory outputs are
+                                    made in slot i: NOTE [collate into the slot])
+    enc = codec.encode(batch, placed=...)   (refuses bad leaves: WorkerFailure)
+    codec.write_payload(enc, slot i)   the leaves not already in place
     FILLED; return SlotRef ----- DataLoader queue -----> ref = next(source)
                                                           slot = pool.adopt(ref)   FILLED -> HELD
                                                           announce (meta only), xnode.send(slot)
                                                           yield decode(private view of slot)
                                                           ... every rank released: HELD -> FREE
+
+``hint`` is the larger of the samples' bytes and this worker's last batch:
+a slot that can hold the batch before the collate has made it.
+
+NOTE [collate into the slot]
+    Inside a DataLoader worker, torch's ``default_collate`` stacks each
+    tensor (and each numpy array, as a tensor) into memory it gets from
+    ``UntypedStorage._new_shared``: fresh shared memory, so that the batch
+    can reach the main process without a copy, written at page-fault speed.
+    While the user's collate runs, the worker writer answers that call (on
+    this thread only) from the slot it already claimed: a bump allocator
+    (``_Arena``) over the slot's pre-touched pages. The stacked batch is then
+    already where the payload goes, and ``codec.encode(placed=...)`` keeps
+    those leaves where they are (NOTE [placed leaves] in ``codec``); only
+    the rest (leaves a custom collate made in private memory, small numbers)
+    is copied after them. Any allocation that does not fit, any other
+    thread, any other device gets torch's own ``_new_shared``. If the
+    finished batch outgrows the slot, the worker grows the slot and copies
+    the whole batch, as without the allocator. A collate that keeps a
+    reference to its output past the call would see it rewritten by a later
+    batch: collates do not, and the DataLoader gives the batch away.
+    ``SHMLOADER_COLLATE_IN_SLOT=0`` turns the allocator off (every batch is
+    then written by one copy after the collate).
 
 Errors of our own making inside the worker (``UnsupportedBatchError``,
 ``ShmCapacityError``, a pool wait that timed out) travel as a
@@ -34,13 +58,18 @@ user's collate unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import inspect
 import os
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
+import torch
 from torch.utils.data import get_worker_info
 
 from . import codec
@@ -92,8 +121,71 @@ def _rebuild_failure(
     return failure
 
 
+# ------------------------------------------------- NOTE [collate into the slot]
+
+
+class _Arena:
+    """Bump allocator over a claimed slot's payload: the collate's shared-memory outputs."""
+
+    def __init__(self, dest: np.ndarray) -> None:
+        self.dest = dest
+        self.base = dest.ctypes.data
+        self.top = 0  # bytes handed out so far (the next leaf to copy goes after)
+
+    def storage(self, nbytes: int) -> torch.UntypedStorage | None:
+        """``nbytes`` of the slot as a storage, or None when they do not fit."""
+        at = codec.align(self.top)
+        if nbytes <= 0 or at + nbytes > self.dest.nbytes:
+            return None
+        self.top = at + nbytes
+        return torch.frombuffer(self.dest[at : at + nbytes], dtype=torch.uint8).untyped_storage()
+
+    def offset_of(self, obj: Any, nbytes: int) -> int | None:
+        """Where ``obj``'s bytes lie in the slot, if they were made here."""
+        ptr = obj.data_ptr() if isinstance(obj, torch.Tensor) else obj.ctypes.data
+        offset = ptr - self.base
+        return offset if offset >= 0 and offset + nbytes <= self.top else None
+
+
+_LOCAL = threading.local()  # .arena: the arena of the collate running on this thread
+_TORCH_NEW_SHARED: Any = None  # torch's own UntypedStorage._new_shared, once replaced
+
+
+def _new_shared(cls: type, size: int, *, device: Any = "cpu") -> Any:
+    """``UntypedStorage._new_shared`` in a worker: from the slot while a collate runs."""
+    arena = getattr(_LOCAL, "arena", None)
+    if arena is not None and cls is torch.UntypedStorage and torch.device(device).type == "cpu":
+        storage = arena.storage(size)
+        if storage is not None:
+            return storage
+    return _TORCH_NEW_SHARED.__func__(cls, size, device=device)
+
+
+def _install_allocator() -> bool:
+    """Route this process's ``_new_shared`` through ``_new_shared`` (idempotent)."""
+    global _TORCH_NEW_SHARED
+    if os.environ.get("SHMLOADER_COLLATE_IN_SLOT", "1") == "0":
+        return False
+    if _TORCH_NEW_SHARED is None:
+        current = inspect.getattr_static(torch.UntypedStorage, "_new_shared", None)
+        if not isinstance(current, classmethod):  # a torch we do not know: leave it alone
+            return False
+        _TORCH_NEW_SHARED = torch.UntypedStorage._new_shared
+        torch.UntypedStorage._new_shared = classmethod(_new_shared)  # type: ignore[method-assign]
+    return True
+
+
+@contextlib.contextmanager
+def _allocating_from(arena: _Arena | None) -> Iterator[None]:
+    _LOCAL.arena = arena
+    try:
+        yield
+    finally:
+        _LOCAL.arena = None
+
+
 class WorkerWriter:
-    """``collate_fn`` wrapper: collate, then write the batch into this worker's pool slot."""
+    """``collate_fn`` wrapper: collate into this worker's pool slot, then finish the batch there."""
 
     def __init__(self, collate_fn: Callable[[Any], Any], spec: PoolSpec) -> None:
         self.collate_fn = collate_fn
@@ -107,14 +199,73 @@ class WorkerWriter:
         info = get_worker_info()
         if info is None:  # the main process (num_workers=0, or a caller of its own)
             return self.collate_fn(samples)
+        claimed = None
         try:
             slots = self._worker_slots(info.id)
+            estimate = estimate_bytes(samples)
             if not slots.grown:  # first batch: the pool at this size must fit, before collating
-                slots.check_capacity(estimate_bytes(samples), "batches of these samples")
+                slots.check_capacity(estimate, "batches of these samples")
+            if _install_allocator():
+                hint = max(estimate, slots.last_nbytes)
+                index, ticket = claimed = slots.claim(hint)
+                dest, gen = slots.payload(index, hint)
         except ShmLoaderError as exc:
+            if claimed is not None:
+                slots.free(claimed[0])
             return WorkerFailure(exc, info.id)
-        batch = self.collate_fn(samples)  # the user's errors travel the DataLoader's way
-        return self.write(batch, info.id)
+        if claimed is None:  # no allocator: collate as usual, then one copy
+            batch = self.collate_fn(samples)  # the user's errors travel the DataLoader's way
+            return self.write(batch, info.id)
+        arena = _Arena(dest)
+        try:
+            with _allocating_from(arena):
+                batch = self.collate_fn(samples)
+        except BaseException:
+            slots.free(index)
+            raise
+        return self._finish(slots, batch, index, ticket, gen, arena, info.id)
+
+    def _finish(
+        self,
+        slots: WorkerSlots,
+        batch: Any,
+        index: int,
+        ticket: int,
+        gen: int,
+        arena: _Arena,
+        worker_id: int,
+    ) -> SlotRef | WorkerFailure:
+        """Encode a batch collated into slot ``index``; copy what is not in place yet."""
+        allow = self.spec.allow_pickle
+        try:
+            enc = codec.encode(batch, allow_pickle=allow, placed=arena.offset_of, start=arena.top)
+            need, dest = enc.nbytes, arena.dest
+            if need > dest.nbytes:
+                # Outgrew the slot it was collated into: the next generation, sized
+                # for this layout so that the next batch fits in place, takes the
+                # whole batch by one copy. Never the same slot: the copy's sources
+                # lie in it.
+                enc = codec.encode(batch, allow_pickle=allow)
+                dest, gen = slots.payload(index, need)
+            del batch
+            t0 = time.perf_counter_ns()
+            codec.write_payload(enc, dest)
+            write_ns = time.perf_counter_ns() - t0
+        except ShmLoaderError as exc:
+            slots.free(index)
+            return WorkerFailure(exc, worker_id)
+        except BaseException:
+            slots.free(index)
+            raise
+        slots.last_nbytes = need
+        if not enc.nbytes:  # nothing to write: metadata only, no slot
+            slots.free(index)
+            return SlotRef(self.spec.token, -1, 0, 0, 0, enc.meta, self.spec.owner_pid)
+        placed = sum(lf.nbytes for lf, s in zip(enc.leaves, enc.sources, strict=True) if s is None)
+        slots.filled(index, write_ns, placed)
+        return SlotRef(
+            self.spec.token, index, gen, ticket, enc.nbytes, enc.meta, self.spec.owner_pid
+        )
 
     def _worker_slots(self, worker_id: int) -> WorkerSlots:
         slots = self._slots
@@ -144,6 +295,7 @@ class WorkerWriter:
             if claimed is not None:
                 slots.free(claimed[0])
             raise
+        slots.last_nbytes = enc.nbytes
         slots.filled(index, write_ns)
         return SlotRef(
             self.spec.token, index, gen, ticket, enc.nbytes, enc.meta, self.spec.owner_pid

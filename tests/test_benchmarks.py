@@ -81,8 +81,9 @@ def test_batch_spec_hits_the_requested_size():
 
 def test_templated_batch_is_shaped_like_the_spec_with_an_alias():
     spec = workload.BatchSpec.for_bytes(workload.MiB)
-    batch = workload.TemplatedBatches(spec, 1)[0]
+    batch = workload.build(workload.TemplatedBatches(spec, 1)[0])
     assert batch["labels"] is batch["input_ids"]
+    assert batch["build_ms"] > 0
     assert workload.payload_bytes(batch) == spec.nbytes
     assert len(batch["meta"]) == workload.SAMPLES
     assert batch["pixel_values"].shape == (spec.image_patches, workload.PATCH_DIM)

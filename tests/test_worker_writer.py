@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import types
 
 import numpy as np
 import pytest
@@ -245,9 +246,7 @@ def _kill_while_writing(worker_id):
             os.kill(os.getpid(), signal.SIGKILL)
         real(enc, dest)
 
-    w.codec = type(
-        "codec", (), {"encode": staticmethod(codec.encode), "write_payload": write_then_die}
-    )
+    w.codec = types.SimpleNamespace(**{**vars(codec), "write_payload": write_then_die})
 
 
 def test_worker_killed_mid_write_raises_and_its_slot_is_reclaimed():

@@ -44,6 +44,10 @@ def test_quick_benchmark_writes_json_markdown_and_plots(tmp_path):
             assert ("transport", mode, mib) in seen, (mode, mib)
     for mode in ("base", "broadcast", "shmloader"):
         assert any(r["run"] == "realistic" and r["mode"] == mode for r in rows), mode
+    # equal CPU budget: as many worker processes on the node either way
+    budget = {r["mode"]: r for r in rows if r["run"] == "budget"}
+    assert budget["shmloader"]["workers"] == 2 * budget["base"]["workers"]
+    assert budget["shmloader"]["steps_per_s"] > 0 and budget["base"]["steps_per_s"] > 0
     for row in rows:
         assert row["sp"] == 2
         assert row["cpu_s"] > 0
@@ -57,6 +61,7 @@ def test_quick_benchmark_writes_json_markdown_and_plots(tmp_path):
                 assert row["e2e_ms_p50"] > 0
             if row["mode"] == "shmloader":
                 assert row["publish_ms_p50"] > 0 and row["memcpy_cold_ms"] > 0
+            assert row["build_ms_p50"] > 0  # the loading worker's write, every way
     assert result["machine"]["cores"] >= 1
     assert len(result["machine"]["loadavg_start"]) == 3
     verdicts = {t["verdict"] for t in result["targets"]}
@@ -101,7 +106,7 @@ def test_realistic_batch_packs_samples():
 
 def test_broadcast_skeleton_round_trip_keeps_aliases():
     spec = workload.BatchSpec.for_bytes(workload.MiB)
-    batch = workload.TemplatedBatches(spec, 1)[0]
+    batch = workload.TemplatedBatches(spec, 1).batch(0)
     skeleton, found = split(batch)
     assert len(found) == len(workload.tensors(batch)) == 7
     back = join(skeleton, found)

@@ -79,13 +79,16 @@ class Config:
             holds (``SHMLOADER_PREFETCH``, default 2); only with a CUDA device.
         small_copy_bytes: leaves of at most this many bytes are owned copies, not
             views of shared memory (``SHMLOADER_SMALL_COPY``; 0: none).
+        job: the job's name in ``shmloader stat`` (``SHMLOADER_JOB``, else the
+            launcher's run id: ``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID``).
+        collate_in_slot: DataLoader workers collate straight into their ring
+            slot (``SHMLOADER_COLLATE_IN_SLOT``, on by default; NOTE [collate
+            into the slot] in ``shmloader.worker``). Off: one copy after the collate.
 
     A ``Config`` built directly holds exactly its arguments: it does not read
     the environment, so ``Config(allow_pickle=True)`` means sharing off
     (``enabled=False``) even under ``SHMLOADER=1``. To change one setting and
     keep the launcher's, use ``Config.from_env(allow_pickle=True)``.
-        job: the job's name in ``shmloader stat`` (``SHMLOADER_JOB``, else the
-            launcher's run id: ``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID``).
     """
 
     enabled: bool = False
@@ -101,6 +104,7 @@ class Config:
     prefetch: int = DEFAULT_PREFETCH
     small_copy_bytes: int = DEFAULT_SMALL_COPY_BYTES
     job: str | None = None
+    collate_in_slot: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 2:
@@ -117,7 +121,7 @@ class Config:
         small = self.small_copy_bytes
         if not isinstance(small, int) or isinstance(small, bool) or small < 0:
             raise ConfigError("small_copy_bytes", small, "an integer >= 0 (bytes)")
-        for name in ("enabled", "copy", "verify", "allow_pickle"):
+        for name in ("enabled", "copy", "verify", "allow_pickle", "collate_in_slot"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "True or False")
         for name in ("runtime_dir", "node", "daemon", "job"):
@@ -149,6 +153,7 @@ class Config:
                 env, "SHMLOADER_SMALL_COPY", DEFAULT_SMALL_COPY_BYTES, minimum=0
             ),
             "job": _job(env),
+            "collate_in_slot": _flag(env, "SHMLOADER_COLLATE_IN_SLOT", default=True),
         }
         known = {f.name for f in dataclasses.fields(cls)}
         for key in overrides:
@@ -164,9 +169,11 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
 
 
-def _flag(env: Mapping[str, str], name: str) -> bool:
+def _flag(env: Mapping[str, str], name: str, default: bool = False) -> bool:
     raw = env.get(name, "")
     value = raw.strip().lower()
+    if not value:
+        return default
     if value in _TRUE:
         return True
     if value in _FALSE:

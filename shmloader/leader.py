@@ -55,6 +55,7 @@ class _Leader(_Local, _Writer):
             ring_slots=self.config.slots,
             timeout=self.config.timeout,
             allow_pickle=self.config.allow_pickle,
+            collate_in_slot=self.config.collate_in_slot,
             daemon=self._daemon,
         )
         if not worker_writer.install(loader, pool.spec):

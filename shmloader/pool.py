@@ -164,6 +164,7 @@ class PoolSpec:
     owner_start: int
     timeout: float
     allow_pickle: bool
+    collate_in_slot: bool = True  # NOTE [collate into the slot] in ``worker``
 
     @property
     def total(self) -> int:
@@ -217,6 +218,7 @@ class WorkerPool:
         ring_slots: int,
         timeout: float,
         allow_pickle: bool,
+        collate_in_slot: bool = True,
         daemon: DaemonClient | None = None,
     ) -> None:
         self.ring = ring
@@ -236,6 +238,7 @@ class WorkerPool:
             MY_START,
             timeout,
             allow_pickle,
+            collate_in_slot,
         )
         self.base = len(ring.slots)  # pool slot i is ring slot base + i
         if self.base != 0:

@@ -42,8 +42,9 @@ NOTE [collate into the slot]
     the whole batch, as without the allocator. A collate that keeps a
     reference to its output past the call would see it rewritten by a later
     batch: collates do not, and the DataLoader gives the batch away.
-    ``SHMLOADER_COLLATE_IN_SLOT=0`` turns the allocator off (every batch is
-    then written by one copy after the collate).
+    ``SHMLOADER_COLLATE_IN_SLOT=0`` (``Config.collate_in_slot``, carried to
+    the workers in the ``PoolSpec``) turns the allocator off: every batch is
+    then written by one copy after the collate.
 
 Errors of our own making inside the worker (``UnsupportedBatchError``,
 ``ShmCapacityError``, a pool wait that timed out) travel as a
@@ -164,8 +165,6 @@ def _new_shared(cls: type, size: int, *, device: Any = "cpu") -> Any:
 def _install_allocator() -> bool:
     """Route this process's ``_new_shared`` through ``_new_shared`` (idempotent)."""
     global _TORCH_NEW_SHARED
-    if os.environ.get("SHMLOADER_COLLATE_IN_SLOT", "1") == "0":
-        return False
     if _TORCH_NEW_SHARED is None:
         current = inspect.getattr_static(torch.UntypedStorage, "_new_shared", None)
         if not isinstance(current, classmethod):  # a torch we do not know: leave it alone
@@ -205,7 +204,7 @@ class WorkerWriter:
             estimate = estimate_bytes(samples)
             if not slots.grown:  # first batch: the pool at this size must fit, before collating
                 slots.check_capacity(estimate, "batches of these samples")
-            if _install_allocator():
+            if self.spec.collate_in_slot and _install_allocator():
                 hint = max(estimate, slots.last_nbytes)
                 index, ticket = claimed = slots.claim(hint)
                 dest, gen = slots.payload(index, hint)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from shmloader import codec, worker
+from shmloader import Config, codec, worker
 from tests.test_sharing import assert_same
 from tests.test_worker_writer import Leader, _owned
 
@@ -74,9 +74,9 @@ def _tensor_bytes(batch) -> int:
     return total
 
 
-def _run(loader: DataLoader, share: bool) -> tuple[list, list[int]]:
+def _run(loader: DataLoader, share: bool, in_slot: bool = True) -> tuple[list, list[int]]:
     torch.manual_seed(99)
-    leader = Leader(loader) if share else None
+    leader = Leader(loader, collate_in_slot=in_slot) if share else None
     out, placed = [], []
     try:
         for item in loader:
@@ -109,16 +109,16 @@ def test_default_collate_writes_the_batch_in_place(context):
     assert placed == [stacked] * len(placed), placed
 
 
-def test_switched_off_copies_every_batch(monkeypatch):
-    monkeypatch.setenv("SHMLOADER_COLLATE_IN_SLOT", "0")  # workers inherit it
-
+def test_switched_off_copies_every_batch():
     def make():
         return DataLoader(Rows(), batch_size=3, num_workers=2, multiprocessing_context="spawn")
 
     plain, _ = _run(make(), share=False)
-    shared, placed = _run(make(), share=True)
+    shared, placed = _run(make(), share=True, in_slot=False)  # travels in the PoolSpec
     assert_same(shared, plain)
     assert placed == [0] * len(placed)
+    config = Config.from_env({"SHMLOADER_COLLATE_IN_SLOT": "0"})
+    assert not config.collate_in_slot and Config.from_env({}).collate_in_slot
 
 
 def test_views_aliases_and_temporaries_arrive_as_without_sharing():

@@ -83,7 +83,7 @@ def _loader(kind: str, context: str | None, persistent: bool = False, collate=No
 class Leader:
     """What ShmLoader's leader does with each SlotRef, minus the sockets."""
 
-    def __init__(self, loader: DataLoader, slots: int = 2) -> None:
+    def __init__(self, loader: DataLoader, slots: int = 2, collate_in_slot: bool = True) -> None:
         self.ring = RingWriter(new_token(), frozenset(), {"test": True}, self_rank=0)
         self.pool = WorkerPool(
             self.ring,
@@ -92,6 +92,7 @@ class Leader:
             ring_slots=slots,
             timeout=20.0,
             allow_pickle=False,
+            collate_in_slot=collate_in_slot,
         )
         assert install(loader, self.pool.spec)
         self.seq = 0

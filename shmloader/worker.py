@@ -155,7 +155,8 @@ _TORCH_NEW_SHARED: Any = None  # torch's own UntypedStorage._new_shared, once re
 def _new_shared(cls: type, size: int, *, device: Any = "cpu") -> Any:
     """``UntypedStorage._new_shared`` in a worker: from the slot while a collate runs."""
     arena = getattr(_LOCAL, "arena", None)
-    if arena is not None and cls is torch.UntypedStorage and torch.device(device).type == "cpu":
+    on_cpu = device is None or torch.device(device).type == "cpu"
+    if arena is not None and cls is torch.UntypedStorage and on_cpu:
         storage = arena.storage(size)
         if storage is not None:
             return storage

@@ -497,6 +497,8 @@ class ShmLoader(_Leader, _Relay, _Follower):
         if epoch != self._epoch:  # a new epoch starts at its beginning
             self._note_left()
             self._delivered, self._exhausted, self._sampler_base = 0, False, 0
+            if self._stage is not None:
+                self._stage.position = None  # the user's position, too
         self._epoch = epoch
         if self._xnode is not None:
             self._xnode.position = (epoch, self._pos)
@@ -537,7 +539,9 @@ class ShmLoader(_Leader, _Relay, _Follower):
         if self._stage is None:
             return inner
         self._stage.position = None
-        return self._stage.wrap(inner, self._position if self._stage.on_device else None)
+        if not self._stage.on_device:
+            return self._stage.wrap(inner)
+        return self._stage.wrap(inner, self._position, self._user_request)
 
     def stats(self) -> dict[str, Any]:
         """Counters of this rank: batches, bytes, times (ms), ring size."""
@@ -737,9 +741,27 @@ class ShmLoader(_Leader, _Relay, _Follower):
         ranks capture in ``_open_source`` (an iteration's first request, before
         the loader is opened) and in ``_mark_boundary`` (every later request);
         followers and node leaders in ``_deliver``, before mirroring draws.
+        With device prefetch those are pulls ahead of the user, so the stage
+        captures instead, at the user's request (``_user_request``).
         """
         k = self.accumulation_steps
+        if self._stage is not None and self._stage.on_device:
+            return
         if k > 1 and self._delivered % k == 0:
+            self._rng_boundary = rng.capture()
+
+    def _user_request(self) -> None:
+        """``_capture_rng`` at the user's ``next()`` under device prefetch.
+
+        NOTE [checkpoints under prefetch] (``device``): the loop pulls up to
+        ``prefetch`` batches before the user asks for them, so the step
+        boundary is counted in batches handed to the user, and the capture is
+        made before the stage pulls anything for this request.
+        """
+        k = self.accumulation_steps
+        handed = self._stage.position if self._stage is not None else None
+        delivered = handed[0] if handed is not None else self._delivered  # none handed yet
+        if k > 1 and delivered % k == 0:
             self._rng_boundary = rng.capture()
 
     def _peer(self, rank: int) -> Peer:

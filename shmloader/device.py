@@ -486,6 +486,7 @@ class DeviceStage:
         inner: Iterator[Any],
         position: Callable[[], Any] | None = None,
         request: Callable[[], None] | None = None,
+        settled: Callable[[], None] | None = None,
     ) -> Iterator[Any]:
         """Iterate ``inner`` through ``select`` and, on a device, the prefetcher.
 
@@ -496,13 +497,15 @@ class DeviceStage:
         loader for its state before ``iter()`` may open it (torchdata's
         ``StatefulDataLoader`` does, drawing a base seed). ``request()`` is
         called at every ``next()`` of the user, before the stage pulls
-        anything for it (NOTE [checkpoints under prefetch]).
+        anything for it (NOTE [checkpoints under prefetch]). ``settled()``
+        is called once the iteration is over and its copies have settled (the
+        counters of ``stats()`` are final for it).
         """
         if self._closed:
             raise ShmLoaderError("this ShmLoader is closed; make a new one")
         if self._ops is None:
             return self._host(inner)
-        return self._prefetching(inner, position, request)
+        return self._prefetching(inner, position, request, settled)
 
     def _host(self, inner: Iterator[Any]) -> Iterator[Any]:
         select = self.select
@@ -520,6 +523,7 @@ class DeviceStage:
         inner: Iterator[Any],
         position: Callable[[], Any] | None,
         request: Callable[[], None] | None,
+        settled: Callable[[], None] | None,
     ) -> Iterator[Any]:
         queue: collections.deque[_Ready] = collections.deque()
         error: Exception | None = None
@@ -558,6 +562,8 @@ class DeviceStage:
             with contextlib.suppress(Exception):
                 inner.close()  # type: ignore[attr-defined]
             self._settle()
+            if settled is not None:
+                settled()
 
     def _start(self, batch: Any, position: Callable[[], Any] | None) -> _Ready:
         """Issue the copies of one pulled batch on the side stream."""

@@ -24,7 +24,11 @@ class FakeOps:
 
     device = torch.device("cpu")
 
-    def __init__(self, *, refuse: str | None = None, auto: bool = False) -> None:
+    def __init__(
+        self, *, refuse: str | None = None, auto: bool = False, device: str | None = None
+    ) -> None:
+        if device is not None:  # a name for stats and ``stat`` (e.g. "cuda:1"); memory stays host
+            self.device = torch.device(device)
         self.refuse = refuse
         self.auto = auto  # every event completes at once
         self.events: list[FakeEvent] = []

@@ -545,12 +545,51 @@ def test_gpu_benchmark_has_help_and_a_clear_error_without_cuda():
         assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr
 
 
+@pytest.mark.timeout(240)
+def test_gpu_benchmark_runs_every_way_on_a_host_stand_in(tmp_path):
+    # ``--cpu-smoke``: benchmarks/gpu.py's code paths (ranks, the four ways, the
+    # device way through ShmLoader(device=HostOps()), aggregation, targets, outputs)
+    # run without a GPU, so the benchmark cannot rot before it first meets one.
+    import json
+    import subprocess
+    import sys
+
+    from benchmarks.gpu import WAYS, HostOps
+
+    assert isinstance(HostOps(), device.DeviceOps)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    argv = ["--cpu-smoke", "--sizes", "1", "--sp", "2", "--steps", "3", "--warmup", "1"]
+    argv += ["--workers", "0", "--gpu-ms", "1", "--timeout", "120", "--out", str(tmp_path)]
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu", *argv],
+        capture_output=True,
+        text=True,
+        timeout=230,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu.json").read_text())
+    assert "--cpu-smoke" in result["machine"]["gpu"] and result["skipped"] == []
+    rows = {r["way"]: r for r in result["rows"]}
+    assert set(rows) == set(WAYS)
+    for row in rows.values():
+        assert row["usable_p50"] is not None and row["step_p50"] > 0 and row["h2d_gbs"]
+    dev = rows["shm_device"]
+    assert dev["registered"] is True  # every rank's copies read its registered mapping
+    assert 0 < dev["registrations"] <= dev["ring_slots"] * 2  # once per slot per rank
+    assert len(result["targets"]) == 4
+    assert "figures meaningless" in (tmp_path / "gpu.md").read_text()
+    assert (tmp_path / "gpu.png").stat().st_size > 0
+
+
 def test_cuda_ops_and_the_fake_implement_the_same_seam():
     import inspect
 
     names = [n for n in vars(device.DeviceOps) if not n.startswith("_")]
     assert {"copy", "record", "query", "wait", "register", "unregister"} <= set(names)
-    for impl in (device.CudaOps, FakeOps):
+    from benchmarks.gpu import HostOps
+
+    for impl in (device.CudaOps, FakeOps, HostOps):
         for name in names:
             if name == "device":
                 continue

@@ -193,11 +193,13 @@ def test_resume_with_dropout_is_exact_at_every_kind_of_stop(prefetch):
 # ------------------------------------------------------------------ torchdata, real exits
 
 
-def torchdata_phase(rank: int, world: int, *, phase: str, ckpt_dir: str) -> dict:
+def torchdata_phase(
+    rank: int, world: int, *, phase: str, ckpt_dir: str, prefetch: int | None = None
+) -> dict:
     """``first``: an uninterrupted run, then one stopped mid-window; ``resume``: a new process."""
     out = {}
     for share in (True, False):
-        common = {"kind": "torchdata", "num_workers": 2, "share": share}
+        common = {"kind": "torchdata", "num_workers": 2, "share": share, "prefetch": prefetch}
         path = os.path.join(ckpt_dir, f"{share}-loader-rank{rank}.pt")
         if phase == "first":
             out[("full", share)] = _train(rank, world, **common)
@@ -210,10 +212,11 @@ def torchdata_phase(rank: int, world: int, *, phase: str, ckpt_dir: str) -> dict
 
 
 @pytest.mark.timeout(300)
-def test_torchdata_stateful_dataloader_save_exit_resume():
+@pytest.mark.parametrize("prefetch", [None, 2], ids=["host", "device-prefetch-2"])
+def test_torchdata_stateful_dataloader_save_exit_resume(prefetch):
     pytest.importorskip("torchdata")
     with tempfile.TemporaryDirectory() as ckpt:
-        kw = {"ckpt_dir": ckpt}
+        kw = {"ckpt_dir": ckpt, "prefetch": prefetch}
         first = run_ranks(torchdata_phase, 4, kwargs={**kw, "phase": "first"}, timeout=200)
         second = run_ranks(torchdata_phase, 4, kwargs={**kw, "phase": "resume"}, timeout=200)
     for rank in range(4):

@@ -30,6 +30,12 @@ reference, node CPU seconds (ranks and workers), node memory (PSS), pinned
 host bytes allocated by torch (``torch.cuda.host_memory_stats``) and, for
 the device way, registrations against ring slots. Writes ``gpu.json``,
 ``gpu.md`` and ``gpu.png`` into ``--out``.
+
+Every CUDA call a rank makes goes through :class:`Cuda`. ``--cpu-smoke``
+swaps in :class:`HostStandIn` (host copies, a sleep for the GPU work,
+:class:`HostOps` as the device of ``ShmLoader``) so that every code path of
+this benchmark runs without a GPU: ``tests/test_device.py`` runs it, so the
+benchmark cannot rot before it first meets a GPU. Its figures say nothing.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import datetime
 import json
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import statistics
 import sys
@@ -69,64 +76,193 @@ def _pct(values: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-def _to_cuda(batch: Any) -> Any:
-    import torch
-
-    if isinstance(batch, torch.Tensor):
-        return batch.cuda(non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: _to_cuda(v) for k, v in batch.items()}
-    if isinstance(batch, list):
-        return [_to_cuda(v) for v in batch]
-    return batch
-
-
 def _nbytes(batch: Any) -> int:
     from .workload import tensors
 
     return sum(t.numel() * t.element_size() for t in tensors(batch))
 
 
-def _pinned_gbs(nbytes: int) -> float:
-    """Host-to-device bandwidth of a pinned tensor of ``nbytes`` here (reference)."""
+def _map(batch: Any, fn: Any) -> Any:
     import torch
 
-    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    times = []
-    for _ in range(5):
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {k: _map(v, fn) for k, v in batch.items()}
+    if isinstance(batch, list):
+        return [_map(v, fn) for v in batch]
+    return batch
+
+
+class Cuda:
+    """Every CUDA call a rank makes, in one place (``HostStandIn`` replaces it on a CPU)."""
+
+    name = "cuda"
+
+    def set_device(self, rank: int, gpu: int) -> None:
+        import torch
+
+        count = torch.cuda.device_count()
+        torch.cuda.set_device(gpu % count if gpu >= 0 else rank % count)
+
+    def device(self) -> Any:
+        """What ``ShmLoader(device=...)`` gets in the device way."""
+        return "cuda"
+
+    def to_device(self, batch: Any) -> Any:
+        return _map(batch, lambda t: t.cuda(non_blocking=True))
+
+    def ready(self) -> None:
+        """Block until the work queued so far (the copies) has run: the batch is usable."""
+        import torch
+
+        event = torch.cuda.Event()
+        event.record()
+        event.synchronize()
+
+    def sleep_cycles_per_ms(self) -> float:
+        import torch
+
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        cycles = 10_000_000
         a.record()
-        dst.copy_(src, non_blocking=True)
+        torch.cuda._sleep(cycles)
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b))
-    return nbytes / statistics.median(times) / 1e6
+        return cycles / max(a.elapsed_time(b), 1e-3)
 
+    def work(self, cycles: int) -> None:
+        """GPU work reading nothing, waited for."""
+        import torch
 
-def _sleep_cycles_per_ms() -> float:
-    import torch
+        torch.cuda._sleep(cycles)
+        torch.cuda.synchronize()
 
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    cycles = 10_000_000
-    a.record()
-    torch.cuda._sleep(cycles)
-    b.record()
-    b.synchronize()
-    return cycles / max(a.elapsed_time(b), 1e-3)
+    def host_pinned(self) -> int | None:
+        """Peak pinned host bytes torch allocated in this process, or None when unknown."""
+        import torch
 
-
-def _host_pinned() -> int | None:
-    import torch
-
-    try:
-        stats = torch.cuda.host_memory_stats()
-    except (AttributeError, RuntimeError):
+        try:
+            stats = torch.cuda.host_memory_stats()
+        except (AttributeError, RuntimeError):
+            return None
+        for key in ("allocated_bytes.peak", "allocated_bytes.all.peak", "reserved_bytes.peak"):
+            if key in stats:
+                return int(stats[key])
         return None
-    for key in ("allocated_bytes.peak", "allocated_bytes.all.peak", "reserved_bytes.peak"):
-        if key in stats:
-            return int(stats[key])
-    return None
+
+    def pinned_gbs(self, nbytes: int) -> float:
+        """Host-to-device bandwidth of a pinned tensor of ``nbytes`` here (reference)."""
+        import torch
+
+        src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        times = []
+        for _ in range(5):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src, non_blocking=True)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        return nbytes / statistics.median(times) / 1e6
+
+    def memory_allocated(self) -> int:
+        import torch
+
+        return torch.cuda.memory_allocated()
+
+
+class HostStandIn(Cuda):
+    """``--cpu-smoke``: every CUDA call replaced by its host analogue, so that the code
+    paths of this benchmark run (and stay runnable) where there is no GPU. The
+    device way delivers through ``HostOps`` (``shmloader.device.DeviceOps`` on the
+    host). The figures mean nothing about GPUs; ``main`` says so in the results.
+    """
+
+    name = "host stand-in"
+
+    def set_device(self, rank: int, gpu: int) -> None:
+        pass
+
+    def device(self) -> Any:
+        return HostOps()
+
+    def to_device(self, batch: Any) -> Any:
+        return _map(batch, lambda t: t.clone())
+
+    def ready(self) -> None:
+        pass
+
+    def sleep_cycles_per_ms(self) -> float:
+        return 1e6
+
+    def work(self, cycles: int) -> None:
+        time.sleep(cycles / 1e6 / 1e3)
+
+    def host_pinned(self) -> int | None:
+        return 0  # nothing is pinned without CUDA
+
+    def pinned_gbs(self, nbytes: int) -> float:
+        import torch
+
+        src = torch.empty(nbytes, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        return nbytes / max(time.perf_counter() - t0, 1e-9) / 1e9
+
+    def memory_allocated(self) -> int:
+        return 0
+
+
+class HostOps:
+    """A ``shmloader.device.DeviceOps`` on the host: copies run at once, events are done.
+
+    The "device" is called ``cuda:0`` so that stats read as on a GPU rank; its
+    memory is host memory. Copy time is the host copy's.
+    """
+
+    def __init__(self) -> None:
+        import torch
+
+        self.device = torch.device("cuda", 0)
+        self._done: dict[int, float] = {}
+
+    def side(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def empty(self, nbytes: int) -> Any:
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def copy(self, dst: Any, src: Any) -> None:
+        dst.copy_(src)
+
+    def record(self) -> float:
+        return time.perf_counter()
+
+    def query(self, event: float) -> bool:
+        return True
+
+    def wait(self, event: float) -> None:
+        pass
+
+    def synchronize(self, event: float) -> None:
+        pass
+
+    def elapsed_ms(self, start: float, end: float) -> float:
+        return (end - start) * 1e3
+
+    def hand_over(self, tensor: Any) -> None:
+        pass
+
+    def register(self, address: int, nbytes: int) -> str | None:
+        return None
+
+    def unregister(self, address: int) -> None:
+        pass
 
 
 def run_rank(rank: int, cfg: dict[str, Any], port: int) -> dict[str, Any]:
@@ -140,8 +276,8 @@ def run_rank(rank: int, cfg: dict[str, Any], port: int) -> dict[str, Any]:
     from .workload import BatchSpec, TemplatedBatches, build
 
     torch.set_num_threads(1)
-    count = torch.cuda.device_count()
-    torch.cuda.set_device(cfg["gpu"] % count if cfg["gpu"] >= 0 else rank % count)
+    gpu = HostStandIn() if cfg.get("cpu_smoke") else Cuda()
+    gpu.set_device(rank, cfg["gpu"])
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -152,7 +288,7 @@ def run_rank(rank: int, cfg: dict[str, Any], port: int) -> dict[str, Any]:
     way, sp = cfg["way"], cfg["sp"]
     spec = BatchSpec.for_bytes(cfg["mib"] * MiB)
     length = cfg["warmup"] + cfg["steps"]
-    pin = way == "base_pinned"
+    pin = way == "base_pinned" and not cfg.get("cpu_smoke")  # nothing to pin for without CUDA
 
     def make() -> DataLoader:
         return DataLoader(
@@ -167,7 +303,7 @@ def run_rank(rank: int, cfg: dict[str, Any], port: int) -> dict[str, Any]:
 
     try:
         group = dist.new_group(list(range(sp)))
-        cycles = _sleep_cycles_per_ms() * cfg["gpu_ms"]
+        cycles = gpu.sleep_cycles_per_ms() * cfg["gpu_ms"]
         dist.barrier(group)
         cpu0 = procstat.tree_cpu_seconds(os.getpid())
         loader: Any
@@ -175,7 +311,7 @@ def run_rank(rank: int, cfg: dict[str, Any], port: int) -> dict[str, Any]:
             loader = make()
         else:
             config = Config.from_env(enabled=True)
-            device = "cuda" if way == "shm_device" else "cpu"
+            device = gpu.device() if way == "shm_device" else "cpu"
             loader = ShmLoader(make, group, config=config, device=device)
         it = iter(loader)
         rows: dict[str, list[float]] = {"next_ms": [], "usable_ms": [], "step_ms": [], "h2d": []}
@@ -185,13 +321,10 @@ def run_rank(rank: int, cfg: dict[str, Any], port: int) -> dict[str, Any]:
             batch = next(it)
             t1 = time.perf_counter()
             if way != "shm_device":
-                batch = _to_cuda(batch)
-            ready = torch.cuda.Event()
-            ready.record()
-            ready.synchronize()
+                batch = gpu.to_device(batch)
+            gpu.ready()
             t2 = time.perf_counter()
-            torch.cuda._sleep(int(cycles))
-            torch.cuda.synchronize()
+            gpu.work(int(cycles))
             del batch
             dist.barrier(group)
             t3 = time.perf_counter()
@@ -205,8 +338,8 @@ def run_rank(rank: int, cfg: dict[str, Any], port: int) -> dict[str, Any]:
                     mem_peak = max(mem_peak, procstat.tree_memory(os.getpid()).pss)
         next(it, None)
         cpu = procstat.tree_cpu_seconds(os.getpid()) - cpu0
-        pinned_host = _host_pinned()  # before the reference below pins its own tensor
-        pinned_ref = _pinned_gbs(spec.nbytes) if rank == 0 else None
+        pinned_host = gpu.host_pinned()  # before the reference below pins its own tensor
+        pinned_ref = gpu.pinned_gbs(spec.nbytes) if rank == 0 else None
         out: dict[str, Any] = {
             "rank": rank,
             **rows,
@@ -215,7 +348,7 @@ def run_rank(rank: int, cfg: dict[str, Any], port: int) -> dict[str, Any]:
             "pinned_host_bytes": pinned_host,
             "pinned_ref_gbs": pinned_ref,
             "payload_bytes": spec.nbytes,
-            "device_mem_allocated": torch.cuda.memory_allocated(),
+            "device_mem_allocated": gpu.memory_allocated(),
         }
         if isinstance(loader, ShmLoader):
             stats = loader.stats()
@@ -278,6 +411,7 @@ def launch(cfg: dict[str, Any]) -> tuple[list[dict] | None, str]:
         elif os.path.exists(err):
             with open(err) as f:
                 why = why or f"rank {r} failed:\n{f.read()}"
+    shutil.rmtree(outdir, ignore_errors=True)
     return (results if len(results) == cfg["sp"] and not why else None), why
 
 
@@ -432,6 +566,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--gpu", type=int, default=-1, help="one GPU index for every rank (default: rank %% GPUs)"
     )
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per configuration")
+    p.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="no GPU: run every code path with a host stand-in for CUDA (figures meaningless; "
+        "written to --out, default a new temporary directory); what the test suite runs",
+    )
     return p.parse_args(argv)
 
 
@@ -439,19 +579,26 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not args.cpu_smoke:
         print(
             "benchmarks.gpu needs a CUDA GPU: torch.cuda.is_available() is False here "
             f"(torch {torch.__version__}). Run it on a GPU node; the CPU logic of device "
-            "delivery is covered by tests/test_device.py.",
+            "delivery is covered by tests/test_device.py (--cpu-smoke runs this benchmark's "
+            "code paths with a host stand-in for CUDA, figures meaningless).",
             file=sys.stderr,
         )
         return 2
     from . import procstat
 
+    if args.cpu_smoke:
+        if args.out == DEFAULT_OUT:  # never overwrite real results with stand-in figures
+            args.out = tempfile.mkdtemp(prefix="shml-gpu-smoke-")
+        gpu_name, gpus = f"no GPU: {HostStandIn.name} (--cpu-smoke, figures meaningless)", 1
+    else:
+        gpu_name, gpus = torch.cuda.get_device_name(0), torch.cuda.device_count()
     machine = {
-        "gpu": torch.cuda.get_device_name(0),
-        "gpus": torch.cuda.device_count(),
+        "gpu": gpu_name,
+        "gpus": gpus,
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "host": procstat.machine(),
@@ -470,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
                 "gpu_ms": args.gpu_ms,
                 "gpu": args.gpu,
                 "timeout": args.timeout,
+                "cpu_smoke": args.cpu_smoke,
             }
             t0 = time.monotonic()
             ranks, why = launch(cfg)
@@ -502,6 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     if rows:
         plot(rows, os.path.join(args.out, "gpu.png"))
     print(markdown(result))
+    print(f"[gpu] results in {args.out}", file=sys.stderr)
     return 0 if rows and not skipped else 1
 
 

@@ -23,7 +23,9 @@ Where ``stat`` gets its document
     answers, a scan of /dev/shm. The writer of each ring rewrites the ring's
     description once a second with per-rank rows, so a scan shows progress
     and the leader's wait for data too; only the daemon knows followers'
-    own wait times (they report to it).
+    own wait times (they report to it). The same holds for device delivery:
+    the writer's row carries its own ``device*`` fields; a follower's come
+    with its reports to the daemon.
 
 What a job's bytes mean (NOTE [honest bytes])
     ``bytes`` is what the job holds now. For a live job: the largest of its
@@ -37,7 +39,7 @@ What a job's bytes mean (NOTE [honest bytes])
 ``stat --json`` document, schema 2 (fields are only ever added within a
 schema; schema 2 added ``job``, ``started_unix``, ``age_s``,
 ``reclaimable_bytes``, ``ranks`` and made a dead job's ``bytes`` what ``gc``
-frees)::
+frees; later, within schema 2, the ``device*`` fields of ``ranks`` rows)::
 
     {
       "schema": 2,
@@ -80,7 +82,16 @@ frees)::
                                         # waiting for data: near 1 = data is the bottleneck
              "lag": int|null,           # batches published but not yet taken
              "bytes": int|null,         # payload bytes published or received
-             "updated_unix": float|null}},
+             "updated_unix": float|null,
+             # device delivery (ShmLoader(device=...)); all null for a rank
+             # without one, or one whose report has not arrived:
+             "device": str|null,        # e.g. "cuda:0"
+             "device_batches": int|null,          # batches handed over on the device
+             "device_bytes": int|null,            # bytes copied to the device
+             "device_copy_ms_total": float|null,  # copy time (the copies' events)
+             "device_bandwidth_gbs": float|null,  # device_bytes / copy time, GB/s
+             "device_registered": bool|null,      # copies read the CUDA-registered ring
+             "device_registration_refused": str|null}},  # why CUDA refused, if it did
          "followers": {"<rank>": {"consumed": int|null, "lag": int|null,
                                   "receive_ms": float|null, "updated_unix": float}}}
       ],
@@ -337,7 +348,47 @@ def _rank_rows(value: Any) -> dict[str, dict[str, Any]]:
             "lag": _opt_int(row.get("lag")),
             "bytes": _opt_int(row.get("bytes")),
             "updated_unix": _opt_float(row.get("updated_unix")),
+            **device_fields(row),
         }
+    return out
+
+
+#: What a rank with device delivery reports (``ShmLoader.stats()`` names):
+#: in its ring's description (the writer) and to the daemon (every rank).
+DEVICE_REPORTED = (
+    "device",
+    "device_batches",
+    "device_bytes",
+    "device_copy_ms_total",
+    "device_registered",
+    "device_registration_refused",
+)
+#: The device fields of a ``ranks`` row: what is reported, and the bandwidth.
+DEVICE_KEYS = (*DEVICE_REPORTED, "device_bandwidth_gbs")
+
+
+def device_fields(row: Any) -> dict[str, Any]:
+    """The device fields of one reported rank row, type-checked, bandwidth derived.
+
+    All None when the row has no device (host delivery, or no report yet).
+    """
+    out: dict[str, Any] = dict.fromkeys(DEVICE_KEYS)
+    name = row.get("device") if isinstance(row, dict) else None
+    if not isinstance(name, str) or not name:
+        return out
+    refused = row.get("device_registration_refused")
+    registered = row.get("device_registered")
+    out.update(
+        device=name[:64],
+        device_batches=_opt_int(row.get("device_batches")),
+        device_bytes=_opt_int(row.get("device_bytes")),
+        device_copy_ms_total=_opt_float(row.get("device_copy_ms_total")),
+        device_registered=registered if isinstance(registered, bool) else None,
+        device_registration_refused=refused[:128] if isinstance(refused, str) else None,
+    )
+    nbytes, ms = out["device_bytes"], out["device_copy_ms_total"]
+    if nbytes is not None and ms:
+        out["device_bandwidth_gbs"] = round(nbytes / ms / 1e6, 3)
     return out
 
 
@@ -850,6 +901,8 @@ def format_table(doc: dict[str, Any]) -> str:
                     f"{_pct(r.get('wait_share')):>8} {_dash(r.get('lag')):>4} "
                     f"{_dash(r.get('bytes') and human_bytes(r['bytes'])):>10}"
                 )
+                if r.get("device"):
+                    lines.append(f"{'':>11}{_device_line(r)}")
     for bad in doc.get("invalid", []):
         lines.append(f"ignored {bad['name']}: {bad['error']}")
     if any(j.get("writer_alive") is False for j in jobs):
@@ -860,6 +913,25 @@ def format_table(doc: dict[str, Any]) -> str:
             "(high on the leader: the input pipeline is the bottleneck)"
         )
     return "\n".join(lines)
+
+
+def _device_line(row: dict[str, Any]) -> str:
+    """A rank's device delivery in one line: bytes, copy time, bandwidth, registration."""
+    nbytes, ms, gbs = (
+        row.get("device_bytes"),
+        row.get("device_copy_ms_total"),
+        row["device_bandwidth_gbs"],
+    )
+    copied = "-" if nbytes is None else human_bytes(nbytes)
+    took = "-" if ms is None else f"{ms:.2f} ms"
+    rate = "-" if gbs is None else f"{gbs:.2f} GB/s"
+    if row.get("device_registered"):
+        ring = "ring registered"
+    elif row.get("device_registration_refused"):
+        ring = f"ring NOT registered ({row['device_registration_refused']})"
+    else:
+        ring = "ring not registered"
+    return f"{row['device']}: copied {copied} in {took} ({rate}), {ring}"
 
 
 def _merged_ranks(job: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:

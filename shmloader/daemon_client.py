@@ -385,13 +385,15 @@ class DaemonClient:
         wait_ms_p50: float | None = None,
         wait_share: float | None = None,
         nbytes: int | None = None,
+        device: dict[str, Any] | None = None,
     ) -> None:
         """Progress counters of one rank of ring ``token`` (all optional).
 
         ``wait_ms_p50``: median milliseconds the rank waited for a batch
         (recent batches); ``wait_share``: the fraction of its wall time since
         its first batch spent waiting; ``nbytes``: bytes it received or
-        published.
+        published; ``device``: its device-delivery counters
+        (``admin.DEVICE_REPORTED``), None or empty on host delivery.
         """
         fields: dict[str, Any] = {"token": token, "rank": int(rank)}
         for key, value in (
@@ -404,6 +406,9 @@ class DaemonClient:
             ("wait_share", wait_share),
             ("bytes", nbytes),
         ):
+            if value is not None:
+                fields[key] = value
+        for key, value in (device or {}).items():
             if value is not None:
                 fields[key] = value
         self.request("report", **fields)

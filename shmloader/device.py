@@ -36,6 +36,30 @@ So a GPU consumer holds ring memory for one copy's duration (plus at most one
 step until the next poll), not for as long as it keeps the batch: the device
 tensors own their memory.
 
+NOTE [checkpoints under prefetch]
+    The stage pulls up to ``prefetch`` batches before the user asks for them,
+    and pulling runs the role's loop: the loader steps, the loop counts, a
+    follower mirrors the leader's RNG draws. ``ShmLoader.state_dict()`` must
+    still describe the last batch *handed over*, so that a resume delivers
+    the pulled-but-undelivered batches again:
+
+    - position: ``position()`` is snapshotted right after each pull (cursor,
+      end of epoch, a stateful loader's state and its state at the step
+      boundary) and travels with the batch; handing the batch over makes its
+      snapshot ``self.position``, what ``state_dict()`` reads;
+    - RNG: the capture at a step's first micro-batch (NOTE [RNG at the step
+      boundary] in ``rng``) happens in ``request()``, at the user's
+      ``next()``, not where the loop pulls (that is up to ``prefetch``
+      batches earlier, before the user's own draws for the batches between).
+
+    A resumed stage pulls the batches after the cursor back to back, without
+    the user's draws in between: the loader's draws from the default
+    generators must not depend on that order. They do not for a DataLoader
+    (draws at ``iter()`` only, before the first pull) nor with workers; they
+    do for randomness drawn per batch in the main process (``num_workers=0``
+    with random augmentation in the dataset or ``collate_fn``), which a
+    resume under prefetch cannot replay exactly: give it its own generator.
+
 NOTE [registration]
     Each rank maps each slot segment once, read-only and MAP_SHARED
     (``ring.map_shared_readonly``), and registers that mapping once with
@@ -458,18 +482,30 @@ class DeviceStage:
         return self._ops is not None
 
     def wrap(
-        self, inner: Iterator[Any], position: Callable[[], Any] | None = None
+        self,
+        inner: Iterator[Any],
+        position: Callable[[], Any] | None = None,
+        request: Callable[[], None] | None = None,
+        settled: Callable[[], None] | None = None,
     ) -> Iterator[Any]:
         """Iterate ``inner`` through ``select`` and, on a device, the prefetcher.
 
-        ``position()`` is called after every pull (and at the start and end)
-        so that the loader can report where the *user* is, not the stage.
+        ``position()`` is called after every pull and at the end, so that
+        the loader can report where the *user* is, not the stage; until the
+        first hand-over ``self.position`` stays None (nothing handed over yet:
+        the loop's own position is the user's). Not at the start: asking a
+        loader for its state before ``iter()`` may open it (torchdata's
+        ``StatefulDataLoader`` does, drawing a base seed). ``request()`` is
+        called at every ``next()`` of the user, before the stage pulls
+        anything for it (NOTE [checkpoints under prefetch]). ``settled()``
+        is called once the iteration is over and its copies have settled (the
+        counters of ``stats()`` are final for it).
         """
         if self._closed:
             raise ShmLoaderError("this ShmLoader is closed; make a new one")
         if self._ops is None:
             return self._host(inner)
-        return self._prefetching(inner, position)
+        return self._prefetching(inner, position, request, settled)
 
     def _host(self, inner: Iterator[Any]) -> Iterator[Any]:
         select = self.select
@@ -483,17 +519,23 @@ class DeviceStage:
             yield select(box.pop())
 
     def _prefetching(
-        self, inner: Iterator[Any], position: Callable[[], Any] | None
+        self,
+        inner: Iterator[Any],
+        position: Callable[[], Any] | None,
+        request: Callable[[], None] | None,
+        settled: Callable[[], None] | None,
     ) -> Iterator[Any]:
         queue: collections.deque[_Ready] = collections.deque()
         error: Exception | None = None
         done = False
         end_position: Any = None
-        self.position = position() if position is not None else None
+        self.position = None
         try:
-            while True:
+            while True:  # one turn per next() of the user
                 if self._closed:
                     raise ShmLoaderError("this ShmLoader was closed while iterating")
+                if request is not None:
+                    request()  # before this turn's pulls draw anything
                 self._reap()  # free slots first: the writer may need them for what we pull
                 # Errors wait behind the batches already pulled, as on the host path.
                 while not done and error is None and len(queue) <= self.prefetch:
@@ -520,6 +562,8 @@ class DeviceStage:
             with contextlib.suppress(Exception):
                 inner.close()  # type: ignore[attr-defined]
             self._settle()
+            if settled is not None:
+                settled()
 
     def _start(self, batch: Any, position: Callable[[], Any] | None) -> _Ready:
         """Issue the copies of one pulled batch on the side stream."""

@@ -95,6 +95,7 @@ import torch
 import torch.distributed as dist
 
 from . import codec, rng, wire  # noqa: F401  (codec: tests/faults patch loader.codec)
+from .admin import DEVICE_REPORTED
 from .channel import Hub, Peer, Spoke
 from .config import DEFAULT_TIMEOUT_S, Config
 from .daemon_client import DaemonClient
@@ -404,6 +405,32 @@ class ShmLoader(_Leader, _Relay, _Follower):
         share = min(1.0, self._stats["wait_ms_total"] / wall_ms) if wall_ms > 0 else None
         return round(statistics.median(self._waits), 4), share and round(share, 4)
 
+    def _device_fields(self) -> dict[str, Any]:
+        """This rank's device-delivery counters for ``shmloader stat``; empty without a device.
+
+        The raw counters (``admin.DEVICE_REPORTED``); ``stat`` derives the
+        bandwidth from them (``admin.device_fields``).
+        """
+        if self._stage is None or not self._stage.on_device:
+            return {}
+        s = self._stage.stats()
+        fields = {key: s[key] for key in DEVICE_REPORTED}
+        refused = fields["device_registration_refused"]
+        if isinstance(refused, str):  # the daemon takes printable text of <= 128 characters
+            fields["device_registration_refused"] = "".join(
+                c if c.isprintable() else " " for c in refused
+            )[:128]
+        fields["device_copy_ms_total"] = round(float(fields["device_copy_ms_total"]), 4)
+        return fields
+
+    def _report_now(self) -> None:
+        """Report at once (an iteration's copies settled): ``stat`` shows its final counters."""
+        if self._closed:
+            return
+        self._next_report = 0.0
+        with contextlib.suppress(Exception):  # a report never fails the iteration
+            self._report()
+
     def _report(self) -> None:
         """At most once a second: this rank's progress for ``shmloader stat``.
 
@@ -417,10 +444,11 @@ class ShmLoader(_Leader, _Relay, _Follower):
             return
         self._next_report = now + REPORT_EVERY_S
         p50, share = self._wait_stats()
+        device = self._device_fields()
         if topo.is_writer:
             published = self._stats["bytes_published"] or self._stats["bytes_received"]
             mine = {"role": self._role, "batches": self._seq, "wait_ms_p50": p50,
-                    "wait_share": share, "bytes": published}  # fmt: skip
+                    "wait_share": share, "bytes": published, **device}  # fmt: skip
             if self._ring is not None:
                 ranks = {str(topo.me): mine}
                 for rank, acked in self._acked.items():
@@ -433,7 +461,8 @@ class ShmLoader(_Leader, _Relay, _Follower):
             if client is None:
                 return
             client.report(topo.ring_token, topo.me, published=self._seq, role=self._role,
-                          wait_ms_p50=p50, wait_share=share, nbytes=published)  # fmt: skip
+                          wait_ms_p50=p50, wait_share=share, nbytes=published,
+                          device=device)  # fmt: skip
             for rank, acked in self._acked.items():
                 client.report(topo.ring_token, rank, consumed=acked, lag=self._seq - acked)
         elif client is not None:
@@ -441,7 +470,7 @@ class ShmLoader(_Leader, _Relay, _Follower):
             mean = self._stats["receive_ms_total"] / received if received else None
             client.report(topo.ring_token, topo.me, consumed=received, receive_ms=mean,
                           role=self._role, wait_ms_p50=p50, wait_share=share,
-                          nbytes=self._stats["bytes_received"])  # fmt: skip
+                          nbytes=self._stats["bytes_received"], device=device)  # fmt: skip
 
     # ------------------------------------------------------------- public API
 
@@ -497,6 +526,8 @@ class ShmLoader(_Leader, _Relay, _Follower):
         if epoch != self._epoch:  # a new epoch starts at its beginning
             self._note_left()
             self._delivered, self._exhausted, self._sampler_base = 0, False, 0
+            if self._stage is not None:
+                self._stage.position = None  # the user's position, too
         self._epoch = epoch
         if self._xnode is not None:
             self._xnode.position = (epoch, self._pos)
@@ -537,7 +568,9 @@ class ShmLoader(_Leader, _Relay, _Follower):
         if self._stage is None:
             return inner
         self._stage.position = None
-        return self._stage.wrap(inner, self._position if self._stage.on_device else None)
+        if not self._stage.on_device:
+            return self._stage.wrap(inner)
+        return self._stage.wrap(inner, self._position, self._user_request, self._report_now)
 
     def stats(self) -> dict[str, Any]:
         """Counters of this rank: batches, bytes, times (ms), ring size."""
@@ -737,9 +770,27 @@ class ShmLoader(_Leader, _Relay, _Follower):
         ranks capture in ``_open_source`` (an iteration's first request, before
         the loader is opened) and in ``_mark_boundary`` (every later request);
         followers and node leaders in ``_deliver``, before mirroring draws.
+        With device prefetch those are pulls ahead of the user, so the stage
+        captures instead, at the user's request (``_user_request``).
         """
         k = self.accumulation_steps
+        if self._stage is not None and self._stage.on_device:
+            return
         if k > 1 and self._delivered % k == 0:
+            self._rng_boundary = rng.capture()
+
+    def _user_request(self) -> None:
+        """``_capture_rng`` at the user's ``next()`` under device prefetch.
+
+        NOTE [checkpoints under prefetch] (``device``): the loop pulls up to
+        ``prefetch`` batches before the user asks for them, so the step
+        boundary is counted in batches handed to the user, and the capture is
+        made before the stage pulls anything for this request.
+        """
+        k = self.accumulation_steps
+        handed = self._stage.position if self._stage is not None else None
+        delivered = handed[0] if handed is not None else self._delivered  # none handed yet
+        if k > 1 and delivered % k == 0:
             self._rng_boundary = rng.capture()
 
     def _peer(self, rank: int) -> Peer:

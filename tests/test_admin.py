@@ -322,6 +322,22 @@ def test_scan_shows_the_job_name_and_rank_rows_the_writer_describes(capsys) -> N
         assert code == 0 and "train-7b" in out and "80%" in out
 
 
+def test_device_fields_of_a_rank_row_are_type_checked_and_the_bandwidth_derived() -> None:
+    row = {"device": "cuda:3", "device_batches": 4, "device_bytes": 8_000_000,
+           "device_copy_ms_total": 2.0, "device_registered": True,
+           "device_registration_refused": None}  # fmt: skip
+    got = admin.device_fields(row)
+    assert got["device"] == "cuda:3" and got["device_bandwidth_gbs"] == 4.0
+    assert got["device_registered"] is True and set(got) == set(admin.DEVICE_KEYS)
+    junk = {"device": "cuda:0", "device_bytes": "8", "device_copy_ms_total": True,
+            "device_registered": 1, "device_batches": -0.5}  # fmt: skip
+    assert admin.device_fields(junk) == {**dict.fromkeys(admin.DEVICE_KEYS), "device": "cuda:0"}
+    for no_device in ({}, {"device": ""}, {"device": 3}, "junk", {"device_bytes": 5}):
+        assert admin.device_fields(no_device) == dict.fromkeys(admin.DEVICE_KEYS)
+    stalled = admin.device_fields({**row, "device_copy_ms_total": 0.0})
+    assert stalled["device_bandwidth_gbs"] is None  # nothing timed yet: no bandwidth
+
+
 @pytest.mark.timeout(20)
 def test_gc_reaps_sockets_of_recycled_pids_in_every_runtime_dir(no_leaks) -> None:
     uid = os.geteuid()

@@ -8,6 +8,7 @@ uninterrupted one.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import random
@@ -21,6 +22,7 @@ from torch.utils.data import DataLoader
 from shmloader import Config, ShardedSampler, ShmLoader, TopologyMismatchError
 from shmloader.errors import ConfigError
 from tests import ranks
+from tests.fake_device import FakeOps
 from tests.harness import run_ranks
 
 SP, K, N = 2, 2, 24  # SP size, accumulation steps, samples (12 per replica at DP 2: 6 batches)
@@ -46,6 +48,19 @@ def _factory(kind: str, num_workers: int, num_replicas: int, dp_rank: int):
     return make
 
 
+def _digest(batch: dict) -> str:
+    """SHA-1 of every tensor's bytes, dtype and shape: the batch bit for bit."""
+    h = hashlib.sha1()
+    for key in sorted(batch):
+        value = batch[key]
+        for t in value if isinstance(value, tuple | list) else [value]:
+            if isinstance(t, torch.Tensor):
+                t = t.contiguous()
+                h.update(f"{key}{t.dtype}{tuple(t.shape)}".encode())
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def _roundtrip(state: dict) -> dict:
     """As a checkpoint file would: torch.save, then torch.load with its safe default."""
     buf = io.BytesIO()
@@ -64,17 +79,30 @@ def _train(
     stop: int | None = None,
     state: dict | None = None,
     epochs: int = 2,
+    prefetch: int | None = None,
+    k: int = K,
 ) -> dict:
-    """Iterate ``epochs``; each batch's record is its ids and the step's draws."""
+    """Iterate ``epochs``; each batch's record is its ids, the step's draws and its digest.
+
+    ``prefetch``: deliver through a fake device (``tests.fake_device``) that
+    many batches ahead of the user, as ``device="cuda"`` does. ``world`` 1:
+    this process alone, no ``torch.distributed``.
+    """
     from shmloader import dp_topology_from_group
 
-    group, _ = ranks.sp_groups(world, SP)
-    num_replicas, dp_rank = dp_topology_from_group(group)
+    group, num_replicas, dp_rank = None, 1, 0
+    if world > 1:
+        group, _ = ranks.sp_groups(world, SP)
+        num_replicas, dp_rank = dp_topology_from_group(group)
+    extra: dict = {}
+    if prefetch is not None:
+        extra["device"] = FakeOps(auto=True)
     loader = ShmLoader(
         _factory(kind, num_workers, num_replicas, dp_rank),
         group,
-        accumulation_steps=K,
-        config=Config.from_env(enabled=share),
+        accumulation_steps=k,
+        config=Config.from_env(enabled=share, prefetch=prefetch or 2),
+        **extra,
     )
     start = 0
     if state is not None:
@@ -88,7 +116,7 @@ def _train(
         loader.set_epoch(epoch)
         for batch in loader:
             draws = (torch.rand(3).tolist(), random.random(), float(np.random.rand()))
-            records.append((epoch, batch["meta"].sample_ids, draws))
+            records.append((epoch, batch["meta"].sample_ids, draws, _digest(batch)))
             delivered += 1
             if delivered == stop:
                 saved = _roundtrip(loader.state_dict())
@@ -98,11 +126,13 @@ def _train(
     return {"records": records, "state": None, "after": torch.rand(2).tolist()}
 
 
-def resume_matrix(rank: int, world: int, *, kind: str, num_workers: int, stops: list) -> dict:
+def resume_matrix(
+    rank: int, world: int, *, kind: str, num_workers: int, stops: list, prefetch: int | None = None
+) -> dict:
     """Uninterrupted, then for each stop: run to it, save, resume (shared, unshared, crossed)."""
     out: dict = {}
     for share in (True, False):
-        common = {"kind": kind, "num_workers": num_workers}
+        common = {"kind": kind, "num_workers": num_workers, "prefetch": prefetch}
         out[("full", share)] = _train(rank, world, share=share, **common)
         for stop in stops:
             first = _train(rank, world, share=share, stop=stop, **common)
@@ -114,19 +144,21 @@ def resume_matrix(rank: int, world: int, *, kind: str, num_workers: int, stops: 
     return out
 
 
-def _assert_resumed(full: dict, first: dict, second: dict, where: str) -> None:
+def _assert_resumed(
+    full: dict, first: dict, second: dict, where: str, *, replicas: int = 4 // SP, k: int = K
+) -> None:
     state = first["state"]
-    per_epoch = N // (4 // SP) // 2
+    per_epoch = N // replicas // 2
     stop = len(first["records"])
     epoch, position = divmod(stop, per_epoch)
     if position == 0 and stop:  # saved after an epoch's last batch, before its END
         epoch, position = epoch - 1, per_epoch
-    assert (state["epoch"], state["batches"]) == (epoch, position - position % K), where
+    assert (state["epoch"], state["batches"]) == (epoch, position - position % k), where
     cursor = state["epoch"] * per_epoch + state["batches"]
     expected = full["records"][cursor:]
     assert len(second["records"]) == len(expected) > 0, where
     for i, (got, want) in enumerate(zip(second["records"], expected, strict=True)):
-        assert got == want, f"{where}: resumed batch {i} (ids, dropout draws) differ"
+        assert got == want, f"{where}: resumed batch {i} (ids, dropout draws, bytes) differ"
     assert second["after"] == full["after"], f"{where}: RNG after the run differs"
 
 
@@ -134,11 +166,15 @@ STOPS = [1, 3, 6, 8, 9]  # mid-window at 0 | mid-window | epoch end | boundary |
 
 
 @pytest.mark.timeout(300)
-def test_resume_with_dropout_is_exact_at_every_kind_of_stop():
+@pytest.mark.parametrize("prefetch", [None, 2], ids=["host", "device-prefetch-2"])
+def test_resume_with_dropout_is_exact_at_every_kind_of_stop(prefetch):
+    # With a device, each rank pulls ``prefetch`` batches ahead of the user: the state
+    # must still be the user's position, with the RNG as it was there, and the
+    # prefetched-but-undelivered batches must come again after the resume.
     out = run_ranks(
         resume_matrix,
         4,
-        kwargs={"kind": "dataloader", "num_workers": 0, "stops": STOPS},
+        kwargs={"kind": "dataloader", "num_workers": 0, "stops": STOPS, "prefetch": prefetch},
         timeout=280,
     )
     for rank, o in enumerate(out):
@@ -157,11 +193,13 @@ def test_resume_with_dropout_is_exact_at_every_kind_of_stop():
 # ------------------------------------------------------------------ torchdata, real exits
 
 
-def torchdata_phase(rank: int, world: int, *, phase: str, ckpt_dir: str) -> dict:
+def torchdata_phase(
+    rank: int, world: int, *, phase: str, ckpt_dir: str, prefetch: int | None = None
+) -> dict:
     """``first``: an uninterrupted run, then one stopped mid-window; ``resume``: a new process."""
     out = {}
     for share in (True, False):
-        common = {"kind": "torchdata", "num_workers": 2, "share": share}
+        common = {"kind": "torchdata", "num_workers": 2, "share": share, "prefetch": prefetch}
         path = os.path.join(ckpt_dir, f"{share}-loader-rank{rank}.pt")
         if phase == "first":
             out[("full", share)] = _train(rank, world, **common)
@@ -174,10 +212,11 @@ def torchdata_phase(rank: int, world: int, *, phase: str, ckpt_dir: str) -> dict
 
 
 @pytest.mark.timeout(300)
-def test_torchdata_stateful_dataloader_save_exit_resume():
+@pytest.mark.parametrize("prefetch", [None, 2], ids=["host", "device-prefetch-2"])
+def test_torchdata_stateful_dataloader_save_exit_resume(prefetch):
     pytest.importorskip("torchdata")
     with tempfile.TemporaryDirectory() as ckpt:
-        kw = {"ckpt_dir": ckpt}
+        kw = {"ckpt_dir": ckpt, "prefetch": prefetch}
         first = run_ranks(torchdata_phase, 4, kwargs={**kw, "phase": "first"}, timeout=200)
         second = run_ranks(torchdata_phase, 4, kwargs={**kw, "phase": "resume"}, timeout=200)
     for rank in range(4):
@@ -232,7 +271,7 @@ def test_save_on_rank0_load_everywhere_says_the_right_way():
 def save_at_dp2(rank: int, world: int, *, kind: str, ckpt_dir: str) -> list:
     out = _train(rank, world, kind=kind, num_workers=0, share=True, stop=3)
     torch.save(out["state"], os.path.join(ckpt_dir, f"loader-rank{rank}.pt"))
-    return [ids for _, ids, _ in out["records"]]
+    return [ids for _, ids, *_ in out["records"]]
 
 
 def resume_resized(rank: int, world: int, *, kind: str, ckpt_dir: str, source: int) -> dict:
@@ -241,7 +280,7 @@ def resume_resized(rank: int, world: int, *, kind: str, ckpt_dir: str, source: i
         out = _train(rank, world, kind=kind, num_workers=0, share=True, state=state, epochs=1)
     except TopologyMismatchError as exc:
         return {"error": str(exc)}
-    return {"ids": [ids for _, ids, _ in out["records"]]}
+    return {"ids": [ids for _, ids, *_ in out["records"]]}
 
 
 @pytest.mark.timeout(300)
@@ -272,18 +311,45 @@ def test_dp_resize_through_load_state_dict(kind):
 # ------------------------------------------------------------------ single process
 
 
-def _local(n: int = 8) -> ShmLoader:
-    return ShmLoader(ranks.make_loader_factory(0, n=n), None, config=Config(enabled=False))
+def _local(n: int = 8, prefetch: int | None = None) -> ShmLoader:
+    device = FakeOps(auto=True) if prefetch is not None else None
+    config = Config(enabled=False, prefetch=prefetch or 2)
+    return ShmLoader(ranks.make_loader_factory(0, n=n), None, config=config, device=device)
 
 
-def test_a_new_epoch_starts_at_its_beginning_in_the_state():
-    loader = _local()
+@pytest.mark.parametrize("prefetch", [None, 2], ids=["host", "device-prefetch-2"])
+def test_a_new_epoch_starts_at_its_beginning_in_the_state(prefetch):
+    loader = _local(prefetch=prefetch)
     assert len(list(loader)) == 4
     assert loader.state_dict()["batches"] == 4
     loader.set_epoch(1)
     state = loader.state_dict()
     assert (state["epoch"], state["batches"]) == (1, 0), "set_epoch must reset the cursor"
+    it = iter(loader)
+    next(it)
+    loader.set_epoch(2)  # left epoch 1 after one batch, prefetched more
+    state = loader.state_dict()
+    assert (state["epoch"], state["batches"]) == (2, 0), "set_epoch must reset the cursor"
     loader.close()
+
+
+@pytest.mark.parametrize("kind", ["dataloader", "torchdata"])
+@pytest.mark.parametrize(("prefetch", "k"), [(2, 2), (3, 3), (1, 1), (2, 1)])
+def test_local_resume_with_device_prefetch_is_exact_at_every_stop(kind, prefetch, k):
+    # Every stop of two epochs, in this process (the local role): the state is the
+    # user's position and RNG, not the prefetcher's, and the prefetched batches come again.
+    if kind == "torchdata":
+        pytest.importorskip("torchdata")
+    common = {"kind": kind, "num_workers": 0, "share": False, "prefetch": prefetch, "k": k}
+    full = _train(0, 1, **common)
+    assert len(full["records"]) == N  # 12 batches per epoch
+    host = _train(0, 1, **{**common, "prefetch": None})
+    assert full["records"] == host["records"], "prefetch changed data or RNG"
+    for stop in range(1, N):
+        first = _train(0, 1, stop=stop, **common)
+        second = _train(0, 1, state=first["state"], **common)
+        where = f"{kind} prefetch={prefetch} k={k} stop={stop}"
+        _assert_resumed(full, first, second, where, replicas=1, k=k)
 
 
 def test_format_1_states_still_load_and_bad_rng_is_refused():

@@ -262,6 +262,18 @@ def test_protocol_rejects_malformed_requests() -> None:
     assert "[pid, start]" in err(
         {"v": 1, "op": "register", "token": "ab", "group": [0], "pids": {"0": 5}}
     )
+    report = {"v": 1, "op": "report", "token": "ab", "rank": 0}
+    assert "true or false" in err({**report, "device_registered": 1})
+    assert "printable string" in err({**report, "device": "cuda:0\n"})
+    assert "must be a number" in err({**report, "device_copy_ms_total": "2"})
+    device = {"device": "cuda:0", "device_batches": 3, "device_bytes": 4096,
+              "device_copy_ms_total": 1.5, "device_registered": False,
+              "device_registration_refused": "cudaHostRegister: error 999"}  # fmt: skip
+    assert protocol.parse(json.dumps({**report, **device}).encode())[1] == {
+        "token": "ab",
+        "rank": 0,
+        **device,
+    }
     assert "exceeds" in err(b"x" * (MAX_REQUEST + 1))
     assert "nested too deeply" in err(b"[" * 200_000 + b"]" * 200_000)
     op, fields = protocol.parse(

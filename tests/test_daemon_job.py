@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from shmloader import Config, ShmLoader, admin
+from shmloader.errors import human_bytes
 from tests import ranks
 from tests.harness import run_ranks
 from tests.test_daemon import daemons  # noqa: F401 - the fixture
@@ -126,3 +127,86 @@ def test_stat_without_daemon_says_which_job_waits_for_data():
         assert row["role"] == "follower" and row["batches"] >= 3 and row["lag"] is not None
     text = admin.format_table(doc)
     assert "elastic-42" in text and "leader" in text
+
+
+# ------------------------------------------------------------------ device delivery
+
+
+def device_job(rank: int, world: int) -> dict:
+    """A job delivering on a fake device per rank (rank 2's registration refused).
+
+    After one whole epoch (its copies settled, so its counters are final) rank 0
+    runs ``shmloader stat`` and ``stat --json`` while every rank still holds its
+    loader.
+    """
+    from tests.fake_device import FakeOps
+
+    refuse = "cudaHostRegister: error 999 (refused by a fake)" if rank == 2 else None
+    ops = FakeOps(auto=True, device=f"cuda:{rank}", refuse=refuse)
+    loader = ShmLoader(
+        ranks.make_loader_factory(0, n=16),
+        dist.group.WORLD,
+        # every leaf a view of its slot, so that the copies can read the registered ring
+        config=Config.from_env(enabled=True, small_copy_bytes=0),
+        device=ops,
+    )
+    for _ in loader:
+        pass
+    dist.barrier()
+    out: dict = {"token": loader.topology.ring_token, "stats": loader.stats()}
+    if rank == 0:
+        for flag in ("--json", None):
+            run = subprocess.run(
+                [sys.executable, "-m", "shmloader", "stat", *([flag] if flag else [])],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            )
+            out["json" if flag else "text"] = run.stdout
+    dist.barrier()
+    loader.close()
+    return out
+
+
+def _check_device_rows(out: list[dict], *, every_rank: bool) -> None:
+    doc = json.loads(out[0]["json"])
+    assert doc["schema"] == 2
+    job = next(j for j in doc["jobs"] if j["token"] == out[0]["token"])
+    text = out[0]["text"]
+    described = range(3) if every_rank else [0]  # without a daemon: the writer's own row
+    for rank in range(3):
+        row, mine = job["ranks"][str(rank)], out[rank]["stats"]
+        if rank not in described:
+            assert all(row[k] is None for k in admin.DEVICE_KEYS), row
+            assert f"cuda:{rank}:" not in text
+            continue
+        assert mine["device_bytes"] > 0 and mine["device_batches"] == 8
+        assert row["device"] == f"cuda:{rank}"
+        for key in ("device_batches", "device_bytes", "device_copy_ms_total"):
+            assert row[key] == mine[key], (rank, key, row, mine)
+        assert row["device_copy_ms_total"] == 2.0 * 8  # the fake's 2 ms per batch
+        assert row["device_bandwidth_gbs"] == pytest.approx(mine["device_bandwidth_gbs"], abs=1e-3)
+        assert row["device_registered"] is (rank != 2)
+        assert (row["device_registration_refused"] is not None) is (rank == 2)
+        ring = (
+            "ring registered" if rank != 2 else "ring NOT registered (cudaHostRegister: error 999"
+        )
+        line = (
+            f"cuda:{rank}: copied {human_bytes(mine['device_bytes'])} in 16.00 ms "
+            f"({mine['device_bandwidth_gbs']:.2f} GB/s), {ring}"
+        )
+        assert line in text, f"rank {rank}: {line!r} not in\n{text}"
+    assert text.count(" copied ") == len(described)
+
+
+def test_stat_shows_the_writers_device_delivery_without_daemon():
+    out = run_ranks(device_job, 3, env={"SHMLOADER": "1"})
+    _check_device_rows(out, every_rank=False)
+
+
+def test_stat_shows_every_ranks_device_delivery_from_the_daemon(daemons):  # noqa: F811
+    d = daemons.start()
+    out = run_ranks(device_job, 3, env={"SHMLOADER": "1", "SHMLOADER_DAEMON": d.path})
+    assert json.loads(out[0]["json"])["source"] == "daemon"
+    _check_device_rows(out, every_rank=True)

@@ -1,8 +1,8 @@
 """The device stage without a GPU: a fake device drives prefetch, streams and release.
 
-``FakeOps`` implements ``shmloader.device.DeviceOps`` on the host: its
-"device" memory is host tensors and its events complete when the test says so
-(``complete()``), so every rule of the stage is observable here: prefetch
+``FakeOps`` (``tests.fake_device``) implements ``shmloader.device.DeviceOps``
+on the host: its "device" memory is host tensors and its events complete when
+the test says so (``complete()``), so every rule of the stage is observable here: prefetch
 depth and order, the consumer waiting on the copy's event, slots released when
 the copy completes (not when the user drops the batch), errors and stops
 through the prefetcher, close with copies in flight, ``select``, registration
@@ -13,7 +13,6 @@ stage finds slots, maps and "registers" them exactly as on a GPU rank.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import logging
@@ -27,104 +26,10 @@ from shmloader import Config, ShmLoader, codec, device
 from shmloader.config import DEFAULT_PREFETCH
 from shmloader.errors import ConfigError, ShmLoaderError
 from shmloader.ring import RingWriter, SlotState, new_token, private_view, view_source
+from tests.fake_device import FakeOps
 from tests.harness import run_ranks
 
-# ----------------------------------------------------------------- fakes
-
-
-class FakeEvent:
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.done = False
-
-
-class FakeOps:
-    """A ``DeviceOps`` whose copies run on the host and complete under test control."""
-
-    device = torch.device("cpu")
-
-    def __init__(self, *, refuse: str | None = None, auto: bool = False) -> None:
-        self.refuse = refuse
-        self.auto = auto  # every event completes at once
-        self.events: list[FakeEvent] = []
-        self.registered: dict[int, int] = {}
-        self.register_calls: list[tuple[int, int]] = []
-        self.unregister_calls: list[int] = []
-        self.copies: list[tuple[int, int]] = []  # (source address, bytes)
-        self.waits: list[FakeEvent] = []
-        self.handed: list[torch.Tensor] = []
-        self.synced = 0
-        self.in_side = False
-        self.mapped_at_unregister: list[bool] = []
-
-    @contextlib.contextmanager
-    def side(self):
-        self.in_side = True
-        try:
-            yield
-        finally:
-            self.in_side = False
-
-    def empty(self, nbytes: int) -> torch.Tensor:
-        assert self.in_side, "device memory allocated off the side stream"
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        assert self.in_side, "copy issued off the side stream"
-        assert src.dtype == torch.uint8 and src.dim() == 1 and src.is_contiguous()
-        self.copies.append((src.data_ptr(), src.numel()))
-        dst.copy_(src)
-
-    def record(self) -> FakeEvent:
-        event = FakeEvent(len(self.events))
-        event.done = self.auto
-        self.events.append(event)
-        return event
-
-    def query(self, event: FakeEvent) -> bool:
-        return event.done
-
-    def wait(self, event: FakeEvent) -> None:
-        self.waits.append(event)
-
-    def synchronize(self, event: FakeEvent) -> None:
-        self.synced += 1
-        event.done = True
-
-    def elapsed_ms(self, start: FakeEvent, end: FakeEvent) -> float:
-        return 2.0
-
-    def hand_over(self, tensor: torch.Tensor) -> None:
-        self.handed.append(tensor)
-
-    def register(self, address: int, nbytes: int) -> str | None:
-        self.register_calls.append((address, nbytes))
-        if self.refuse is not None:
-            return self.refuse
-        self.registered[address] = nbytes
-        return None
-
-    def unregister(self, address: int) -> None:
-        assert address in self.registered, "unregistering an address never registered"
-        self.mapped_at_unregister.append(_mapped(address))
-        del self.registered[address]
-        self.unregister_calls.append(address)
-
-    def complete(self) -> None:
-        for event in self.events:
-            event.done = True
-
-    def from_registered(self, address: int) -> bool:
-        return any(a <= address < a + n for a, n in self.registered.items())
-
-
-def _mapped(address: int) -> bool:
-    with open("/proc/self/maps") as f:
-        for line in f:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= address < hi:
-                return True
-    return False
+# ----------------------------------------------------------------- sources
 
 
 class RingSource:
@@ -640,12 +545,51 @@ def test_gpu_benchmark_has_help_and_a_clear_error_without_cuda():
         assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr
 
 
+@pytest.mark.timeout(240)
+def test_gpu_benchmark_runs_every_way_on_a_host_stand_in(tmp_path):
+    # ``--cpu-smoke``: benchmarks/gpu.py's code paths (ranks, the four ways, the
+    # device way through ShmLoader(device=HostOps()), aggregation, targets, outputs)
+    # run without a GPU, so the benchmark cannot rot before it first meets one.
+    import json
+    import subprocess
+    import sys
+
+    from benchmarks.gpu import WAYS, HostOps
+
+    assert isinstance(HostOps(), device.DeviceOps)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    argv = ["--cpu-smoke", "--sizes", "1", "--sp", "2", "--steps", "3", "--warmup", "1"]
+    argv += ["--workers", "0", "--gpu-ms", "1", "--timeout", "120", "--out", str(tmp_path)]
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu", *argv],
+        capture_output=True,
+        text=True,
+        timeout=230,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu.json").read_text())
+    assert "--cpu-smoke" in result["machine"]["gpu"] and result["skipped"] == []
+    rows = {r["way"]: r for r in result["rows"]}
+    assert set(rows) == set(WAYS)
+    for row in rows.values():
+        assert row["usable_p50"] is not None and row["step_p50"] > 0 and row["h2d_gbs"]
+    dev = rows["shm_device"]
+    assert dev["registered"] is True  # every rank's copies read its registered mapping
+    assert 0 < dev["registrations"] <= dev["ring_slots"] * 2  # once per slot per rank
+    assert len(result["targets"]) == 4
+    assert "figures meaningless" in (tmp_path / "gpu.md").read_text()
+    assert (tmp_path / "gpu.png").stat().st_size > 0
+
+
 def test_cuda_ops_and_the_fake_implement_the_same_seam():
     import inspect
 
     names = [n for n in vars(device.DeviceOps) if not n.startswith("_")]
     assert {"copy", "record", "query", "wait", "register", "unregister"} <= set(names)
-    for impl in (device.CudaOps, FakeOps):
+    from benchmarks.gpu import HostOps
+
+    for impl in (device.CudaOps, FakeOps, HostOps):
         for name in names:
             if name == "device":
                 continue

@@ -30,7 +30,11 @@ field type, an unknown op or another ``v`` is answered with ``ok: false``.
                 published?, consumed?, receive_ms? (float),
                 lag?, role? ("leader"|"node leader"|
                 "follower"), wait_ms_p50? (float),
-                wait_share? (float 0..1), bytes?
+                wait_share? (float 0..1), bytes?,
+                device? str, device_batches?,
+                device_bytes?, device_copy_ms_total?
+                (float), device_registered? (bool),
+                device_registration_refused? str
     unregister  token                                        token, known
     stats       -                                            stats (``shmloader stat
                                                              --json`` document)
@@ -111,6 +115,12 @@ def _text(value: Any, where: str) -> str:
     return value
 
 
+def _flag(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ProtocolError(f"{where} must be true or false, got {type(value).__name__}")
+    return value
+
+
 def _role(value: Any, where: str) -> str:
     if value not in ("leader", "node leader", "follower"):
         raise ProtocolError(f'{where}={value!r:.20} must be "leader", "node leader" or "follower"')
@@ -186,6 +196,12 @@ OPS: dict[str, dict[str, tuple[Check, bool]]] = {
         "wait_ms_p50": (_number, False),
         "wait_share": (_share, False),
         "bytes": (_int, False),
+        "device": (_text, False),
+        "device_batches": (_int, False),
+        "device_bytes": (_int, False),
+        "device_copy_ms_total": (_number, False),
+        "device_registered": (_flag, False),
+        "device_registration_refused": (_text, False),
     },
     "unregister": {"token": (_token, True)},
     "stats": {},

@@ -49,7 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shmloader.admin import Entry, inspect, observed_bytes
+from shmloader.admin import DEVICE_REPORTED, Entry, inspect, observed_bytes
 from shmloader.errors import human_bytes
 from shmloader.segment import PREFIX, list_segments, process_alive, shm_free_bytes
 
@@ -67,6 +67,7 @@ MAX_SEGMENTS = 4096
 #: What a ``report`` may set for one rank.
 REPORT_FIELDS = (
     "published", "consumed", "receive_ms", "lag", "role", "wait_ms_p50", "wait_share", "bytes",
+    *DEVICE_REPORTED,
 )  # fmt: skip
 
 

@@ -42,8 +42,10 @@ from typing import Any
 import zmq
 
 from shmloader.admin import (
+    DEVICE_KEYS,
     build_document,
     dead_runtime_dirs,
+    device_fields,
     empty_job,
     remove_if_dead,
     scan_entries,
@@ -68,7 +70,9 @@ MAX_WIRE = 4 * MAX_REQUEST
 MAX_SOCKET_PATH = 107
 
 
-_RANK_KEYS = ("role", "batches", "wait_ms_p50", "wait_share", "lag", "bytes", "updated_unix")
+_RANK_KEYS = (
+    "role", "batches", "wait_ms_p50", "wait_share", "lag", "bytes", "updated_unix", *DEVICE_KEYS,
+)  # fmt: skip
 
 
 class StartError(Exception):
@@ -385,6 +389,8 @@ class Daemon:
                 for key in ("role", "wait_ms_p50", "wait_share", "lag", "bytes"):
                     if rep.get(key) is not None:
                         row[key] = rep[key]
+                if rep.get("device") is not None:  # the rank's own, newer than the writer's
+                    row.update(device_fields(rep))
                 row["updated_unix"] = rep["updated_unix"]
                 if row["lag"] is None and rep.get("consumed") is not None:
                     published = rep.get("published", j.get("published"))

@@ -356,6 +356,17 @@ _SIGTERM = """
         signal.signal(signal.SIGTERM, lambda s, f: print("carrying on", flush=True))
     w = RingWriter("{token}", frozenset({{1}}), {{"job": "t"}})
     slot = w.acquire(1000)  # named: rank 1 never attached
+    if mode == "grown":  # a forked worker grows a pool slot in our name (pool._grow)
+        import dataclasses
+        from shmloader.segment import KIND_DATA, MY_START, Segment
+        parent, start = os.getpid(), MY_START
+        child = os.fork()
+        if child == 0:
+            seg = Segment.create_unique("/shml-{token}-7.1", KIND_DATA, "{token}", 4096)
+            header = dataclasses.replace(seg.header, pid=parent, start=start)
+            header.write(seg.fd)
+            os._exit(0)
+        os.waitpid(child, 0)
     hub = Hub(socket_path(make_private_dir(None)))
     print("ready", flush=True)
     for _ in range(200):
@@ -379,7 +390,7 @@ def _sigterm_run(token: str, runtime: str, mode: str) -> tuple[int, str, set[str
     try:
         assert p.stdout.readline().strip() == "ready"
         named, rundirs = names(token), [n for n in os.listdir(runtime) if n.startswith("shml-")]
-        assert len(named) == 2 and len(rundirs) == 1
+        assert len(named) == (3 if mode == "grown" else 2) and len(rundirs) == 1
         p.send_signal(signal.SIGTERM)
         out, _ = p.communicate(timeout=30)
     finally:
@@ -394,6 +405,16 @@ def _sigterm_run(token: str, runtime: str, mode: str) -> tuple[int, str, set[str
 def test_sigterm_leaves_nothing_and_dies_of_the_signal(no_leaks) -> None:
     token = new_token()
     code, out, left, dirs = _sigterm_run(token, no_leaks, "default")
+    assert code == -signal.SIGTERM, (code, out)
+    assert left == set() and dirs == [], (left, dirs)
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_removes_segments_a_forked_worker_made_in_our_name(no_leaks) -> None:
+    """A DataLoader worker that grew a pool slot wrote the leader's pid into its
+    header; the leader's SIGTERM must remove it although it never named it."""
+    token = new_token()
+    code, out, left, dirs = _sigterm_run(token, no_leaks, "grown")
     assert code == -signal.SIGTERM, (code, out)
     assert left == set() and dirs == [], (left, dirs)
 

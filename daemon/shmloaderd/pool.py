@@ -3,8 +3,8 @@
 The first write into fresh tmpfs pages costs about ten times a rewrite
 (DESIGN: 160-200 ms against 23-26 ms for 256 MiB). With ``--pool BYTES`` the
 daemon keeps up to that many bytes of segments whose pages are already
-faulted in, named ``/shml-<pool token>-<n>`` and owned (header pid, start) by
-the daemon. A ring writer that needs a slot asks to ``adopt`` one::
+faulted in, named ``/shml-<pool token>-<n>.<random>`` and owned (header pid,
+start) by the daemon. A ring writer that needs a slot asks to ``adopt`` one::
 
     client                                   shmloaderd
     adopt {token, name, bytes, pid, start} -->  pick the smallest pooled segment
@@ -34,6 +34,18 @@ The pool counts against the node budget; ``admit`` shrinks it to make room
 only while the budget and /dev/shm leave room for it. SIGTERM unlinks the
 pool; after a SIGKILL its segments have a dead owner and are reaped like any
 other.
+
+NOTE [pool names]
+    The pool token is visible to every local user as soon as the first
+    pooled segment is in ``/dev/shm``, and so would be every later name if
+    it were ``<token>-<n>``: a FIFO or a file planted at the next one made
+    every refill fail (the pool never filled again). Each pooled segment
+    therefore ends in its own random part (``Segment.create_unique``, NOTE
+    [unpredictable names] in ``shmloader.segment``): a name already taken
+    means another draw. Every open is ``O_NOFOLLOW | O_NONBLOCK`` and checked
+    regular, ours and 0600 before use (``Segment``). ``adopt`` links the
+    segment to the name the client drew (also random); ``link`` never follows
+    or replaces what is there.
 
 NOTE [pool off the loop]
     Creating and touching a pooled segment takes as long as faulting in its
@@ -145,16 +157,17 @@ class Pool:
         free = shm_free_bytes()
         if free is not None and free < 2 * need:  # never take the last of /dev/shm
             return False
-        name = f"/{PREFIX}{self.token}-{self._next}"
+        stem = f"/{PREFIX}{self.token}-{self._next}"
         self._next += 1
         with self.lock:
             self.filling = need
         try:
-            try:
-                segment = Segment.create(name, KIND_DATA, self.token, self.segment_bytes)
+            try:  # NOTE [pool names]
+                segment = Segment.create_unique(stem, KIND_DATA, self.token, self.segment_bytes)
             except (ShmCapacityError, ProtocolError, OSError) as exc:
-                log.warning("warm pool: could not create %s: %s", name, exc)
+                log.warning("warm pool: could not create %s.*: %s", stem, exc)
                 return False
+            name = segment.name
             try:
                 mm = segment.map_shared()
                 try:

@@ -362,7 +362,11 @@ class ShmLoader(_Leader, _Relay, _Follower):
             "leader": topo.leader,
             "writer": topo.me,
             "node": list(topo.node),
-            "pids": {str(f.rank): [f.pid, f.start] for f in topo.facts if f.rank in topo.node},
+            # NOTE [pid namespaces] in shmloaderd.registry: a pid means something
+            # only in its namespace
+            "pids": {
+                str(f.rank): [f.pid, f.start, f.pidns] for f in topo.facts if f.rank in topo.node
+            },
             "world": dist.get_world_size(),
             "job": self.config.job,
         }

@@ -69,6 +69,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from shmloader import segment as segment_module
 from shmloader.errors import ProtocolError, ShmCapacityError, human_bytes
 from shmloader.segment import (
     HEADER_SIZE,
@@ -206,9 +207,19 @@ class Pool:
             log.info("warm pool: gave back %s to make room", human_bytes(freed))
         return freed
 
-    def adopt(self, token: str, name: str, nbytes: int, pid: int, start: int) -> dict:
-        """Hand the smallest fitting pooled segment to ``(pid, start)`` as ``name``."""
-        if not process_alive(pid, start):
+    def adopt(
+        self, token: str, name: str, nbytes: int, pid: int, start: int, pidns: int = 0
+    ) -> dict:
+        """Hand the smallest fitting pooled segment to ``(pid, start)`` as ``name``.
+
+        ``pidns`` is the adopter's pid namespace (0: unknown). A pid of our own
+        namespace must run; one of another namespace cannot be checked here
+        (NOTE [pid namespaces] in ``registry``). The new header names the
+        adopter's namespace, so no reaper judges it by a pid of another one.
+        """
+        mine = segment_module.MY_PIDNS
+        foreign = bool(pidns and mine and pidns != mine)
+        if not foreign and not process_alive(pid, start):
             return {"ok": False, "error": f"adopt: pid {pid} (start {start}) is not running"}
         with self.lock:
             fits = [p for p in self.items if p.segment.capacity >= nbytes]
@@ -225,7 +236,9 @@ class Pool:
             }
         seg = item.segment
         old = seg.header
-        new = Header(KIND_DATA, old.uid, token, pid, start, old.capacity, time.time_ns())
+        # a pid that runs here is of our namespace (NOTE [segment trust] in ``segment``)
+        owner_ns = pidns or mine
+        new = Header(KIND_DATA, old.uid, token, pid, start, old.capacity, time.time_ns(), owner_ns)
         new.write(seg.fd)
         try:
             os.link(shm_path(seg.name), shm_path(name))

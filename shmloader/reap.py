@@ -30,7 +30,12 @@ NOTE [SIGTERM]
     grows a pool slot writes our pid and start time into its header) are not
     in this process's list of names: for each registered ring token the
     handler also removes every ``/shml-<token>-*`` segment whose header names
-    this very process (pid and start time) as its owner.
+    this very process (pid and start time) as its owner. Conversely, a name
+    this process made but handed over (its header now names another owner:
+    that worker's grown slot belongs to the leader, whose later workers open
+    it by name) is left alone: a worker stopped by SIGTERM (the DataLoader's
+    own shutdown does that to a worker slow to exit) must not unlink a slot
+    of the live leader's ring. Only names whose header names us are removed.
 
     An application that installs its own handler later replaces ours; that is
     its right, and its normal exit path still runs our finalizers. In a forked
@@ -101,8 +106,9 @@ def remove_owned() -> None:
         _segments.clear()
         _dirs.clear()
         _tokens.clear()
-    if tokens:
-        with contextlib.suppress(Exception):
+    with contextlib.suppress(Exception):
+        segments = {n for n in segments if _names_us(n)}  # not what we handed over
+        if tokens:
             segments |= _made_for_us(tokens)
     for name in segments:
         with contextlib.suppress(OSError):
@@ -112,6 +118,18 @@ def remove_owned() -> None:
             os.unlink(os.path.join(path, SOCKET_NAME))
         with contextlib.suppress(OSError):
             os.rmdir(path)
+
+
+def _names_us(name: str) -> bool:
+    """Whether the segment ``name`` is there and its header names this process as owner."""
+    from .errors import ProtocolError
+    from .segment import MY_START, read_header
+
+    try:
+        header = read_header(name)
+    except (OSError, ProtocolError):
+        return False
+    return header.pid == os.getpid() and header.start == MY_START
 
 
 def _made_for_us(tokens: set[str]) -> set[str]:

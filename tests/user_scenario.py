@@ -117,8 +117,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--fail-rank", type=int, required=True)
-    p.add_argument("--fail-at", type=int, default=3)
-    p.add_argument("--step-s", type=float, default=0.3, help="compute time per step of epoch 2")
+    p.add_argument("--fail-at", type=int, default=2)
+    # long enough that the others are still busy when torchrun's agent sees the failure
+    p.add_argument("--step-s", type=float, default=1.0, help="compute time per step of epoch 2")
     a = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -61,7 +61,7 @@ frees; later, within schema 2, the ``device*`` fields of ``ranks`` rows)::
          "registered": bool,            # told to the daemon (false in a scan)
          "group": [int]|null, "leader": int|null, "writer": int|null,
          "node_ranks": [int]|null, "world": int|null,
-         "pids": {"<rank>": [pid, start]},
+         "pids": {"<rank>": [pid, start, pidns]},
          "writer_pid": int|null, "writer_alive": bool|null,
          "segments": [{"name": str, "kind": "control"|"data"|"probe",
                        "bytes": int, "owner_pid": int, "owner_alive": bool}],

@@ -289,7 +289,7 @@ class DaemonClient:
     ) -> None:
         """Register a ring: ``description`` is the ring's control description
         (``token``, ``group``, ``leader``, ``writer``, ``node``, ``pids``
-        ``{rank: [pid, start]}``, ``world``, ``job``?, ``started_unix``?);
+        ``{rank: [pid, start, pidns]}``, ``world``, ``job``?, ``started_unix``?);
         ``segments`` maps names to bytes. Remembered, so that a restarted
         daemon is told again (NOTE [daemon restarts])."""
         fields = dict(description)
@@ -321,7 +321,12 @@ class DaemonClient:
         not answer (logged once per outage).
         """
         reply = self.request(
-            "admit", token=token, bytes=int(nbytes), pid=os.getpid(), start=segment.MY_START
+            "admit",
+            token=token,
+            bytes=int(nbytes),
+            pid=os.getpid(),
+            start=segment.MY_START,
+            pidns=segment.MY_PIDNS,
         )
         if reply is None:
             if not self._granted_blind:
@@ -366,6 +371,7 @@ class DaemonClient:
             bytes=int(nbytes),
             pid=os.getpid(),
             start=segment.MY_START,
+            pidns=segment.MY_PIDNS,
         )
         if reply is None or not reply.get("ok") or not reply.get("adopted"):
             return None

@@ -206,7 +206,7 @@ class ShmLoader(_Leader, _Relay, _Follower):
         self._left: dict[int, tuple[int, int]] = {}  # reader: it -> (epoch, pos) when left
         self._noted = 0  # the last iteration _note_left accounted for
         self._iter_epoch = 0  # the epoch the current iteration started in
-        self._ring_warned = 0  # ring size last warned about (NOTE [ring growth])
+        self._ring_warned = 0  # age of a held batch last warned about (NOTE [ring growth])
         self._delivered = 0  # position in the epoch: batches the user received (or skipped)
         self._exhausted = False  # the current iteration ran to its end
         # (epoch, cursor, skip) from load_state_dict; skip is False when the
@@ -363,7 +363,11 @@ class ShmLoader(_Leader, _Relay, _Follower):
             "leader": topo.leader,
             "writer": topo.me,
             "node": list(topo.node),
-            "pids": {str(f.rank): [f.pid, f.start] for f in topo.facts if f.rank in topo.node},
+            # NOTE [pid namespaces] in shmloaderd.registry: a pid means something
+            # only in its namespace
+            "pids": {
+                str(f.rank): [f.pid, f.start, f.pidns] for f in topo.facts if f.rank in topo.node
+            },
             "world": dist.get_world_size(),
             "job": self.config.job,
         }

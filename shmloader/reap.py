@@ -3,9 +3,10 @@
 Two mechanisms, both limited to what this uid made:
 
 - ``own``/``disown`` keep a registry of the names this process created (shm
-  segments, private runtime directories). A SIGTERM handler removes them
-  before the process dies, so torchrun's stop signal leaves nothing in
-  ``/dev/shm`` or the runtime directory (NOTE [SIGTERM]).
+  segments, private runtime directories) and of the ring tokens it writes.
+  A SIGTERM handler removes them before the process dies, so torchrun's
+  stop signal leaves nothing in ``/dev/shm`` or the runtime directory
+  (NOTE [SIGTERM]).
 - ``reap_own`` runs when a loader starts: it removes our uid's segments and
   runtime directories whose owner is dead (NOTE [reaping rule] in ``admin``,
   the same rule ``shmloader gc`` applies). ``SHMLOADER_REAP=0`` switches it
@@ -24,6 +25,17 @@ NOTE [SIGTERM]
       removed (its normal exit runs our finalizers later); if it raises (for
       example ``SystemExit``), the names are removed and the exception goes on.
     - ``SIG_IGN`` or a handler installed outside Python: left alone.
+
+    Segments made on our behalf by a forked child (a DataLoader worker that
+    grows a pool slot writes our pid and start time into its header) are not
+    in this process's list of names: for each registered ring token the
+    handler also removes every ``/shml-<token>-*`` segment whose header names
+    this very process (pid and start time) as its owner. Conversely, a name
+    this process made but handed over (its header now names another owner:
+    that worker's grown slot belongs to the leader, whose later workers open
+    it by name) is left alone: a worker stopped by SIGTERM (the DataLoader's
+    own shutdown does that to a worker slow to exit) must not unlink a slot
+    of the live leader's ring. Only names whose header names us are removed.
 
     An application that installs its own handler later replaces ours; that is
     its right, and its normal exit path still runs our finalizers. In a forked
@@ -47,26 +59,35 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _segments: set[str] = set()  # shm names created by this process and still linked
 _dirs: set[str] = set()  # private runtime directories made by this process
+_tokens: set[str] = set()  # rings this process writes: their segments may be a child's make
 _installed = False
 
 
-def own(*, segment: str | None = None, directory: str | None = None) -> None:
-    """Register a name this process created, to be removed on SIGTERM."""
+def own(
+    *, segment: str | None = None, directory: str | None = None, token: str | None = None
+) -> None:
+    """Register a name this process created (or a ring it writes), to be removed on SIGTERM."""
     with _lock:
         if segment is not None:
             _segments.add(segment)
         if directory is not None:
             _dirs.add(directory)
+        if token is not None:
+            _tokens.add(token)
     _install()
 
 
-def disown(*, segment: str | None = None, directory: str | None = None) -> None:
+def disown(
+    *, segment: str | None = None, directory: str | None = None, token: str | None = None
+) -> None:
     """Forget a name (it was removed, or handed over)."""
     with _lock:
         if segment is not None:
             _segments.discard(segment)
         if directory is not None:
             _dirs.discard(directory)
+        if token is not None:
+            _tokens.discard(token)
 
 
 def owned() -> tuple[set[str], set[str]]:
@@ -81,9 +102,14 @@ def remove_owned() -> None:
     from .segment import unlink_name
 
     with _lock:
-        segments, dirs = set(_segments), set(_dirs)
+        segments, dirs, tokens = set(_segments), set(_dirs), set(_tokens)
         _segments.clear()
         _dirs.clear()
+        _tokens.clear()
+    with contextlib.suppress(Exception):
+        segments = {n for n in segments if _names_us(n)}  # not what we handed over
+        if tokens:
+            segments |= _made_for_us(tokens)
     for name in segments:
         with contextlib.suppress(OSError):
             unlink_name(name)
@@ -94,11 +120,43 @@ def remove_owned() -> None:
             os.rmdir(path)
 
 
+def _names_us(name: str) -> bool:
+    """Whether the segment ``name`` is there and its header names this process as owner."""
+    from .errors import ProtocolError
+    from .segment import MY_START, read_header
+
+    try:
+        header = read_header(name)
+    except (OSError, ProtocolError):
+        return False
+    return header.pid == os.getpid() and header.start == MY_START
+
+
+def _made_for_us(tokens: set[str]) -> set[str]:
+    """Segments of rings ``tokens`` whose header names this process as owner (NOTE [SIGTERM])."""
+    from .errors import ProtocolError
+    from .segment import MY_START, list_segments, read_header
+
+    prefixes = tuple(f"/shml-{t}-" for t in tokens)
+    out = set()
+    for name in list_segments():
+        if not name.startswith(prefixes):
+            continue
+        try:
+            header = read_header(name)
+        except (OSError, ProtocolError):
+            continue
+        if header.pid == os.getpid() and header.start == MY_START and header.token in tokens:
+            out.add(name)
+    return out
+
+
 def _after_fork_in_child() -> None:
     global _lock
     _lock = threading.Lock()  # the parent's may have been held by another thread
     _segments.clear()
     _dirs.clear()
+    _tokens.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -207,6 +207,9 @@ class RingWriter:
             os.getpid(),
             functools.partial(_linked_names, self.control, self.slots),
         )
+        # Forked DataLoader workers make pool slots in our name: SIGTERM removes
+        # those too (NOTE [SIGTERM] in ``reap``).
+        reap.own(token=token)
         self._ctl = self.control.map_shared()
         self.describe(description)
         self._closed = False
@@ -432,6 +435,7 @@ class RingWriter:
         self.control.unlink()
         self.control.close()
         self._finalizer.detach()
+        reap.disown(token=self.token)
 
 
 def _linked_names(control: Segment, slots: list[Slot]) -> list[str]:

@@ -16,12 +16,20 @@ the readers' HELLO / ACK / RELEASE / ATTACHED / BYE come back on the hub::
     _fail: ERROR | STOP, then _tell_last waits (bounded) for each reader's ACK
 
 NOTE [ring growth]
-    The ring's expected depth is ``SHMLOADER_SLOTS + 2``: the window of
-    unconsumed batches, the one in use, and the one a reader just dropped
-    whose RELEASE is on its way (a loop drops a batch only once it holds the
-    next). Pooled worker slots count only while ranks hold them. Past that, some rank keeps old
-    batches (or parts of them) alive; the writer warns, naming each held
-    batch and its holders, at the first growth and each doubling after.
+    A rank's depth is ``SHMLOADER_SLOTS + 2`` batches: its window of batches
+    taken ahead, the one in use, and the one it just dropped whose RELEASE is
+    on its way (a loop drops a batch only once it holds the next). What the
+    writer watches is each held batch's *age*: how many newer batches its
+    holder has taken since (the reader's ACK; for the writer's own view, its
+    publications). An age past the depth means the rank keeps old batches
+    (or parts of them) alive; the writer warns, naming each such batch and
+    its holders, at the first time and each doubling of the age after.
+    Counting ring slots instead would blame a background prefetch queue
+    (each queued batch is taken, so acknowledged, and still held: the ring
+    holds ``SHMLOADER_SLOTS`` plus the queue) for growth that no setting
+    could silence; by age, ``SHMLOADER_SLOTS`` at least the queue's depth
+    plus the batch its thread is putting keeps it quiet, as the warning
+    advises, while a kept batch ages without bound and is always named.
 """
 
 from __future__ import annotations
@@ -145,30 +153,37 @@ class _Writer:
             log.warning("shmloader: not every follower confirmed the error: %s", exc)
 
     def _warn_growth(self) -> None:
-        """NOTE [ring growth]: say what is held when the ring outgrows its depth."""
+        """NOTE [ring growth]: say what is held when a rank keeps batches past the depth."""
         ring = self._ring
         assert ring is not None
-        # Pooled slots (the workers' pool, sized for the DataLoader's prefetch) count
-        # only while ranks hold them: the pool's size is not growth.
+        # How far each holder has moved on: the newest batch it took (a reader's
+        # ACK; the writer's own view is taken when published).
+        newest = {r: acked - 1 for r, acked in self._acked.items()}
+        if ring.self_rank is not None:
+            newest[ring.self_rank] = self._seq - 1
+        held = [s for s in ring.slots if s.state == SlotState.HELD]
+
+        def age(slot: Slot) -> int:
+            return max((newest.get(r, -1) - slot.seq for r in slot.holders), default=0)
+
+        oldest = max((age(s) for s in held), default=0)
+        depth = self.config.slots + 2
+        if oldest < max(depth, 2 * self._ring_warned):
+            return
+        self._ring_warned = oldest
         live = [
             s
             for s in ring.slots
             if s.state != SlotState.RETIRED and (not s.pooled or s.state == SlotState.HELD)
         ]
-        # The writer runs SHMLOADER_SLOTS batches ahead of a reader's ACK; the reader
-        # holds the batch in use and, for a moment, the one it just dropped (its
-        # RELEASE is on the way): more than that is something kept.
-        depth = self.config.slots + 2
-        if len(live) <= max(depth, 2 * self._ring_warned):
-            return
-        self._ring_warned = len(live)
-        held = [
+        held_text = [
             f"batch {s.seq} by rank(s) {sorted(s.holders)}"
-            for s in sorted(live, key=lambda s: s.seq)
-            if s.state == SlotState.HELD
+            for s in sorted(held, key=lambda s: s.seq)
+            if age(s) >= depth
         ]
         log.warning(
-            "shmloader: the ring of group %s on this node grew to %d slots (%s), past its depth of "
+            "shmloader: the ring of group %s on this node grew to %d slots (%s): a rank holds a "
+            "batch %d batches older than the newest it took, past its depth of "
             "%d (SHMLOADER_SLOTS=%d + the batch in use + one being released): still held: %s. "
             "A rank keeps parts of "
             "old batches alive (a metric keeping a tensor, a prefetch queue): keep .clone() "
@@ -177,9 +192,10 @@ class _Writer:
             list(self._topo.ranks) if self._topo else "?",
             len(live),
             human_bytes(ring.total_bytes),
+            oldest,
             depth,
             self.config.slots,
-            "; ".join(held) or "nothing (released since)",
+            "; ".join(held_text),
             self.config.small_copy_bytes,
         )
 

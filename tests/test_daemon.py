@@ -29,7 +29,15 @@ from shmloader import admin
 from shmloader.daemon_client import MAX_REQUEST, DaemonClient
 from shmloader.errors import ProtocolError, ShmCapacityError
 from shmloader.ring import RingWriter, control_stem, new_token
-from shmloader.segment import HEADER_SIZE, KIND_DATA, MY_START, Header, Segment, shm_path
+from shmloader.segment import (
+    HEADER_SIZE,
+    KIND_DATA,
+    MY_START,
+    Header,
+    Segment,
+    read_header,
+    shm_path,
+)
 from tests.test_admin import run_cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -598,6 +606,62 @@ def test_warm_pool_adopt(daemons: Daemons) -> None:
     finally:
         seg.unlink()
         seg.close()
+
+
+@pytest.mark.timeout(60)
+def test_warm_pool_names_cannot_be_planted(daemons: Daemons) -> None:
+    """NOTE [pool names]: a local user who sees the pool's first segment plants a
+    FIFO or a file at every name derivable from it; the daemon neither blocks
+    nor fails, and the pool fills again after an adoption."""
+    d = daemons.start("--pool", "3M", "--pool-segment", "1M", "--reap-interval", "0.05")
+    wait_until(lambda: d.stats()["daemon"]["pool_segments"] == 2, 10, "pool filled")
+    seen = [
+        n
+        for n in os.listdir("/dev/shm")
+        if n.startswith("shml-pool") and read_header("/" + n).pid == d.proc.pid
+    ]
+    pool_token = seen[0].removeprefix("shml-").split("-")[0]
+    # squatting is cheap: enough names that skipping one per reaper pass never gets past
+    derivable = [f"shml-{pool_token}-{n}" for n in range(3000)]
+    derivable += [f"{n}.0" for n in derivable[:50]] + [f"shml-{pool_token}-pool"]
+    planted = []
+    token = new_token()
+    try:
+        for i, name in enumerate(n for n in derivable if n not in seen):
+            path = os.path.join("/dev/shm", name)
+            if i % 2:
+                os.mkfifo(path, 0o600)
+            else:
+                with open(path, "w") as f:
+                    f.write("squatted")
+            planted.append(path)
+        squat = {os.path.basename(p) for p in planted}
+        for k in range(2):  # each adoption asks the pool for a new segment
+            with DaemonClient(d.path) as client:
+                assert client.adopt(token, f"/shml-{token}-{k}.0.a{k}", 4096) == 1 << 20
+
+        def made_since() -> list[str]:
+            out = []
+            for n in os.listdir("/dev/shm"):
+                if n.startswith(f"shml-{pool_token}-") and n not in seen and n not in squat:
+                    with contextlib.suppress(OSError, ProtocolError):
+                        if read_header("/" + n).pid == d.proc.pid:
+                            out.append(n)
+            return out
+
+        wait_until(lambda: len(made_since()) == 2, 10, "pool refilled past the planted names")
+        t0 = time.monotonic()
+        assert d.request("hello")["ok"]
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        for path in planted:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        for k in range(2):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/shml-{token}-{k}.0.a{k}")
+        d.terminate()
+    assert not any(n.startswith(f"shml-{pool_token}") for n in os.listdir("/dev/shm"))
 
 
 @pytest.mark.timeout(30)

@@ -60,6 +60,25 @@ def keep_small_then_whole(rank: int, world: int) -> dict:
     return {"small": small, "warnings": warnings.messages}
 
 
+def sliding_window(rank: int, world: int) -> dict:
+    """Rank 1 holds its last 3 whole batches, as a prefetch queue does, and is slow."""
+    import collections
+
+    warnings = _Warnings()
+    logging.getLogger("shmloader").addHandler(warnings)
+    cfg = Config.from_env(enabled=True, slots=2)
+    loader = ShmLoader(_labelled(24), dist.group.WORLD, config=cfg)
+    window: collections.deque = collections.deque(maxlen=3)
+    for batch in loader:
+        window.append(batch)
+        if rank == 1:
+            time.sleep(0.03)  # the leader runs its whole window ahead of us
+    slots = loader.stats().get("ring_slots")
+    window.clear()
+    loader.close()
+    return {"slots": slots, "warnings": warnings.messages}
+
+
 def resolved_timeouts(rank: int, world: int) -> dict:
     group = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=123))
     out = {}
@@ -190,6 +209,16 @@ def test_kept_small_leaves_keep_nothing_and_kept_batches_are_named_in_a_warning(
     # then rank 1 keeps whole batches: the warning names what it holds, and the fix
     warned = [m for m in out[0]["warnings"] if "past its depth" in m]
     assert any("batch 0 by rank(s) [1]" in m and "SHMLOADER_SLOTS" in m for m in warned), warned
+
+
+def test_a_prefetch_window_within_the_slots_is_not_called_kept():
+    """NOTE [ring growth] in ``writer``: batches a rank took and still holds for a
+    while (a prefetch queue) make the ring hold SLOTS plus the window, but are
+    not kept batches: no warning while the window is within the depth."""
+    out = run_ranks(sliding_window, 2)
+    assert not [m for m in out[0]["warnings"] if "past its depth" in m], out[0]["warnings"]
+    # bounded: the window of 2 ahead, 3 held and one being released
+    assert out[0]["slots"] <= 2 + 3 + 1, out[0]
 
 
 def test_the_timeout_follows_the_process_group_unless_set():

@@ -3,8 +3,8 @@
 The first write into fresh tmpfs pages costs about ten times a rewrite
 (DESIGN: 160-200 ms against 23-26 ms for 256 MiB). With ``--pool BYTES`` the
 daemon keeps up to that many bytes of segments whose pages are already
-faulted in, named ``/shml-<pool token>-<n>`` and owned (header pid, start) by
-the daemon. A ring writer that needs a slot asks to ``adopt`` one::
+faulted in, named ``/shml-<pool token>-<n>.<random>`` and owned (header pid,
+start) by the daemon. A ring writer that needs a slot asks to ``adopt`` one::
 
     client                                   shmloaderd
     adopt {token, name, bytes, pid, start} -->  pick the smallest pooled segment
@@ -35,6 +35,18 @@ only while the budget and /dev/shm leave room for it. SIGTERM unlinks the
 pool; after a SIGKILL its segments have a dead owner and are reaped like any
 other.
 
+NOTE [pool names]
+    The pool token is visible to every local user as soon as the first
+    pooled segment is in ``/dev/shm``, and so would be every later name if
+    it were ``<token>-<n>``: a FIFO or a file planted at the next one made
+    every refill fail (the pool never filled again). Each pooled segment
+    therefore ends in its own random part (``Segment.create_unique``, NOTE
+    [unpredictable names] in ``shmloader.segment``): a name already taken
+    means another draw. Every open is ``O_NOFOLLOW | O_NONBLOCK`` and checked
+    regular, ours and 0600 before use (``Segment``). ``adopt`` links the
+    segment to the name the client drew (also random); ``link`` never follows
+    or replaces what is there.
+
 NOTE [pool off the loop]
     Creating and touching a pooled segment takes as long as faulting in its
     pages (hundreds of ms per GiB, seconds on a busy node), so it never runs
@@ -57,6 +69,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from shmloader import segment as segment_module
 from shmloader.errors import ProtocolError, ShmCapacityError, human_bytes
 from shmloader.segment import (
     HEADER_SIZE,
@@ -145,16 +158,17 @@ class Pool:
         free = shm_free_bytes()
         if free is not None and free < 2 * need:  # never take the last of /dev/shm
             return False
-        name = f"/{PREFIX}{self.token}-{self._next}"
+        stem = f"/{PREFIX}{self.token}-{self._next}"
         self._next += 1
         with self.lock:
             self.filling = need
         try:
-            try:
-                segment = Segment.create(name, KIND_DATA, self.token, self.segment_bytes)
+            try:  # NOTE [pool names]
+                segment = Segment.create_unique(stem, KIND_DATA, self.token, self.segment_bytes)
             except (ShmCapacityError, ProtocolError, OSError) as exc:
-                log.warning("warm pool: could not create %s: %s", name, exc)
+                log.warning("warm pool: could not create %s.*: %s", stem, exc)
                 return False
+            name = segment.name
             try:
                 mm = segment.map_shared()
                 try:
@@ -193,9 +207,19 @@ class Pool:
             log.info("warm pool: gave back %s to make room", human_bytes(freed))
         return freed
 
-    def adopt(self, token: str, name: str, nbytes: int, pid: int, start: int) -> dict:
-        """Hand the smallest fitting pooled segment to ``(pid, start)`` as ``name``."""
-        if not process_alive(pid, start):
+    def adopt(
+        self, token: str, name: str, nbytes: int, pid: int, start: int, pidns: int = 0
+    ) -> dict:
+        """Hand the smallest fitting pooled segment to ``(pid, start)`` as ``name``.
+
+        ``pidns`` is the adopter's pid namespace (0: unknown). A pid of our own
+        namespace must run; one of another namespace cannot be checked here
+        (NOTE [pid namespaces] in ``registry``). The new header names the
+        adopter's namespace, so no reaper judges it by a pid of another one.
+        """
+        mine = segment_module.MY_PIDNS
+        foreign = bool(pidns and mine and pidns != mine)
+        if not foreign and not process_alive(pid, start):
             return {"ok": False, "error": f"adopt: pid {pid} (start {start}) is not running"}
         with self.lock:
             fits = [p for p in self.items if p.segment.capacity >= nbytes]
@@ -212,7 +236,9 @@ class Pool:
             }
         seg = item.segment
         old = seg.header
-        new = Header(KIND_DATA, old.uid, token, pid, start, old.capacity, time.time_ns())
+        # a pid that runs here is of our namespace (NOTE [segment trust] in ``segment``)
+        owner_ns = pidns or mine
+        new = Header(KIND_DATA, old.uid, token, pid, start, old.capacity, time.time_ns(), owner_ns)
         new.write(seg.fd)
         try:
             os.link(shm_path(seg.name), shm_path(name))

@@ -19,12 +19,13 @@ field type, an unknown op or another ``v`` is answered with ``ok: false``.
     op          fields (? = optional)                       results
     hello       pid?                                         daemon, version, pid,
                                                              protocol, socket, budget
-    register    token, group [int], pids {rank: [pid,start]}, token, known
+    register    token, group [int],                          token, known
+                pids {rank: [pid, start, pidns?]},
                 node? [int], leader? int, writer? int,
                 world? int, segments? [{name, bytes}],
                 job? str (<= 128 chars)
     segment     token, action "add"|"remove", name, bytes?   token, segments
-    admit       token, bytes, pid?, start?                   admitted, budget, in_use,
+    admit       token, bytes, pid?, start?, pidns?           admitted, budget, in_use,
                                                              shm_free, reason (refused)
     report      token, rank (of the job's group),           token
                 published?, consumed?, receive_ms? (float),
@@ -38,8 +39,13 @@ field type, an unknown op or another ``v`` is answered with ``ok: false``.
     unregister  token                                        token, known
     stats       -                                            stats (``shmloader stat
                                                              --json`` document)
-    adopt       token, name, bytes, pid, start               adopted, name, capacity
+    adopt       token, name, bytes, pid, start, pidns?       adopted, name, capacity
                                                              (warm pool, see ``pool``)
+
+``pidns`` is the inode of the process's pid namespace (0 or absent: unknown):
+the daemon judges a pid only in its own namespace (NOTE [pid namespaces] in
+``registry``). ``parse`` hands the namespaces of ``register``'s ``pids`` on
+as the field ``pids_ns`` ({rank: pidns}); ``pids`` keeps ``(pid, start)``.
 
 ``admit`` refusing is not an error: ``ok: true, admitted: false`` with a
 ``reason`` naming the budget, what is in use and by which jobs; the client
@@ -97,16 +103,26 @@ def _ranks(value: Any, where: str) -> list[int]:
 
 
 def _pids(value: Any, where: str) -> dict[int, tuple[int, int]]:
+    """``{rank: [pid, start]}`` (namespaces, a third element, go to ``pids_ns``)."""
     if not isinstance(value, dict) or len(value) > MAX_LIST:
-        raise ProtocolError(f"{where} must be an object {{rank: [pid, start]}}")
+        raise ProtocolError(f"{where} must be an object {{rank: [pid, start, pidns?]}}")
     out = {}
     for key, pair in value.items():
         if not isinstance(key, str) or not key.isdigit():
             raise ProtocolError(f"{where} key {key!r:.20} is not a rank number")
-        if not isinstance(pair, list) or len(pair) != 2:
-            raise ProtocolError(f"{where}[{key}] must be [pid, start]")
+        if not isinstance(pair, list) or len(pair) not in (2, 3):
+            raise ProtocolError(f"{where}[{key}] must be [pid, start] or [pid, start, pidns]")
         out[int(key)] = (_int(pair[0], f"{where}[{key}][0]"), _int(pair[1], f"{where}[{key}][1]"))
     return out
+
+
+def _pid_namespaces(value: dict) -> dict[int, int]:
+    """The third elements of a checked ``pids`` object: {rank: pidns}."""
+    return {
+        int(k): _int(pair[2], f"pids[{k}][2]")
+        for k, pair in value.items()
+        if len(pair) == 3 and pair[2]
+    }
 
 
 def _text(value: Any, where: str) -> str:
@@ -184,6 +200,7 @@ OPS: dict[str, dict[str, tuple[Check, bool]]] = {
         "bytes": (_int, True),
         "pid": (_int, False),
         "start": (_int, False),
+        "pidns": (_int, False),
     },
     "report": {
         "token": (_token, True),
@@ -211,6 +228,7 @@ OPS: dict[str, dict[str, tuple[Check, bool]]] = {
         "bytes": (_int, True),
         "pid": (_int, True),
         "start": (_int, True),
+        "pidns": (_int, False),
     },
 }
 
@@ -243,6 +261,8 @@ def parse(raw: bytes) -> tuple[str, dict[str, Any]]:
                 raise ProtocolError(f"op {op!r} needs field {name!r}")
             continue
         fields[name] = check(msg[name], name)
+    if "pids" in fields:
+        fields["pids_ns"] = _pid_namespaces(msg["pids"])
     if "name" in fields:
         fields["name"] = segment_name(fields["token"], fields["name"], "name")
     if "segments" in fields:

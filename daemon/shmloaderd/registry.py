@@ -33,6 +33,23 @@ NOTE [budget]
     is refused without being recorded, so asking for too much costs nothing
     to the other jobs.
 
+NOTE [pid namespaces]
+    Clients name their processes by (pid, start time) as they see them. The
+    daemon can judge such a pid only when the process lives in the daemon's
+    own pid namespace (containers that share ``/dev/shm`` and the daemon's
+    socket but not pids: the default between containers of one Kubernetes
+    pod). Clients send the inode of their pid namespace with every pid
+    (``register``'s ``pids``, ``admit``'s and ``adopt``'s ``pidns``); a job
+    whose control segment was seen also carries its writer's namespace in
+    that header (the hint for pids sent without one, by older clients or in
+    a control description). A pid of another namespace is never called dead:
+    a job whose pids are all foreign ends when its ring is closed (its
+    control segment gone) or nothing of it is left, never because ``kill 0``
+    found no such pid here. Comparing raw pids dropped such a job at the
+    first reaper pass: its bytes stopped counting against the budget and its
+    reports were lost. The namespaces are kept per known pid only, so they
+    are bounded with the pids (NOTE [bounded state]).
+
 NOTE [bounded state]
     Whatever clients send, the daemon's memory stays bounded: at most
     ``MAX_JOBS`` jobs; per job, ``report`` rows only for ranks of its
@@ -49,6 +66,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from shmloader import segment
 from shmloader.admin import DEVICE_REPORTED, Entry, inspect, observed_bytes
 from shmloader.errors import human_bytes
 from shmloader.segment import PREFIX, list_segments, process_alive, shm_free_bytes
@@ -100,16 +118,38 @@ class Job:
     reports: dict[int, dict[str, Any]] = field(default_factory=dict)
     since: float = field(default_factory=time.time)
     name: str | None = None  # the job's name (SHMLOADER_JOB or the launcher's run id)
+    # NOTE [pid namespaces]: namespace of a known (pid, start); the writer's as a hint
+    pidns: dict[tuple[int, int], int] = field(default_factory=dict)
+    pidns_hint: int = 0
 
     def all_pids(self) -> set[tuple[int, int]]:
         return set(self.pids.values()) | self.owners
 
+    def note_namespace(self, pid: int, start: int, pidns: int | None) -> None:
+        """Record the pid namespace of a known process (NOTE [pid namespaces])."""
+        if pidns:
+            self.pidns[(pid, start)] = pidns
+
     def alive(self) -> bool | None:
-        """Any known process alive; None when no process is known."""
+        """Any known process alive; None when no process is known or can be judged here.
+
+        False only when every known process lives in our pid namespace and is
+        gone (NOTE [pid namespaces]).
+        """
         pids = self.all_pids()
-        if not pids:
+        self.pidns = {k: v for k, v in self.pidns.items() if k in pids}  # bounded
+        mine = segment.MY_PIDNS
+        judged = []
+        for pid, start in pids:
+            ns = self.pidns.get((pid, start)) or self.pidns_hint
+            if ns and mine and ns != mine:
+                continue  # another pid namespace: cannot be judged by its pid
+            judged.append(process_alive(pid, start))
+        if any(judged):
+            return True
+        if not judged or len(judged) < len(pids):
             return None
-        return any(process_alive(pid, start) for pid, start in pids)
+        return False
 
     def pending(self, now: float) -> int:
         self.grants = [g for g in self.grants if g.expires > now]
@@ -167,6 +207,10 @@ class Registry:
         job.group = f["group"]
         job.pids = f["pids"]
         job.owners.clear()
+        job.pidns.clear()
+        for rank, ns in f.get("pids_ns", {}).items():
+            if rank in job.pids:
+                job.note_namespace(*job.pids[rank], ns)
         for key in ("node", "leader", "writer", "world"):
             if key in f:
                 setattr(job, key, f[key])
@@ -203,6 +247,7 @@ class Registry:
         job = self.job(token)
         if "pid" in f and not job.pids and len(job.owners) < MAX_OWNERS:
             job.owners.add((f["pid"], f.get("start", 0)))
+            job.note_namespace(f["pid"], f.get("start", 0), f.get("pidns"))
         self.observe_one(job)
         now = time.monotonic()
         budget = self.budget()
@@ -302,6 +347,7 @@ class Registry:
         ctl = next((e for e in entries if e.header and e.header.kind_name == "control"), None)
         if ctl is not None and ctl.header is not None:
             job.ctl_seen = True
+            job.pidns_hint = ctl.header.pidns  # NOTE [pid namespaces]
         if ctl is not None and ctl.header is not None and ctl.alive:
             job.observed = observed_bytes(job.token, entries, ctl.header.pid)
         else:
@@ -352,17 +398,22 @@ class Registry:
 def _from_description(job: Job, ctl: Entry) -> None:
     desc = ctl.description or {}
     assert ctl.header is not None
-    job.owners.add((ctl.header.pid, ctl.header.start))
+    if (ctl.header.pid, ctl.header.start) not in job.owners and len(job.owners) < MAX_OWNERS:
+        job.owners.add((ctl.header.pid, ctl.header.start))
+    job.note_namespace(ctl.header.pid, ctl.header.start, ctl.header.pidns)
+    job.pidns_hint = ctl.header.pidns
     pids = desc.get("pids")
     if isinstance(pids, dict):
         for rank, pair in pids.items():
             ok = (
                 isinstance(pair, list)
-                and len(pair) == 2
-                and all(isinstance(v, int) and v >= 0 for v in pair)
+                and len(pair) in (2, 3)
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pair)
             )
             if str(rank).isdigit() and ok:
                 job.pids[int(rank)] = (pair[0], pair[1])
+                if len(pair) == 3:  # [pid, start, pidns]
+                    job.note_namespace(pair[0], pair[1], pair[2])
     for key, attr in (("group", "group"), ("node", "node")):
         value = desc.get(key)
         if isinstance(value, list) and all(isinstance(v, int) for v in value):

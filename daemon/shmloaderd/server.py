@@ -59,7 +59,7 @@ from shmloader.segment import HEADER_SIZE
 from . import notify, protocol
 from ._version import __version__
 from .pool import Pool
-from .registry import Registry, RegistryFull
+from .registry import MAX_OWNERS, Registry, RegistryFull
 
 log = logging.getLogger("shmloaderd")
 
@@ -284,12 +284,15 @@ class Daemon:
         if op == "unregister":
             return r.unregister(f)
         if op == "adopt":
-            reply = self.pool.adopt(f["token"], f["name"], f["bytes"], f["pid"], f["start"])
+            reply = self.pool.adopt(
+                f["token"], f["name"], f["bytes"], f["pid"], f["start"], f.get("pidns", 0)
+            )
             if reply.get("adopted"):
                 job = r.job(f["token"])
                 job.segments[f["name"]] = HEADER_SIZE + reply["capacity"]
-                if not job.pids:
+                if not job.pids and len(job.owners) < MAX_OWNERS:
                     job.owners.add((f["pid"], f["start"]))
+                    job.note_namespace(f["pid"], f["start"], f.get("pidns"))
             return reply
         raise AssertionError(f"op {op} in protocol.OPS but not dispatched")
 

@@ -14,6 +14,7 @@ import logging
 import os
 import queue
 import threading
+import time
 
 import pytest
 import torch
@@ -84,6 +85,60 @@ def prefetched(rank: int, world: int) -> dict:
     return {"got": got, "slots": stats.get("ring_slots")}
 
 
+def _slow(n: int, size: int = 50_000, pause: float = 1.0):
+    """Like ``_numbered`` (views, not copies), but each batch after the first takes ``pause``."""
+
+    def batches():
+        for i in range(n):
+            if i:
+                time.sleep(pause)  # the follower's thread is blocked waiting meanwhile
+            yield {"x": torch.full((size,), i), "i": i}
+
+    return batches
+
+
+def dropped_while_waiting(rank: int, world: int) -> dict:
+    """The follower's thread waits for the next batch while the main thread drops
+    the one before: its RELEASE must leave during that wait (NOTE [one thread per
+    socket] in ``follower``), or the leader, when it writes the next batch, finds
+    the slot still held."""
+    loader = ShmLoader(_slow(4), dist.group.WORLD, config=Config.from_env(enabled=True, slots=2))
+    got: list[int] = []
+    if rank == 0:
+        it = iter(loader)
+        for _ in range(4):
+            batch = next(it)  # the leader drops its own view before asking for the next
+            got.append(int(batch["x"][0]))
+            del batch
+        assert next(it, None) is None
+    else:
+        q: queue.Queue = queue.Queue()
+
+        def pull() -> None:
+            it = iter(loader)  # no loop variable: this thread keeps no batch while waiting
+            try:
+                while True:
+                    q.put(next(it))
+            except StopIteration:
+                q.put(None)
+            except BaseException as exc:  # handed to the main thread
+                q.put(exc)
+
+        thread = threading.Thread(target=pull)
+        thread.start()
+        while (batch := q.get(timeout=60)) is not None:
+            if isinstance(batch, BaseException):
+                thread.join()
+                raise batch
+            got.append(int(batch["x"][0]))
+            time.sleep(0.3)  # the thread is blocked in its wait for the next batch by now
+            del batch  # on this thread, not the socket's owner: only queued
+        thread.join()
+    stats = loader.stats()
+    loader.close()
+    return {"got": got, "slots": stats.get("ring_slots")}
+
+
 def one_rank_breaks(rank: int, world: int, *, breaker: int, at: int) -> dict:
     """Rank ``breaker`` leaves epoch 0 after ``at`` batches; then every rank runs epoch 1."""
     warnings = _capture()
@@ -136,6 +191,18 @@ def test_a_prefetch_thread_iterates_while_the_main_thread_drops_batches():
         assert o["got"] == list(range(24)) * 2, o
     # releases from the main thread reach the writer: the ring stays near its depth
     assert out[0]["slots"] <= 6, out[0]
+
+
+def test_releases_queued_by_other_threads_leave_during_the_wait():
+    """The leader writes batch k+1 into batch k's slot only if the follower's
+    RELEASE, queued by the main thread while the iterating thread waits, was
+    sent during that wait; otherwise it arrives only with the thread's next
+    call, after batch k+1, and the ring grows (a fixed pool of slots, such as
+    the DataLoader workers', would wait for it until the timeout instead)."""
+    out = run_ranks(dropped_while_waiting, 2)
+    for o in out:
+        assert o["got"] == [0, 1, 2, 3], o
+    assert out[0]["slots"] == 1, out[0]
 
 
 def test_the_leader_breaking_alone_is_a_divergence_error_naming_both_positions():

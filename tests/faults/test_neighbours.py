@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -356,6 +357,17 @@ _SIGTERM = """
         signal.signal(signal.SIGTERM, lambda s, f: print("carrying on", flush=True))
     w = RingWriter("{token}", frozenset({{1}}), {{"job": "t"}})
     slot = w.acquire(1000)  # named: rank 1 never attached
+    if mode == "grown":  # a forked worker grows a pool slot in our name (pool._grow)
+        import dataclasses
+        from shmloader.segment import KIND_DATA, MY_START, Segment
+        parent, start = os.getpid(), MY_START
+        child = os.fork()
+        if child == 0:
+            seg = Segment.create_unique("/shml-{token}-7.1", KIND_DATA, "{token}", 4096)
+            header = dataclasses.replace(seg.header, pid=parent, start=start)
+            header.write(seg.fd)
+            os._exit(0)
+        os.waitpid(child, 0)
     hub = Hub(socket_path(make_private_dir(None)))
     print("ready", flush=True)
     for _ in range(200):
@@ -379,7 +391,7 @@ def _sigterm_run(token: str, runtime: str, mode: str) -> tuple[int, str, set[str
     try:
         assert p.stdout.readline().strip() == "ready"
         named, rundirs = names(token), [n for n in os.listdir(runtime) if n.startswith("shml-")]
-        assert len(named) == 2 and len(rundirs) == 1
+        assert len(named) == (3 if mode == "grown" else 2) and len(rundirs) == 1
         p.send_signal(signal.SIGTERM)
         out, _ = p.communicate(timeout=30)
     finally:
@@ -396,6 +408,53 @@ def test_sigterm_leaves_nothing_and_dies_of_the_signal(no_leaks) -> None:
     code, out, left, dirs = _sigterm_run(token, no_leaks, "default")
     assert code == -signal.SIGTERM, (code, out)
     assert left == set() and dirs == [], (left, dirs)
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_removes_segments_a_forked_worker_made_in_our_name(no_leaks) -> None:
+    """A DataLoader worker that grew a pool slot wrote the leader's pid into its
+    header; the leader's SIGTERM must remove it although it never named it."""
+    token = new_token()
+    code, out, left, dirs = _sigterm_run(token, no_leaks, "grown")
+    assert code == -signal.SIGTERM, (code, out)
+    assert left == set() and dirs == [], (left, dirs)
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_stopped_by_sigterm_leaves_the_slot_it_handed_to_the_leader(no_leaks) -> None:
+    """A DataLoader worker grows a pool slot and writes the leader into its header
+    (``pool._grow``); the DataLoader stops a worker slow to exit with SIGTERM.
+    Its cleanup must not unlink that slot: the leader's later workers open it by
+    name. What still names the worker goes."""
+    token = new_token()
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the worker
+        code = 1
+        try:
+            os.close(read)
+            parent = os.getppid()
+            start = segment.proc_start_time(parent)
+            handed = Segment.create_unique(f"/shml-{token}-7.1", KIND_DATA, token, 4096)
+            header = dataclasses.replace(handed.header, pid=parent, start=start)
+            header.write(handed.fd)
+            mine = Segment.create_unique(f"/shml-{token}-8.1", KIND_DATA, token, 4096)
+            os.write(write, f"{handed.name} {mine.name}".encode())
+            reap.remove_owned()  # what the SIGTERM handler runs
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as f:
+        handed_name, mine_name = f.read().split()
+    _, status = os.waitpid(child, 0)
+    try:
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert segment.read_header(handed_name).pid == os.getpid()
+        assert not os.path.exists(segment.shm_path(mine_name)), "its own name must go"
+    finally:
+        segment.unlink_name(handed_name)
+        segment.unlink_name(mine_name)
 
 
 @pytest.mark.timeout(60)

@@ -134,21 +134,10 @@ def _names_us(name: str) -> bool:
 
 def _made_for_us(tokens: set[str]) -> set[str]:
     """Segments of rings ``tokens`` whose header names this process as owner (NOTE [SIGTERM])."""
-    from .errors import ProtocolError
-    from .segment import MY_START, list_segments, read_header
+    from .segment import list_segments
 
     prefixes = tuple(f"/shml-{t}-" for t in tokens)
-    out = set()
-    for name in list_segments():
-        if not name.startswith(prefixes):
-            continue
-        try:
-            header = read_header(name)
-        except (OSError, ProtocolError):
-            continue
-        if header.pid == os.getpid() and header.start == MY_START and header.token in tokens:
-            out.add(name)
-    return out
+    return {name for name in list_segments() if name.startswith(prefixes) and _names_us(name)}
 
 
 def _after_fork_in_child() -> None:

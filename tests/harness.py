@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib
+import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -235,3 +236,21 @@ def run_ranks(
     if errors and not expect_failure:
         raise RankFailure("\n".join(errors))
     return results
+
+
+class Warnings(logging.Handler):
+    """The messages shmloader logs at WARNING or above in this process."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def capture_warnings() -> Warnings:
+    """A ``Warnings`` attached to the ``shmloader`` logger (in a rank: for its life)."""
+    handler = Warnings()
+    logging.getLogger("shmloader").addHandler(handler)
+    return handler

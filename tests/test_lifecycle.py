@@ -19,18 +19,9 @@ from shmloader import Config, ShmLoader
 from shmloader.errors import ShmLoaderError, UnsupportedBatchError
 from tests import ranks
 from tests.faults.scenarios import outcome
-from tests.harness import run_ranks
+from tests.harness import capture_warnings, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
-
-
-class _Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def _labelled(n: int = 20):
@@ -43,8 +34,7 @@ def _labelled(n: int = 20):
 
 def keep_small_then_whole(rank: int, world: int) -> dict:
     """Every rank keeps the labels of every batch; then rank 1 keeps 6 whole batches."""
-    warnings = _Warnings()
-    logging.getLogger("shmloader").addHandler(warnings)
+    warnings = capture_warnings()
     loader = ShmLoader(_labelled(), dist.group.WORLD, config=Config.from_env(enabled=True))
     kept = [batch["labels"] for batch in loader]
     small = {"slots": loader.stats().get("ring_slots"), "labels": [int(t[0]) for t in kept]}
@@ -64,8 +54,7 @@ def sliding_window(rank: int, world: int) -> dict:
     """Rank 1 holds its last 3 whole batches, as a prefetch queue does, and is slow."""
     import collections
 
-    warnings = _Warnings()
-    logging.getLogger("shmloader").addHandler(warnings)
+    warnings = capture_warnings()
     cfg = Config.from_env(enabled=True, slots=2)
     loader = ShmLoader(_labelled(24), dist.group.WORLD, config=cfg)
     window: collections.deque = collections.deque(maxlen=3)

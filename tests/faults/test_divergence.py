@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import queue
 import threading
@@ -22,7 +21,7 @@ import torch.distributed as dist
 
 from shmloader import Config, ShmLoader
 from tests.faults.scenarios import outcome
-from tests.harness import run_ranks
+from tests.harness import capture_warnings, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,22 +33,23 @@ def _numbered(n: int = N, size: int = 50_000):
     return lambda: [{"x": torch.full((size,), i), "i": i} for i in range(n)]
 
 
-class _Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-def _capture() -> _Warnings:
-    handler = _Warnings()
-    logging.getLogger("shmloader").addHandler(handler)
-    return handler
-
-
 # ------------------------------------------------------------------ rank code
+
+
+def _consume(q: queue.Queue, thread: threading.Thread, got: list[int], hold_s: float = 0.0) -> None:
+    """Take what a prefetch ``thread`` queues until its ``None``; drop each batch on this thread.
+
+    ``hold_s``: keep each batch that long first (the thread waits for the next meanwhile).
+    An exception the thread queued is raised here.
+    """
+    while (batch := q.get(timeout=60)) is not None:
+        if isinstance(batch, BaseException):
+            thread.join()
+            raise batch
+        got.append(int(batch["x"][0]))
+        time.sleep(hold_s)
+        del batch  # the release runs on this thread, not the socket's owner: only queued
+    thread.join()
 
 
 def prefetched(rank: int, world: int) -> dict:
@@ -73,13 +73,7 @@ def prefetched(rank: int, world: int) -> dict:
 
         thread = threading.Thread(target=pull)
         thread.start()
-        while (batch := q.get(timeout=60)) is not None:
-            if isinstance(batch, BaseException):
-                thread.join()
-                raise batch
-            got.append(int(batch["x"][0]))
-            del batch  # the release runs on this (non-iterating) thread
-        thread.join()
+        _consume(q, thread, got)
     stats = loader.stats()
     loader.close()
     return {"got": got, "slots": stats.get("ring_slots")}
@@ -126,14 +120,7 @@ def dropped_while_waiting(rank: int, world: int) -> dict:
 
         thread = threading.Thread(target=pull)
         thread.start()
-        while (batch := q.get(timeout=60)) is not None:
-            if isinstance(batch, BaseException):
-                thread.join()
-                raise batch
-            got.append(int(batch["x"][0]))
-            time.sleep(0.3)  # the thread is blocked in its wait for the next batch by now
-            del batch  # on this thread, not the socket's owner: only queued
-        thread.join()
+        _consume(q, thread, got, hold_s=0.3)  # by then the thread is blocked in its wait
     stats = loader.stats()
     loader.close()
     return {"got": got, "slots": stats.get("ring_slots")}
@@ -141,7 +128,7 @@ def dropped_while_waiting(rank: int, world: int) -> dict:
 
 def one_rank_breaks(rank: int, world: int, *, breaker: int, at: int) -> dict:
     """Rank ``breaker`` leaves epoch 0 after ``at`` batches; then every rank runs epoch 1."""
-    warnings = _capture()
+    warnings = capture_warnings()
     loader = ShmLoader(
         _numbered(), dist.group.WORLD, config=Config.from_env(enabled=True, timeout=30)
     )

@@ -209,8 +209,12 @@ class _Writer:
             try:
                 self._hub.send(rank, parts)
             except PeerLostError as exc:
-                self._drop_reader(rank)
-                lost = lost or exc
+                # A reader that said BYE and left is not lost: its BYE may still
+                # be queued here, behind the disconnect that failed this send.
+                self._pump()
+                if rank not in self._gone:
+                    self._drop_reader(rank)
+                    lost = lost or exc
         if lost is not None and not best_effort:
             raise lost
 

@@ -809,14 +809,14 @@ def test_pool_refill_never_blocks_the_loop(monkeypatch, tmp_path) -> None:
     from shmloaderd.server import Daemon as InProcessDaemon
 
     touching = threading.Event()
-    real_touch = pool_module.touch
+    real_populate = pool_module.populate
 
-    def slow_touch(mm) -> None:  # a 1 GiB segment on a busy node
+    def slow_populate(mm) -> None:  # a 1 GiB segment on a busy node
         touching.set()
         time.sleep(2.5)
-        real_touch(mm)
+        real_populate(mm)
 
-    monkeypatch.setattr(pool_module, "touch", slow_touch)
+    monkeypatch.setattr(pool_module, "populate", slow_populate)
     d = InProcessDaemon(
         str(tmp_path / "c.sock"), reap_interval=0.05, pool_bytes=2 << 20, pool_segment=1 << 20
     )
@@ -840,6 +840,43 @@ def test_pool_refill_never_blocks_the_loop(monkeypatch, tmp_path) -> None:
         loop.join(10)
         d.close()
     assert slowest < 0.5, f"a request waited {slowest:.2f} s behind the pool refill"
+
+
+@pytest.mark.timeout(90)
+def test_filling_a_multi_gib_pool_keeps_stats_prompt(daemons: Daemons) -> None:
+    """Faulting 2 GiB in holds no lock the loop needs, the GIL included: every
+    ``stats`` request during the fill is answered within 100 ms."""
+    seg_bytes = 2 << 30
+    free = admin.shm_free_bytes()
+    if free is not None and free < 3 * seg_bytes:
+        pytest.skip(f"/dev/shm has {free} bytes free; the test fills a 2 GiB pool")
+    d = daemons.start(
+        "--pool", str(seg_bytes + (64 << 20)), "--pool-segment", str(seg_bytes),
+        "--reap-interval", "0.05",
+    )  # fmt: skip
+    times: list[float] = []
+    deadline = time.monotonic() + 60
+    try:
+        with DaemonClient(d.path, timeout=10.0) as client:
+            while True:
+                t0 = time.monotonic()
+                reply = client.request("stats")
+                took = time.monotonic() - t0
+                assert reply is not None and reply["ok"], d.output()
+                daemon = reply["stats"]["daemon"]
+                if daemon["pool_segments"]:
+                    break
+                if daemon["pool_bytes"]:  # the filler holds the segment it is making
+                    times.append(took)
+                assert time.monotonic() < deadline, "the pool never filled"
+                time.sleep(0.01)
+    finally:
+        d.terminate(timeout=30)  # SIGTERM unlinks the pool: nothing of the 2 GiB stays
+    assert len(times) >= 3, f"only {len(times)} requests while filling: the fill was too quick"
+    assert max(times) < 0.1, (
+        f"a stats request waited {max(times) * 1e3:.0f} ms while the pool filled "
+        f"({len(times)} requests, median {sorted(times)[len(times) // 2] * 1e3:.1f} ms)"
+    )
 
 
 @pytest.mark.timeout(40)

@@ -729,6 +729,34 @@ def test_pending_grants_stop_counting_once_allocated() -> None:
 
 
 @pytest.mark.timeout(10)
+def test_a_grant_counts_from_the_bytes_the_job_already_holds() -> None:
+    """A job holding 1 MiB asks for 1 MiB more: 2 MiB count until the new segment
+    shows up. Counted from zero, the held 1 MiB would pass for the new one."""
+    from shmloaderd.registry import Registry
+
+    reg = Registry(lambda: None)
+    token = new_token()
+    held = Segment.create_unique(f"/shml-{token}-0", KIND_DATA, token, 1 << 20)
+    more = None
+    try:
+        one = HEADER_SIZE + (1 << 20)
+        assert reg.admit({"token": token, "bytes": one, "pid": os.getpid(), "start": MY_START})[
+            "admitted"
+        ]
+        job = reg.jobs[token]
+        assert job.observed == one
+        assert reg.in_use() == 2 * one, "the grant was counted against bytes held before it"
+        more = Segment.create_unique(f"/shml-{token}-1", KIND_DATA, token, 1 << 20)
+        reg.observe_one(job)
+        assert reg.in_use() == 2 * one, "the granted segment counted twice once it showed up"
+    finally:
+        for seg in (held, more):
+            if seg is not None:
+                seg.unlink()
+                seg.close()
+
+
+@pytest.mark.timeout(10)
 def test_admin_reads_control_counters_like_ring_writes_them() -> None:
     from shmloader import ring
 

@@ -38,6 +38,7 @@ from shmloader.segment import (
     read_header,
     shm_path,
 )
+from shmloader.waits import WaitHistogram
 from tests.test_admin import run_cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -368,7 +369,12 @@ def test_register_admit_refuse_report_stats_metrics(daemons: Daemons, capsys) ->
 
     client.report(token, 5, consumed=7, receive_ms=0.25, published=9)
     client.report(token, 6, consumed=9, lag=0, receive_ms=0.5)
-    client.report(token, 4, published=9, role="leader", wait_ms_p50=120.0, wait_share=0.75)
+    hist = WaitHistogram()
+    for ms in (0.5, 0.5, 3.0, 300.0):
+        hist.add(ms)
+    client.report(token, 4, published=9, role="leader", wait_ms_p50=120.0, wait_share=0.75,
+                  waits={"wait_ms_p95": 280.0, "wait_ms_p99": 299.5, "wait_hist": hist.counts,
+                         "wait_ms_sum": hist.sum_ms})  # fmt: skip
     doc = d.stats()
     assert doc["schema"] == admin.SCHEMA == 3 and doc["source"] == "daemon"
     assert doc["daemon"]["pid"] == d.proc.pid and doc["daemon"]["budget_bytes"] == 1 << 40
@@ -380,6 +386,7 @@ def test_register_admit_refuse_report_stats_metrics(daemons: Daemons, capsys) ->
     leader = job["ranks"]["4"]
     assert leader["role"] == "leader" and leader["batches"] == 9
     assert leader["wait_ms_p50"] == 120.0 and leader["wait_share"] == 0.75
+    assert leader["wait_ms_p95"] == 280.0 and leader["wait_ms_p99"] == 299.5
     assert job["ranks"]["5"]["batches"] == 7 and job["ranks"]["5"]["lag"] == 2
     # NOTE [honest bytes]: the grant is reserved apart; ``bytes`` is what /dev/shm holds
     assert job["granted_pending_bytes"] >= 1 << 20 and job["bytes"] == job["segment_bytes"]
@@ -405,6 +412,22 @@ def test_register_admit_refuse_report_stats_metrics(daemons: Daemons, capsys) ->
     assert values[lag_key] == 2
     share_key = f'shmloaderd_rank_wait_share{{job="",rank="4",role="leader",token="{token}"}}'
     assert values[share_key] == 0.75
+    # the rank's waits as a Prometheus histogram, labelled by job and rank
+    labels = f'job="",rank="4",role="leader",token="{token}"'
+
+    def bucket(le: str) -> str:  # the exposition sorts the labels
+        return (
+            f'shmloaderd_rank_wait_seconds_bucket{{job="",le="{le}",rank="4",'
+            f'role="leader",token="{token}"}}'
+        )
+
+    wait_until(lambda: bucket("+Inf") in metrics(), 3, "the histogram", step=0.1)
+    values = metrics()
+    assert values[bucket("0.0005")] == 2  # 0.5 ms twice (a bucket edge: le)
+    assert values[bucket("0.004")] == 3 and values[bucket("0.256")] == 3
+    assert values[bucket("0.512")] == 4 == values[bucket("+Inf")]
+    assert values[f"shmloaderd_rank_wait_seconds_count{{{labels}}}"] == 4
+    assert values[f"shmloaderd_rank_wait_seconds_sum{{{labels}}}"] == pytest.approx(0.304)
     assert values["shmloaderd_reaped_sockets_total"] >= 0
     assert values['shmloaderd_requests_total{op="admit"}'] == 2
     assert values['shmloaderd_admissions_total{result="refused"}'] == 1

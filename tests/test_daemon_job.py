@@ -275,11 +275,12 @@ def bytes_job(rank: int, world: int, *, workers: int) -> dict:
     return {"seen": out}
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_stat_bytes_are_what_dev_shm_holds_for_the_job(daemons, workers):  # noqa: F811
+def test_stat_bytes_are_what_dev_shm_holds_for_the_job(daemons):  # noqa: F811
+    """Held bytes, from the daemon and from a scan, against /dev/shm measured apart,
+    twice while the job runs (DataLoader workers writing pool slots)."""
     d = daemons.start()
     env = {"SHMLOADER": "1", "SHMLOADER_DAEMON": d.path}
-    out = run_ranks(bytes_job, 3, kwargs={"workers": workers}, env=env)
+    out = run_ranks(bytes_job, 3, kwargs={"workers": 2}, env=env)
     for seen in out[0]["seen"]:
         truth, page = seen["truth"], 4096 * seen["files"]
         for source in ("scan", "daemon"):

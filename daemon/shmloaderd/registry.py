@@ -225,6 +225,7 @@ class Registry:
                     f"shmloaderd already tracks {MAX_JOBS} jobs; unregister finished ones"
                 )
             job = self.jobs[token] = Job(token)
+            self.ended.pop(token, None)  # alive again (a restart that kept its token)
         return job
 
     def register(self, f: dict[str, Any]) -> dict[str, Any]:

@@ -360,7 +360,7 @@ class Daemon:
         return out
 
     def _note_reaped(self, reaped: dict[str, tuple[int, int]], known: set[str], entries) -> None:
-        """Reaped segments of a job the registry never knew (it died before this
+        """Reaped segments of a ring the registry never knew (it died before this
         daemon saw it alive) still leave a record (NOTE [dead jobs stay visible])."""
         for token, (n, nbytes) in reaped.items():
             if token in known:
@@ -368,14 +368,15 @@ class Daemon:
             if token in self.registry.ended:
                 self.registry.note_reaped(token, n, nbytes)
                 continue
-            job = Job(token)
             ctl = next(
                 (e for e in entries if e.header and e.header.token == token
                  and e.header.kind_name == "control"),
                 None,
             )  # fmt: skip
-            if ctl is not None:
-                _from_description(job, ctl)
+            if ctl is None or ctl.header is None:
+                continue  # no ring: a probe or a pool segment, nothing to show as a job
+            job = Job(token, since=ctl.header.created_ns / 1e9)
+            _from_description(job, ctl)
             self.registry.record_end(job, "its processes died", n, nbytes)
 
     def _reap_sockets(self) -> None:

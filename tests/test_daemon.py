@@ -938,9 +938,12 @@ def test_filling_a_multi_gib_pool_keeps_stats_prompt(daemons: Daemons) -> None:
     finally:
         d.terminate(timeout=30)  # SIGTERM unlinks the pool: nothing of the 2 GiB stays
     assert len(times) >= 3, f"only {len(times)} requests while filling: the fill was too quick"
-    assert max(times) < 0.1, (
+    median = sorted(times)[len(times) // 2]
+    # 100 ms; on a node so busy that a request's median is over 10 ms, 10 medians
+    # (a fill holding the GIL stalls a request for seconds)
+    assert max(times) < max(0.1, 10 * median), (
         f"a stats request waited {max(times) * 1e3:.0f} ms while the pool filled "
-        f"({len(times)} requests, median {sorted(times)[len(times) // 2] * 1e3:.1f} ms)"
+        f"({len(times)} requests, median {median * 1e3:.1f} ms)"
     )
 
 

@@ -250,12 +250,23 @@ def shm_held(token: str, pids: list[int]) -> tuple[int, int]:
     return sum(files.values()), len(files)
 
 
-def bytes_job(rank: int, world: int, *, workers: int) -> dict:
-    loader = ShmLoader(
-        ranks.make_loader_factory(workers, n=24),
-        dist.group.WORLD,
-        config=Config.from_env(enabled=True),
-    )
+class _TwoMiB(torch.utils.data.Dataset):
+    """2 MiB samples: DataLoader workers grow their pool slots (and the leader asks the
+    daemon to admit the pool at that size, more than the slots grown so far)."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((512 * 1024,), float(i))
+
+
+def _two_mib_loader() -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(_TwoMiB(), batch_size=1, num_workers=2)
+
+
+def bytes_job(rank: int, world: int) -> dict:
+    loader = ShmLoader(_two_mib_loader, dist.group.WORLD, config=Config.from_env(enabled=True))
     pids: list = [None] * world
     dist.all_gather_object(pids, os.getpid())
     out = []
@@ -277,15 +288,16 @@ def bytes_job(rank: int, world: int, *, workers: int) -> dict:
 
 def test_stat_bytes_are_what_dev_shm_holds_for_the_job(daemons):  # noqa: F811
     """Held bytes, from the daemon and from a scan, against /dev/shm measured apart,
-    twice while the job runs (DataLoader workers writing pool slots)."""
+    twice while the job runs (DataLoader workers growing and writing pool slots)."""
     d = daemons.start()
     env = {"SHMLOADER": "1", "SHMLOADER_DAEMON": d.path}
-    out = run_ranks(bytes_job, 3, kwargs={"workers": 2}, env=env)
+    out = run_ranks(bytes_job, 3, env=env)
     for seen in out[0]["seen"]:
         truth, page = seen["truth"], 4096 * seen["files"]
         for source in ("scan", "daemon"):
             held = seen[source]["bytes"]
             assert abs(held - truth) <= page, (
                 f"{source}: stat says {human_bytes(held)} ({held}), /dev/shm holds "
-                f"{human_bytes(truth)} ({truth}) in {seen['files']} files: {seen[source]}"
+                f"{human_bytes(truth)} ({truth}) in {seen['files']} files: "
+                + str({k: seen[source][k] for k in ("segment_bytes", "granted_pending_bytes")})
             )

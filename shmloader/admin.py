@@ -28,28 +28,46 @@ Where ``stat`` gets its document
     with its reports to the daemon.
 
 What a job's bytes mean (NOTE [honest bytes])
-    ``bytes`` is what the job holds now. For a live job: the largest of its
-    named segments, the ring counters and, where readable, the writer's own
-    mappings of the ring (``/proc/<pid>/maps``: slots whose names were
-    already unlinked). For a dead job (writer gone) only the segments still
-    named can hold memory, so ``bytes`` is exactly what ``gc`` frees
-    (``reclaimable_bytes``); the ring counters of a dead writer describe
-    mappings that died with it.
+    ``bytes`` is what the job holds in /dev/shm now, and nothing else: for a
+    live job its segments named in /dev/shm plus the unlinked ones that its
+    processes (the writer and the ranks its ring describes) still map, each
+    file once (``/proc/<pid>/maps``; tmpfs frees a file when its last name and
+    mapping are gone). Neither the ring's counters nor what the daemon has
+    granted but not yet seen allocated (``granted_pending_bytes``, what
+    admission reserves) count. For a dead job (writer gone) only the segments
+    still named can hold memory, so ``bytes`` is exactly what ``gc`` frees
+    (``reclaimable_bytes``). Traffic (payload bytes a rank published or
+    received since it started) is ``traffic_bytes`` of a rank row: it grows
+    with every batch and says nothing about memory.
 
-``stat --json`` document, schema 2 (fields are only ever added within a
+Dead jobs (daemon)
+    When shmloaderd reaps a job whose processes died (SIGKILL, OOM), the job
+    stays in its document for ``registry.ENDED_KEEP_S`` seconds as ``state:
+    "dead"`` with ``ended`` saying when, why and what was reaped (``bytes``
+    0: nothing is held any more). Without a daemon nothing reaps it: the scan
+    shows it ``dead`` until ``shmloader gc``.
+
+``stat --json`` document, schema 3 (fields are only ever added within a
 schema; schema 2 added ``job``, ``started_unix``, ``age_s``,
 ``reclaimable_bytes``, ``ranks`` and made a dead job's ``bytes`` what ``gc``
-frees; later, within schema 2, the ``device*`` fields of ``ranks`` rows)::
+frees; schema 3 made ``bytes`` what /dev/shm holds (no pending grants),
+renamed the rank rows' ``bytes`` (traffic) to ``traffic_bytes``, added
+``wait_ms_p95``/``wait_ms_p99``, ``granted_pending_bytes``, ``ended`` and
+``notes``)::
 
     {
-      "schema": 2,
+      "schema": 3,
       "source": "daemon" | "scan",     # who built it
       "time_unix": float,
       "node": {"hostname": str, "shm_dir": "/dev/shm",
                "shm_size_bytes": int|null, "shm_free_bytes": int|null,
                "shmloader_bytes": int},  # sum of "bytes" of all jobs (+ the warm pool)
       "daemon": null | {"pid": int, "version": str, "socket": str,
-               "budget_bytes": int|null, "in_use_bytes": int, "uptime_s": float,
+               "budget_bytes": int|null,
+               "in_use_bytes": int,     # what admission counts: jobs' bytes, their
+                                        # pending grants and the warm pool
+               "granted_pending_bytes": int,
+               "uptime_s": float,
                "reaped_segments": int, "reaped_bytes": int, "reaped_sockets": int,
                "pool_bytes": int, "pool_segments": int},
       "jobs": [                         # one per ring: an SP group on this node
@@ -66,22 +84,27 @@ frees; later, within schema 2, the ``device*`` fields of ``ranks`` rows)::
          "segments": [{"name": str, "kind": "control"|"data"|"probe",
                        "bytes": int, "owner_pid": int, "owner_alive": bool}],
          "segment_bytes": int,          # named in /dev/shm now
-         "bytes": int,                  # held now (NOTE [honest bytes])
+         "bytes": int,                  # held in /dev/shm now (NOTE [honest bytes])
          "reclaimable_bytes": int,      # what `shmloader gc` would free now
+         "granted_pending_bytes": int,  # admitted by the daemon, not in /dev/shm yet
+         "ended": null | {"unix": float, "why": str,   # a dead job the daemon reaped
+                          "reaped_segments": int, "reaped_bytes": int},
          "slots": int|null, "ring_bytes": int|null,
          "published": int|null,         # batches written by the writer
-         "bytes_published": int|null,
+         "bytes_published": int|null,   # payload bytes written (traffic)
          "publish_ms_avg": float|null,
          "last_publish_unix": float|null,
          "readers": int|null,
          "ranks": {"<rank>": {          # every rank of the ring on this node
              "role": "leader"|"node leader"|"follower"|null,
              "batches": int|null,       # published (writer) or received
-             "wait_ms_p50": float|null, # median wait for a batch, recent 256 batches
+             "wait_ms_p50": float|null, # wait for a batch over its recent 256-512
+             "wait_ms_p95": float|null, # batches (fixed buckets, 19% apart:
+             "wait_ms_p99": float|null, # shmloader.waits)
              "wait_share": float|null,  # share of wall time since its first batch spent
                                         # waiting for data: near 1 = data is the bottleneck
              "lag": int|null,           # batches published but not yet taken
-             "bytes": int|null,         # payload bytes published or received
+             "traffic_bytes": int|null, # payload bytes published or received so far
              "updated_unix": float|null,
              # device delivery (ShmLoader(device=...)); all null for a rank
              # without one, or one whose report has not arrived:
@@ -95,8 +118,13 @@ frees; later, within schema 2, the ``device*`` fields of ``ranks`` rows)::
          "followers": {"<rank>": {"consumed": int|null, "lag": int|null,
                                   "receive_ms": float|null, "updated_unix": float}}}
       ],
-      "invalid": [{"name": str, "error": str}]   # shml-* entries we refuse to touch
+      "invalid": [{"name": str, "error": str}],  # shml-* entries we refuse to touch
+      "notes": [str]                    # what the document cannot show, and why
     }
+
+Followers' waits reach only the daemon (each rank reports its own); a scan
+has the writer's rows from the ring's description, so there a follower's
+``wait_ms_*`` are null and ``notes`` says so.
 """
 
 from __future__ import annotations
@@ -113,6 +141,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import segment
 from .errors import ProtocolError, human_bytes
 from .ring import COUNTER_FIELDS
 from .segment import (
@@ -124,6 +153,7 @@ from .segment import (
     list_segments,
     owner_alive,
     proc_start_time,
+    process_alive,
     shm_free_bytes,
     shm_path,
     shm_size_bytes,
@@ -131,7 +161,7 @@ from .segment import (
     validate,
 )
 
-SCHEMA = 2
+SCHEMA = 3
 _COUNTERS = struct.Struct("<" + "Q" * len(COUNTER_FIELDS))
 _COUNTERS_AT = 64
 _DESCR_LEN = struct.Struct("<I")
@@ -325,10 +355,31 @@ def job_from_entries(token: str, entries: list[Entry]) -> dict[str, Any]:
     elif segments:
         job["state"] = "live" if any(s["owner_alive"] for s in segments) else "dead"
     if ctl is not None and ctl.alive and ctl.header is not None:
-        job["bytes"] = max(job["bytes"], observed_bytes(token, entries, ctl.header.pid))
-    elif job["state"] == "dead":
-        job["bytes"] = named  # NOTE [honest bytes]: the counters died with the writer
+        job["bytes"] = observed_bytes(token, entries, job_pids(ctl.header, desc))
+    else:  # NOTE [honest bytes]: without a live writer only names hold memory
+        job["bytes"] = named
     return job
+
+
+def job_pids(ctl: Header, desc: dict[str, Any]) -> list[int]:
+    """The processes whose mappings can hold a ring's unlinked segments: its writer
+    (the control segment's owner) and the ranks its description lists that run
+    now, in our pid namespace, with the start time described (not a recycled pid)."""
+    pids = [ctl.pid]
+    described = desc.get("pids")
+    if not isinstance(described, dict):
+        return pids
+    mine = segment.MY_PIDNS
+    for pair in list(described.values())[:4096]:
+        if not (isinstance(pair, list) and len(pair) in (2, 3)):
+            continue
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pair):
+            continue
+        if len(pair) == 3 and pair[2] and mine and pair[2] != mine:
+            continue  # NOTE [pid namespaces] in shmloaderd.registry
+        if pair[0] not in pids and process_alive(pair[0], pair[1]):
+            pids.append(pair[0])
+    return pids
 
 
 def _rank_rows(value: Any) -> dict[str, dict[str, Any]]:
@@ -344,9 +395,11 @@ def _rank_rows(value: Any) -> dict[str, dict[str, Any]]:
             "role": role if role in ("leader", "node leader", "follower") else None,
             "batches": _opt_int(row.get("batches")),
             "wait_ms_p50": _opt_float(row.get("wait_ms_p50")),
+            "wait_ms_p95": _opt_float(row.get("wait_ms_p95")),
+            "wait_ms_p99": _opt_float(row.get("wait_ms_p99")),
             "wait_share": _opt_float(row.get("wait_share")),
             "lag": _opt_int(row.get("lag")),
-            "bytes": _opt_int(row.get("bytes")),
+            "traffic_bytes": _opt_int(row.get("traffic_bytes", row.get("bytes"))),
             "updated_unix": _opt_float(row.get("updated_unix")),
             **device_fields(row),
         }
@@ -419,14 +472,16 @@ def mapped_bytes(pid: int, token: str) -> dict[int, int]:
     return out
 
 
-def observed_bytes(token: str, entries: list[Entry], writer_pid: int) -> int:
+def observed_bytes(token: str, entries: list[Entry], pids: int | list[int]) -> int:
     """Memory ring ``token`` holds as seen from outside the job: its named segments
-    and the writer's mappings, each file once (NOTE [honest bytes]). What the
-    daemon admits by; nothing a client declares enters it."""
+    and the mappings of ``pids`` (its writer, and its ranks: ``job_pids``), each
+    file once (NOTE [honest bytes]). What the daemon admits by; nothing a client
+    declares enters it."""
     mine = [e for e in entries if e.header is not None and e.header.token == token]
     sizes = {e.inode or -i: e.size for i, e in enumerate(mine, 1)}
-    for inode, size in mapped_bytes(writer_pid, token).items():
-        sizes[inode] = max(sizes.get(inode, 0), size)
+    for pid in [pids] if isinstance(pids, int) else pids:
+        for inode, size in mapped_bytes(pid, token).items():
+            sizes[inode] = max(sizes.get(inode, 0), size)
     return sum(sizes.values())
 
 
@@ -444,8 +499,6 @@ def apply_counters(job: dict[str, Any], counters: dict[str, int] | None, ctl_byt
         job["publish_ms_avg"] = round(counters["publish_ns_total"] / published / 1e6, 4)
     if counters["last_publish_unix_ns"]:
         job["last_publish_unix"] = counters["last_publish_unix_ns"] / 1e9
-    held = counters["ring_bytes"] + counters["slots"] * HEADER_SIZE + ctl_bytes
-    job["bytes"] = max(job["segment_bytes"], held)  # a dead writer's: see job_from_entries
 
 
 def empty_job(token: str) -> dict[str, Any]:
@@ -469,6 +522,8 @@ def empty_job(token: str) -> dict[str, Any]:
         "segment_bytes": 0,
         "bytes": 0,
         "reclaimable_bytes": 0,
+        "granted_pending_bytes": 0,
+        "ended": None,
         "slots": None,
         "ring_bytes": None,
         "published": None,
@@ -505,7 +560,31 @@ def build_document(entries: list[Entry], source: str) -> dict[str, Any]:
         "daemon": None,
         "jobs": jobs,
         "invalid": invalid,
+        "notes": notes(jobs, source),
     }
+
+
+def notes(jobs: list[dict[str, Any]], source: str) -> list[str]:
+    """What a document cannot show, and why (``notes``)."""
+    out = []
+    missing = sorted(
+        {
+            int(rank)
+            for j in jobs
+            for rank, row in (j.get("ranks") or {}).items()
+            if row.get("role") == "follower" and row.get("wait_ms_p50") is None
+        }
+    )
+    if missing and source == "scan":
+        out.append(
+            "followers' waits for data (ranks "
+            + ",".join(map(str, missing[:16]))
+            + (",..." if len(missing) > 16 else "")
+            + ") are reported only to shmloaderd: start it and set SHMLOADER_DAEMON in the "
+            "job to see them; without it stat shows the writer's rows (its own wait, and each "
+            "follower's batches and lag)"
+        )
+    return out
 
 
 def scan() -> dict[str, Any]:
@@ -620,18 +699,31 @@ def collect_garbage(
     *,
     tokens: set[str] | None = None,
     owners: set[int] | None = None,
+    jobs: set[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Remove (or with ``dry_run`` only list) what dead owners left: segments, sockets, dirs.
 
-    ``tokens`` and ``owners`` (pids) narrow it to those jobs or processes
-    (the test suite scopes its gc so that it never touches other runs).
+    ``tokens`` and ``owners`` (pids) narrow it to those rings or processes;
+    ``jobs`` to the rings whose description names one of those jobs
+    (``SHMLOADER_JOB`` or the launcher's run id: the ``JOB`` column of
+    ``stat``), found by their control segments.
     Returns one dict per item: ``type`` ("segment"|"socket"|"rundir"),
     ``name``, ``bytes``, ``kind``, ``token``, ``owner_pid``, ``removed``.
     """
     from .reap import remove_runtime_dir, runtime_dirs
 
     out: list[dict[str, Any]] = []
-    for entry in scan_entries():
+    entries = scan_entries()
+    if jobs is not None:
+        named = {
+            e.header.token
+            for e in entries
+            if e.header is not None
+            and e.header.kind == KIND_CONTROL
+            and (e.description or {}).get("job") in jobs
+        }
+        tokens = named if tokens is None else tokens & named
+    for entry in entries:
         h = entry.header
         if h is None or entry.alive:
             continue
@@ -714,6 +806,14 @@ def register(subparsers: Any) -> None:
         help="only segments and sockets of this job token (repeatable)",
     )
     g.add_argument(
+        "--job",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="only the rings of this job: SHMLOADER_JOB or the launcher's run id, the JOB "
+        "column of `shmloader stat` (repeatable)",
+    )
+    g.add_argument(
         "--owner-pid",
         action="append",
         type=int,
@@ -787,6 +887,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
         tokens=set(args.token) if args.token else None,
         owners=set(args.owner_pid) if args.owner_pid else None,
+        jobs=set(args.job) if args.job else None,
     )
     if args.json:
         print(json.dumps(items, indent=2))
@@ -806,7 +907,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
             print(f"{verb} stale socket {it['name']}: pid {it['owner_pid']} is gone")
     nseg = sum(it["type"] == "segment" for it in items)
     nsock = len(items) - nseg
-    if not items:
+    if not items and args.job:
+        print(
+            f"nothing to collect for job {', '.join(args.job)}: no ring of it has a dead "
+            "owner (`shmloader stat` lists the jobs and their state)"
+        )
+    elif not items:
         print("nothing to collect: no shmloader segment or socket of a dead process")
     else:
         print(
@@ -868,7 +974,7 @@ def format_table(doc: dict[str, Any]) -> str:
     else:
         header = (
             f"{'TOKEN':<16} {'JOB':<14} {'STATE':<7} {'AGE':>7} {'GROUP':<10} {'WRITER PID':>10} "
-            f"{'SEGS':>4} {'BYTES':>10} {'SLOTS':>5} {'BATCHES':>8} {'PUB MS':>7}"
+            f"{'SEGS':>4} {'HELD':>10} {'SLOTS':>5} {'BATCHES':>8} {'PUB MS':>7}"
         )
         lines.append(header)
         for j in jobs:
@@ -883,23 +989,36 @@ def format_table(doc: dict[str, Any]) -> str:
                 f"{human_bytes(j['bytes']):>10} {_dash(j['slots']):>5} "
                 f"{_dash(j['published']):>8} {_dash(j['publish_ms_avg'], '{:.2f}'):>7}"
             )
-            if j["state"] == "dead" and j.get("reclaimable_bytes"):
+            ended = j.get("ended")
+            if ended:
+                ago = max(0.0, doc.get("time_unix", time.time()) - ended["unix"])
+                lines.append(
+                    f"    dead since {time.strftime('%H:%M:%S', time.localtime(ended['unix']))} "
+                    f"({_age(ago)} ago): {ended['why']}; shmloaderd reaped "
+                    f"{ended['reaped_segments']} segment(s), {human_bytes(ended['reaped_bytes'])}"
+                )
+            elif j["state"] == "dead" and j.get("reclaimable_bytes"):
                 lines.append(
                     f"    dead: `shmloader gc` frees {human_bytes(j['reclaimable_bytes'])}"
+                )
+            if j.get("granted_pending_bytes"):
+                lines.append(
+                    f"    admitted, not in {node['shm_dir']} yet: "
+                    f"{human_bytes(j['granted_pending_bytes'])} (counted against the budget)"
                 )
             rows = _merged_ranks(j)
             if rows:
                 lines.append(
-                    f"    {'RANK':>6} {'ROLE':<11} {'BATCHES':>8} {'WAIT P50':>9} "
-                    f"{'WAITING':>8} {'LAG':>4} {'BYTES':>10}"
+                    f"    {'RANK':>6} {'ROLE':<11} {'BATCHES':>8} {'WAIT P50':>9} {'P95':>9} "
+                    f"{'P99':>9} {'WAITING':>8} {'LAG':>4} {'TRAFFIC':>10}"
                 )
             for rank, r in rows:
-                p50 = r.get("wait_ms_p50")
+                waits = " ".join(f"{_ms(r.get(f'wait_ms_{p}')):>9}" for p in ("p50", "p95", "p99"))
+                traffic = r.get("traffic_bytes")
                 lines.append(
                     f"    {rank:>6} {r.get('role') or '-':<11} {_dash(r.get('batches')):>8} "
-                    f"{'-' if p50 is None else f'{p50:.2f} ms':>9} "
-                    f"{_pct(r.get('wait_share')):>8} {_dash(r.get('lag')):>4} "
-                    f"{_dash(r.get('bytes') and human_bytes(r['bytes'])):>10}"
+                    f"{waits} {_pct(r.get('wait_share')):>8} {_dash(r.get('lag')):>4} "
+                    f"{_dash(traffic and human_bytes(traffic)):>10}"
                 )
                 if r.get("device"):
                     lines.append(f"{'':>11}{_device_line(r)}")
@@ -907,12 +1026,19 @@ def format_table(doc: dict[str, Any]) -> str:
         lines.append(f"ignored {bad['name']}: {bad['error']}")
     if any(j.get("writer_alive") is False for j in jobs):
         lines.append("† writer process is gone: `shmloader gc` (or shmloaderd) frees its segments")
-    if any(r.get("wait_share") is not None for j in jobs for _, r in _merged_ranks(j)):
+    if any(_merged_ranks(j) for j in jobs):
         lines.append(
-            "WAITING: share of wall time a rank spent waiting for its batch since its first "
-            "(high on the leader: the input pipeline is the bottleneck)"
+            "HELD: bytes in /dev/shm now. WAIT P50/P95/P99: wait for a batch over recent "
+            "batches. WAITING: share of wall time spent waiting since the first batch (high on "
+            "the leader: the input pipeline is the bottleneck). TRAFFIC: payload bytes "
+            "published or received so far, not memory"
         )
+    lines += [f"note: {n}" for n in doc.get("notes", [])]
     return "\n".join(lines)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} ms"
 
 
 def _device_line(row: dict[str, Any]) -> str:

@@ -392,14 +392,18 @@ class DaemonClient:
         wait_share: float | None = None,
         nbytes: int | None = None,
         device: dict[str, Any] | None = None,
+        waits: dict[str, Any] | None = None,
     ) -> None:
         """Progress counters of one rank of ring ``token`` (all optional).
 
         ``wait_ms_p50``: median milliseconds the rank waited for a batch
         (recent batches); ``wait_share``: the fraction of its wall time since
-        its first batch spent waiting; ``nbytes``: bytes it received or
-        published; ``device``: its device-delivery counters
-        (``admin.DEVICE_REPORTED``), None or empty on host delivery.
+        its first batch spent waiting; ``nbytes``: payload bytes it received
+        or published so far (traffic, not memory held); ``device``: its
+        device-delivery counters (``admin.DEVICE_REPORTED``), None or empty on
+        host delivery; ``waits``: any of ``wait_ms_p50``/``_p95``/``_p99``,
+        ``wait_share``, and the histogram since the first batch
+        (``wait_hist``: ``waits.NBUCKETS`` counts, ``wait_ms_sum``).
         """
         fields: dict[str, Any] = {"token": token, "rank": int(rank)}
         for key, value in (
@@ -414,7 +418,7 @@ class DaemonClient:
         ):
             if value is not None:
                 fields[key] = value
-        for key, value in (device or {}).items():
+        for key, value in (*(device or {}).items(), *(waits or {}).items()):
             if value is not None:
                 fields[key] = value
         self.request("report", **fields)

@@ -85,7 +85,6 @@ import datetime
 import functools
 import json
 import os
-import statistics
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -117,6 +116,7 @@ from .relay import _Relay
 from .ring import RingReader, RingWriter, new_token
 from .roles import _error_body, _json_body, _leader_error, log
 from .topology import GroupTopology, broadcast_bytes, discover
+from .waits import WaitHistogram
 from .wire import Kind
 from .xnode import CrossNode
 
@@ -129,8 +129,6 @@ STATE_FORMAT = "shmloader.state/2"
 OLD_STATE_FORMATS = ("shmloader.state/1",)
 #: Seconds between two progress reports to the daemon.
 REPORT_EVERY_S = 1.0
-#: Batches whose wait for data the median in ``shmloader stat`` covers.
-WAIT_WINDOW = 256
 #: Most per-rank rows a writer puts in its ring's description (for ``stat``).
 DESCRIBED_RANKS = 64
 
@@ -237,7 +235,7 @@ class ShmLoader(_Leader, _Relay, _Follower):
         self._daemon: DaemonClient | None = None
         self._next_report = 0.0
         self._stats: collections.Counter = collections.Counter()
-        self._waits: collections.deque = collections.deque(maxlen=WAIT_WINDOW)  # ms per batch
+        self._waits = WaitHistogram()  # ms per batch, O(1) each (``waits``)
         self._wait_since: float | None = None  # perf_counter when this rank first waited
         self._warned_rng = False
         self._group_ranks = _group_ranks(group)
@@ -399,15 +397,19 @@ class ShmLoader(_Leader, _Relay, _Follower):
         if self._wait_since is None:
             self._wait_since = t0
         self._stats["wait_ms_total"] += ms
-        self._waits.append(ms)
+        self._waits.add(ms)
 
-    def _wait_stats(self) -> tuple[float | None, float | None]:
-        """(median wait in ms over recent batches, share of wall time spent waiting)."""
-        if not self._waits or self._wait_since is None:
-            return None, None
+    def _wait_stats(self) -> dict[str, Any]:
+        """This rank's waits for ``stat``: ``wait_ms_p50``/``_p95``/``_p99`` over recent
+        batches and ``wait_share``, the share of wall time spent waiting; {} before
+        the first batch."""
+        if not len(self._waits) or self._wait_since is None:
+            return {}
         wall_ms = (time.perf_counter() - self._wait_since) * 1e3
         share = min(1.0, self._stats["wait_ms_total"] / wall_ms) if wall_ms > 0 else None
-        return round(statistics.median(self._waits), 4), share and round(share, 4)
+        out: dict[str, Any] = {f"wait_ms_{k}": v for k, v in self._waits.recent().items()}
+        out["wait_share"] = share if share is None else round(share, 4)
+        return out
 
     def _device_fields(self) -> dict[str, Any]:
         """This rank's device-delivery counters for ``shmloader stat``; empty without a device.
@@ -447,12 +449,14 @@ class ShmLoader(_Leader, _Relay, _Follower):
         if topo is None or now < self._next_report:
             return
         self._next_report = now + REPORT_EVERY_S
-        p50, share = self._wait_stats()
+        waits = self._wait_stats()
+        # the daemon exports the histogram since the first batch (Prometheus)
+        hist = {"wait_hist": self._waits.counts, "wait_ms_sum": round(self._waits.sum_ms, 3)}
         device = self._device_fields()
         if topo.is_writer:
             published = self._stats["bytes_published"] or self._stats["bytes_received"]
-            mine = {"role": self._role, "batches": self._seq, "wait_ms_p50": p50,
-                    "wait_share": share, "bytes": published, **device}  # fmt: skip
+            mine = {"role": self._role, "batches": self._seq, **waits,
+                    "traffic_bytes": published, **device}  # fmt: skip
             if self._ring is not None:
                 ranks = {str(topo.me): mine}
                 for rank, acked in self._acked.items():
@@ -465,16 +469,15 @@ class ShmLoader(_Leader, _Relay, _Follower):
             if client is None:
                 return
             client.report(topo.ring_token, topo.me, published=self._seq, role=self._role,
-                          wait_ms_p50=p50, wait_share=share, nbytes=published,
-                          device=device)  # fmt: skip
+                          nbytes=published, device=device, waits={**waits, **hist})  # fmt: skip
             for rank, acked in self._acked.items():
                 client.report(topo.ring_token, rank, consumed=acked, lag=self._seq - acked)
         elif client is not None:
             received = self._stats["received"]
             mean = self._stats["receive_ms_total"] / received if received else None
             client.report(topo.ring_token, topo.me, consumed=received, receive_ms=mean,
-                          role=self._role, wait_ms_p50=p50, wait_share=share,
-                          nbytes=self._stats["bytes_received"], device=device)  # fmt: skip
+                          role=self._role, nbytes=self._stats["bytes_received"], device=device,
+                          waits={**waits, **hist})  # fmt: skip
 
     # ------------------------------------------------------------- public API
 

@@ -1,14 +1,31 @@
-"""Suite-wide fixtures: every test fails if it leaks a segment, a socket or a process."""
+"""Suite-wide fixtures: every test fails if it leaks a segment, a socket or a process.
+
+NOTE [only our own segments]
+    Other jobs, and other runs of this suite, may share the node's
+    /dev/shm. The leak check judges, and removes, only what this run made:
+    a segment whose owner (header pid and start time) is alive counts when
+    that owner descends from this pytest process; one whose owner is dead
+    counts only when its ring's control segment names this run's job
+    (``RUN_JOB``: every ring of the run carries it, as ``SHMLOADER_JOB``,
+    in its description). A dead owner or an unreadable header alone proves
+    nothing: counting those as ours deleted other jobs' shared memory and
+    failed tests whenever another run's segments appeared.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import tempfile
 import time
 
 import pytest
+
+#: This run's job name: in the description of every ring it makes (NOTE [only our own segments]).
+RUN_JOB = f"pytest-{os.getpid()}-{secrets.token_hex(4)}"
+os.environ["SHMLOADER_JOB"] = RUN_JOB  # inherited by every rank and daemon the tests start
 
 
 def _ppid(pid: int) -> int | None:
@@ -20,27 +37,53 @@ def _ppid(pid: int) -> int | None:
     return int(raw[raw.rindex(b")") + 2 :].split()[1])
 
 
-def _ours(name: str) -> bool:
-    """A segment counts against this test unless a live process outside our tree owns it.
-
-    (Other test runs may share the machine; CI runs one suite at a time.)
-    """
-    from shmloader.errors import ProtocolError
-    from shmloader.segment import read_header
-
-    try:
-        pid = read_header("/" + name).pid
-    except (OSError, ProtocolError):
-        return True
+def _descends_from_us(pid: int) -> bool:
     me = os.getpid()
     while pid and pid != 1:
         if pid == me:
             return True
         parent = _ppid(pid)
         if parent is None:
-            return True  # dead owner: a leak
+            return False
         pid = parent
     return False
+
+
+def run_jobs() -> dict[str, str | None]:
+    """Ring token -> the job its control segment describes, for every control segment."""
+    from shmloader.admin import inspect
+    from shmloader.segment import KIND_CONTROL, list_segments
+
+    out: dict[str, str | None] = {}
+    for name in list_segments():
+        entry = inspect(name)
+        if entry is not None and entry.header is not None and entry.header.kind == KIND_CONTROL:
+            job = (entry.description or {}).get("job")
+            out[entry.header.token] = job if isinstance(job, str) else None
+    return out
+
+
+def ours(name: str, jobs: dict[str, str | None] | None = None) -> bool:
+    """Whether this run made segment ``name`` (NOTE [only our own segments])."""
+    from shmloader.errors import ProtocolError
+    from shmloader.segment import read_header
+
+    try:
+        header = read_header("/" + name.lstrip("/"))
+    except (OSError, ProtocolError):
+        header = None
+    return judge(header, run_jobs() if jobs is None else jobs)
+
+
+def judge(header, jobs: dict[str, str | None]) -> bool:
+    """The rule of :func:`ours` for one segment header (None: unreadable)."""
+    from shmloader.segment import owner_alive
+
+    if header is None:
+        return False  # nobody can say whose it is
+    if owner_alive(header):
+        return _descends_from_us(header.pid)
+    return jobs.get(header.token) == RUN_JOB
 
 
 def _shm_entries() -> set[str]:
@@ -90,7 +133,9 @@ def no_leaks(monkeypatch):
     yield runtime
     deadline = time.monotonic() + 3.0  # let exiting processes finish unlinking
     while True:
-        leaked_shm = {n for n in _shm_entries() - before_shm if _ours(n)}
+        new = _shm_entries() - before_shm
+        jobs = run_jobs() if new else {}
+        leaked_shm = {n for n in new if ours(n, jobs)}
         leaked_children = _children() - before_children
         sockets = [os.path.join(d, f) for d, _, files in os.walk(runtime) for f in files]
         sockets += [os.path.join(runtime, n) for n in os.listdir(runtime) if n.startswith("shml-")]

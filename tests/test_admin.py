@@ -27,6 +27,7 @@ JOB_KEYS = {
     "pids", "writer_pid", "writer_alive", "segments", "segment_bytes", "bytes", "slots",
     "ring_bytes", "published", "bytes_published", "publish_ms_avg", "last_publish_unix",
     "readers", "followers", "job", "started_unix", "age_s", "reclaimable_bytes", "ranks",
+    "granted_pending_bytes", "ended",
 }  # fmt: skip
 
 
@@ -94,7 +95,7 @@ def cleanup(*segments: Segment) -> Iterator[None]:
 def test_scan_documents_a_live_job() -> None:
     with live_ring() as ring:
         doc = admin.scan()
-        assert doc["schema"] == admin.SCHEMA == 2
+        assert doc["schema"] == admin.SCHEMA == 3
         assert doc["source"] == "scan" and doc["daemon"] is None
         assert doc["node"]["shm_size_bytes"] > 0 and doc["node"]["shm_free_bytes"] > 0
         job = next(j for j in doc["jobs"] if j["token"] == ring.token)
@@ -138,7 +139,7 @@ def test_stat_without_daemon_says_it_scans(capsys, monkeypatch) -> None:
         code, out, _ = run_cli(["stat", "--watch", "0.01", "--count", "3"], capsys)
         assert code == 0 and out.count("\x1b[H\x1b[2J") == 3 and out.count(ring.token) == 3
         code, out, _ = run_cli(["stat", "--json", "--watch", "0.01", "--count", "2"], capsys)
-        assert code == 0 and [json.loads(x)["schema"] for x in out.splitlines()] == [2, 2]
+        assert code == 0 and [json.loads(x)["schema"] for x in out.splitlines()] == [3, 3]
     code, _, err = run_cli(["stat", "--watch", "0"], capsys)
     assert code == 2 and "--watch 0" in err
 
@@ -203,6 +204,48 @@ def test_gc_removes_only_dead_owners_and_dry_run_removes_nothing(capsys, no_leak
             os.unlink(stale_sock)
 
 
+@contextlib.contextmanager
+def dead_ring(job: str) -> Iterator[RingWriter]:
+    """A ring described as ``job`` whose writer (the owner of all its segments) died."""
+    token = new_token()
+    ring = RingWriter(token, frozenset({1}), {"token": token, "job": job, "pids": {}})
+    slot = ring.acquire(100_000)  # reader 1 never attaches: the data segment stays named
+    ring.publish(slot, 0, 100_000, 1_000_000)
+    pid = dead_pid()
+    originals = []
+    for seg in (ring.control, slot.segment):
+        h = seg.header
+        originals.append((seg, h))
+        Header(h.kind, h.uid, h.token, pid, h.start, h.capacity, h.created_ns).write(seg.fd)
+    try:
+        yield ring
+    finally:
+        for seg, h in originals:
+            h.write(seg.fd)  # ours again, so that close() cleans up what is left
+        ring.close()
+
+
+@pytest.mark.timeout(20)
+def test_gc_job_removes_only_that_jobs_rings(capsys) -> None:
+    with dead_ring("train-a") as a, dead_ring("train-b") as b:
+        names = {
+            r.token: {s["name"] for j in admin.scan()["jobs"] if j["token"] == r.token
+                      for s in j["segments"]}
+            for r in (a, b)
+        }  # fmt: skip
+        assert all(len(v) == 2 for v in names.values())
+        code, out, _ = run_cli(["gc", "--job", "train-a"], capsys)
+        assert code == 0
+        for name in names[a.token]:
+            assert f"removed {name}" in out and not os.path.exists(_shm_path(name))
+        for name in names[b.token]:
+            assert name not in out and os.path.exists(_shm_path(name)), "gc --job took another job"
+        code, out, _ = run_cli(["gc", "--job", "train-a"], capsys)
+        assert code == 0 and "nothing to collect for job train-a" in out
+        code, out, _ = run_cli(["gc", "--job", "train-b", "--dry-run"], capsys)
+        assert all(f"would remove {n}" in out for n in names[b.token])
+
+
 @pytest.mark.timeout(20)
 def test_gc_json_and_nothing_to_do(capsys) -> None:
     seg = orphan(KIND_DATA)
@@ -251,9 +294,11 @@ def test_table_formatting_of_a_daemon_document() -> None:
                 "role": "leader",
                 "batches": 9,
                 "wait_ms_p50": 812.5,
+                "wait_ms_p95": 1500.0,
+                "wait_ms_p99": 2048.25,
                 "wait_share": 0.93,
                 "lag": None,
-                "bytes": 9 << 20,
+                "traffic_bytes": 9 << 20,
                 "updated_unix": 1.0,
             },
         },
@@ -266,10 +311,14 @@ def test_table_formatting_of_a_daemon_document() -> None:
     assert row.split()[1:4] == ["train-llama-7…", "dead", "1h02m"] and "77†" in row
     assert "dead: `shmloader gc` frees 144.0 KiB" in text
     leader = next(line.split() for line in text.splitlines() if line.strip().startswith("0 "))
-    assert leader == ["0", "leader", "9", "812.50", "ms", "93%", "-", "9.0", "MiB"]
+    assert leader == ["0", "leader", "9", "812.50", "ms", "1500.00", "ms", "2048.25", "ms",
+                      "93%", "-", "9.0", "MiB"]  # fmt: skip
     follower = next(line.split() for line in text.splitlines() if line.strip().startswith("2 "))
-    assert follower[:3] == ["2", "follower", "5"] and follower[5] == "1"  # batches, lag
+    assert follower[:3] == ["2", "follower", "5"] and follower[7] == "1"  # batches, lag
     assert "writer process is gone" in text and "WAITING: share of wall time" in text
+    header = next(line.split() for line in text.splitlines() if line.strip().startswith("RANK"))
+    assert header[-1] == "TRAFFIC" and "TRAFFIC: payload bytes" in text  # not memory held
+    assert "HELD" in text.splitlines()[2].split()
 
 
 @pytest.mark.timeout(20)
@@ -314,12 +363,18 @@ def test_scan_shows_the_job_name_and_rank_rows_the_writer_describes(capsys) -> N
                           "1": {"role": "follower", "batches": 11, "lag": 1},
                           "x": {"role": "leader"}, "2": "junk"}}  # fmt: skip
         ring.describe(desc)
-        job = next(j for j in admin.scan()["jobs"] if j["token"] == ring.token)
+        doc = admin.scan()
+        job = next(j for j in doc["jobs"] if j["token"] == ring.token)
         assert job["job"] == "train-7b" and set(job["ranks"]) == {"0", "1"}
         assert job["ranks"]["0"]["wait_share"] == 0.8 and job["ranks"]["1"]["lag"] == 1
+        assert job["ranks"]["0"]["traffic_bytes"] == 1 << 20  # a description's older "bytes"
         assert job["ranks"]["1"]["wait_ms_p50"] is None
+        # a scan cannot know a follower's wait: it says why, and what to do
+        (why,) = [n for n in doc["notes"] if "followers' waits" in n]
+        assert "ranks 1)" in why and "SHMLOADER_DAEMON" in why
         code, out, _ = run_cli(["stat"], capsys)
         assert code == 0 and "train-7b" in out and "80%" in out
+        assert "note: followers' waits for data (ranks 1) are reported only to shmloaderd" in out
 
 
 def test_device_fields_of_a_rank_row_are_type_checked_and_the_bandwidth_derived() -> None:

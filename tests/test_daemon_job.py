@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -52,7 +53,7 @@ def test_stat_json_during_a_live_job_comes_from_the_daemon(daemons):  # noqa: F8
     env = {"SHMLOADER": "1", "SHMLOADER_DAEMON": d.path, "SHMLOADER_JOB": "ci-stat-7"}
     out = run_ranks(job, 3, kwargs={"kill_daemon": None}, env=env)
     stat = out[0]["stat"]
-    assert stat["schema"] == 2 and stat["source"] == "daemon"
+    assert stat["schema"] == admin.SCHEMA and stat["source"] == "daemon"
     jobs = {j["token"]: j for j in stat["jobs"]}
     mine = jobs[out[0]["token"]]
     assert mine["registered"] and mine["writer_alive"] and mine["state"] == "live"
@@ -67,7 +68,9 @@ def test_stat_json_during_a_live_job_comes_from_the_daemon(daemons):  # noqa: F8
     assert ranks["0"]["wait_ms_p50"] is not None and 0 <= ranks["0"]["wait_share"] <= 1
     for r in ("1", "2"):  # only the daemon knows a follower's own wait
         assert ranks[r]["role"] == "follower" and ranks[r]["wait_ms_p50"] is not None
-        assert 0 <= ranks[r]["wait_share"] <= 1 and ranks[r]["bytes"] > 0
+        assert 0 <= ranks[r]["wait_share"] <= 1 and ranks[r]["traffic_bytes"] > 0
+        p50, p95, p99 = (ranks[r][f"wait_ms_{p}"] for p in ("p50", "p95", "p99"))
+        assert p50 <= p95 <= p99
     # after the job: unregistered, nothing left
     after = {j["token"] for j in d.stats()["jobs"]}
     assert out[0]["token"] not in after
@@ -113,7 +116,8 @@ def starved_job(rank: int, world: int) -> dict:
 
 
 def test_stat_without_daemon_says_which_job_waits_for_data():
-    env = {"SHMLOADER": "1", "TORCHELASTIC_RUN_ID": "elastic-42"}
+    # no SHMLOADER_JOB (the suite sets one): the launcher's id names the job
+    env = {"SHMLOADER": "1", "TORCHELASTIC_RUN_ID": "elastic-42", "SHMLOADER_JOB": ""}
     out = run_ranks(starved_job, 3, env=env)
     doc, token = out[0]["doc"], out[0]["token"]
     job = next(j for j in doc["jobs"] if j["token"] == token)
@@ -121,12 +125,15 @@ def test_stat_without_daemon_says_which_job_waits_for_data():
     leader = job["ranks"]["0"]
     assert leader["role"] == "leader" and leader["batches"] >= 4
     assert leader["wait_ms_p50"] > 150, leader  # about 250 ms per batch
+    assert leader["wait_ms_p50"] <= leader["wait_ms_p95"] <= leader["wait_ms_p99"] < 1000
     assert leader["wait_share"] > 0.6, leader  # data is the bottleneck, and stat says so
     for r in ("1", "2"):
         row = job["ranks"][r]
         assert row["role"] == "follower" and row["batches"] >= 3 and row["lag"] is not None
+        assert row["wait_ms_p50"] is None  # only the daemon hears a follower's own waits
     text = admin.format_table(doc)
     assert "elastic-42" in text and "leader" in text
+    assert "note: followers' waits for data (ranks 1,2) are reported only to shmloaderd" in text
 
 
 # ------------------------------------------------------------------ device delivery
@@ -171,7 +178,7 @@ def device_job(rank: int, world: int) -> dict:
 
 def _check_device_rows(out: list[dict], *, every_rank: bool) -> None:
     doc = json.loads(out[0]["json"])
-    assert doc["schema"] == 2
+    assert doc["schema"] == admin.SCHEMA
     job = next(j for j in doc["jobs"] if j["token"] == out[0]["token"])
     text = out[0]["text"]
     described = range(3) if every_rank else [0]  # without a daemon: the writer's own row
@@ -210,3 +217,87 @@ def test_stat_shows_every_ranks_device_delivery_from_the_daemon(daemons):  # noq
     out = run_ranks(device_job, 3, env={"SHMLOADER": "1", "SHMLOADER_DAEMON": d.path})
     assert json.loads(out[0]["json"])["source"] == "daemon"
     _check_device_rows(out, every_rank=True)
+
+
+# ------------------------------------------------------- stat's bytes are /dev/shm's
+
+
+def shm_held(token: str, pids: list[int]) -> tuple[int, int]:
+    """(bytes, files) of ring ``token`` in /dev/shm, measured without shmloader's code:
+    its names in /dev/shm, and the unlinked files any of ``pids`` or their
+    children still map (tmpfs frees a file's pages only when the last mapping goes)."""
+    files: dict[int, int] = {}
+    prefix = f"shml-{token}-"
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(prefix):
+            with contextlib.suppress(FileNotFoundError):
+                st = os.stat(f"/dev/shm/{name}")
+                files[st.st_ino] = st.st_blocks * 512
+    every = set(pids)
+    for pid in pids:  # DataLoader workers are the ranks' children
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{pid}/children") as f:
+            every |= {int(c) for c in f.read().split()}
+    for pid in sorted(every):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                if f"/dev/shm/{prefix}" not in line or "(deleted)" not in line:
+                    continue
+                fields = line.split()
+                inode = int(fields[4])
+                if inode not in files:
+                    st = os.stat(f"/proc/{pid}/map_files/{fields[0]}")  # root: the file itself
+                    files[inode] = st.st_blocks * 512
+    return sum(files.values()), len(files)
+
+
+class _TwoMiB(torch.utils.data.Dataset):
+    """2 MiB samples: DataLoader workers grow their pool slots (and the leader asks the
+    daemon to admit the pool at that size, more than the slots grown so far)."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((512 * 1024,), float(i))
+
+
+def _two_mib_loader() -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(_TwoMiB(), batch_size=1, num_workers=2)
+
+
+def bytes_job(rank: int, world: int) -> dict:
+    loader = ShmLoader(_two_mib_loader, dist.group.WORLD, config=Config.from_env(enabled=True))
+    pids: list = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    out = []
+    for i, _batch in enumerate(loader):
+        if i in (1, 6):
+            time.sleep(1.2)  # every rank's report and the ring's description are fresh
+            dist.barrier()  # every rank holds its batch: nothing changes in /dev/shm now
+            if rank == 0:
+                token = loader.topology.ring_token
+                truth, files = shm_held(token, pids)
+                scan = next(j for j in admin.scan()["jobs"] if j["token"] == token)
+                doc = admin.get_stats(os.environ["SHMLOADER_DAEMON"])[0]
+                daemon = next(j for j in doc["jobs"] if j["token"] == token)
+                out.append({"truth": truth, "files": files, "scan": scan, "daemon": daemon})
+            dist.barrier()
+    loader.close()
+    return {"seen": out}
+
+
+def test_stat_bytes_are_what_dev_shm_holds_for_the_job(daemons):  # noqa: F811
+    """Held bytes, from the daemon and from a scan, against /dev/shm measured apart,
+    twice while the job runs (DataLoader workers growing and writing pool slots)."""
+    d = daemons.start()
+    env = {"SHMLOADER": "1", "SHMLOADER_DAEMON": d.path}
+    out = run_ranks(bytes_job, 3, env=env)
+    for seen in out[0]["seen"]:
+        truth, page = seen["truth"], 4096 * seen["files"]
+        for source in ("scan", "daemon"):
+            held = seen[source]["bytes"]
+            assert abs(held - truth) <= page, (
+                f"{source}: stat says {human_bytes(held)} ({held}), /dev/shm holds "
+                f"{human_bytes(truth)} ({truth}) in {seen['files']} files: "
+                + str({k: seen[source][k] for k in ("segment_bytes", "granted_pending_bytes")})
+            )

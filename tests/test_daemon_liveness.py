@@ -155,3 +155,31 @@ def test_warm_pool_adoption_stamps_the_adopters_namespace(no_leaks) -> None:
         assert not refused["ok"] and "not running" in refused["error"]
     finally:
         pool.close()
+
+
+# ------------------------------------------------- NOTE [dead jobs stay visible]
+
+
+def test_a_dead_job_stays_on_record_for_a_while_and_the_record_is_bounded(monkeypatch) -> None:
+    from shmloaderd import registry as registry_module
+
+    registry = Registry(lambda: None)
+    dead = Job("deadbeef00000001", pids={0: _dead_pid()}, name="train-x")
+    closed = Job("c105ed0000000001", pids={0: (os.getpid(), proc_start_time(os.getpid()))})
+    closed.ctl_seen = True  # its control segment was seen and is gone: closed in order
+    registry.jobs = {dead.token: dead, closed.token: closed}
+    registry.observe([], {dead.token: (2, 8192)})
+    assert not registry.jobs
+    assert set(registry.ended) == {dead.token}, "an orderly close leaves no dead record"
+    rec = registry.ended[dead.token]
+    assert (rec.reaped_segments, rec.reaped_bytes, rec.job.name) == (2, 8192, "train-x")
+    registry.forget_ended(rec.unix + registry_module.ENDED_KEEP_S - 1)
+    assert dead.token in registry.ended
+    registry.forget_ended(rec.unix + registry_module.ENDED_KEEP_S + 1)
+    assert not registry.ended
+    monkeypatch.setattr(registry_module, "MAX_ENDED", 3)
+    for i in range(5):
+        registry.record_end(Job(f"{i:016x}"), "its processes died", 0, 0)
+    assert list(registry.ended) == [f"{i:016x}" for i in (2, 3, 4)]  # the oldest go first
+    registry.job(f"{4:016x}")  # the same token alive again
+    assert f"{4:016x}" not in registry.ended

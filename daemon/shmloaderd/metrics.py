@@ -16,6 +16,9 @@ a scrape never touches /dev/shm or the daemon's loop::
     shmloaderd_follower_receive_seconds{token,rank} gauge
     shmloaderd_rank_wait_share{token,job,rank,role} gauge  share of wall time waiting for data
     shmloaderd_rank_wait_seconds_p50{token,job,rank,role} gauge median wait for a batch
+    shmloaderd_rank_wait_seconds{token,job,rank,role} histogram  wait for each batch
+                                                since the rank's first (buckets 2**k ms,
+                                                k = -7..17, from ``shmloader.waits``)
     shmloaderd_reaped_segments_total            counter
     shmloaderd_reaped_bytes_total               counter
     shmloaderd_reaped_sockets_total             counter
@@ -29,7 +32,30 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
+
+from shmloader.waits import BOUNDS_MS, NBUCKETS
+
+#: The exported buckets: every 4th bound of ``waits.BOUNDS_MS`` (2**k ms), whose
+#: cumulative counts are exact (a bucket edge of the rank's histogram).
+_EXPORTED = [i for i, b in enumerate(BOUNDS_MS) if i % 4 == 0]
+
+
+def wait_buckets(counts: list[int]) -> list[tuple[str, int]]:
+    """Prometheus ``(le seconds, cumulative count)`` pairs of a rank's wait histogram."""
+    out, total, edge = [], 0, 0
+    for i in _EXPORTED:
+        total += sum(counts[edge : i + 1])
+        edge = i + 1
+        out.append((floatToGoString(BOUNDS_MS[i] / 1e3), total))
+    out.append(("+Inf", total + sum(counts[edge:NBUCKETS])))
+    return out
 
 
 class _Collector:
@@ -87,7 +113,16 @@ class _Collector:
                     lag.add_metric([token, str(rank)], f["lag"])
                 if f.get("receive_ms") is not None:
                     recv.add_metric([token, str(rank)], f["receive_ms"] / 1e3)
-        yield from (job_bytes, published, pub_s, lag, recv, share, wait)
+        hist = HistogramMetricFamily(
+            "shmloaderd_rank_wait_seconds", "wait for a batch", labels=labels
+        )
+        for w in snap.get("waits", []):
+            hist.add_metric(
+                [w["token"], w["job"], w["rank"], w["role"]],
+                wait_buckets(w["counts"]),
+                sum_value=w["sum_ms"] / 1e3,
+            )
+        yield from (job_bytes, published, pub_s, lag, recv, share, wait, hist)
         yield CounterMetricFamily(
             "shmloaderd_reaped_segments", "segments reaped", value=counters["reaped_segments"]
         )

@@ -30,8 +30,12 @@ field type, an unknown op or another ``v`` is answered with ``ok: false``.
     report      token, rank (of the job's group),           token
                 published?, consumed?, receive_ms? (float),
                 lag?, role? ("leader"|"node leader"|
-                "follower"), wait_ms_p50? (float),
-                wait_share? (float 0..1), bytes?,
+                "follower"), wait_ms_p50?, wait_ms_p95?,
+                wait_ms_p99? (floats), wait_share? (float
+                0..1), wait_hist? ([int] of
+                ``shmloader.waits.NBUCKETS``: waits per
+                bucket since the first batch),
+                wait_ms_sum? (float), bytes? (traffic),
                 device? str, device_batches?,
                 device_bytes?, device_copy_ms_total?
                 (float), device_registered? (bool),
@@ -64,6 +68,7 @@ from typing import Any
 from shmloader.daemon_client import MAX_REQUEST, PROTOCOL_VERSION
 from shmloader.errors import ProtocolError
 from shmloader.segment import PREFIX
+from shmloader.waits import NBUCKETS, valid_counts
 
 VERSION = PROTOCOL_VERSION
 TOKEN_RE = re.compile(r"^[0-9A-Za-z]{1,16}$")
@@ -143,6 +148,14 @@ def _role(value: Any, where: str) -> str:
     return value
 
 
+def _wait_hist(value: Any, where: str) -> list[int]:
+    if not valid_counts(value):
+        raise ProtocolError(
+            f"{where} must be a list of {NBUCKETS} counts (integers >= 0), one per wait bucket"
+        )
+    return value
+
+
 def _share(value: Any, where: str) -> float:
     share = _number(value, where)
     if share > 1.0:
@@ -211,7 +224,11 @@ OPS: dict[str, dict[str, tuple[Check, bool]]] = {
         "lag": (_int, False),
         "role": (_role, False),
         "wait_ms_p50": (_number, False),
+        "wait_ms_p95": (_number, False),
+        "wait_ms_p99": (_number, False),
         "wait_share": (_share, False),
+        "wait_hist": (_wait_hist, False),
+        "wait_ms_sum": (_number, False),
         "bytes": (_int, False),
         "device": (_text, False),
         "device_batches": (_int, False),

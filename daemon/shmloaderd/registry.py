@@ -50,9 +50,18 @@ NOTE [pid namespaces]
     reports were lost. The namespaces are kept per known pid only, so they
     are bounded with the pids (NOTE [bounded state]).
 
+NOTE [dead jobs stay visible]
+    A job whose processes died (SIGKILL, OOM) is reaped within a reaper pass;
+    dropping it at once made it vanish from ``stat`` within a second, so an
+    operator never saw that it died or what was freed. Its record moves to
+    ``ended`` (token -> ``Ended``: when, why, what the reaper freed, with its
+    name, group and pids) and ``stat`` shows it as ``dead`` for
+    ``ENDED_KEEP_S``. Rings closed in order leave no record. At most
+    ``MAX_ENDED`` are kept, the oldest dropped first.
+
 NOTE [bounded state]
     Whatever clients send, the daemon's memory stays bounded: at most
-    ``MAX_JOBS`` jobs; per job, ``report`` rows only for ranks of its
+    ``MAX_JOBS`` jobs and ``MAX_ENDED`` ended ones; per job, ``report`` rows only for ranks of its
     registered group (or, for a job not registered, of the group its control
     segment describes), at most ``MAX_OWNERS`` owner pids, ``MAX_GRANTS``
     pending grants and ``MAX_SEGMENTS`` declared segment names.
@@ -67,7 +76,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shmloader import segment
-from shmloader.admin import DEVICE_REPORTED, Entry, inspect, observed_bytes
+from shmloader.admin import DEVICE_REPORTED, Entry, inspect, job_pids, observed_bytes
 from shmloader.errors import human_bytes
 from shmloader.segment import PREFIX, list_segments, process_alive, shm_free_bytes
 
@@ -80,12 +89,15 @@ MAX_JOBS = 4096
 MAX_OWNERS = 64
 MAX_GRANTS = 256
 MAX_SEGMENTS = 4096
+#: How long a dead job stays in ``stat`` after it was reaped (NOTE [dead jobs stay visible]).
+ENDED_KEEP_S = 600.0
+MAX_ENDED = 256
 
 
 #: What a ``report`` may set for one rank.
 REPORT_FIELDS = (
-    "published", "consumed", "receive_ms", "lag", "role", "wait_ms_p50", "wait_share", "bytes",
-    *DEVICE_REPORTED,
+    "published", "consumed", "receive_ms", "lag", "role", "wait_ms_p50", "wait_ms_p95",
+    "wait_ms_p99", "wait_share", "wait_hist", "wait_ms_sum", "bytes", *DEVICE_REPORTED,
 )  # fmt: skip
 
 
@@ -167,9 +179,23 @@ class Job:
         return set(self.group or ()) | set(self.node or ()) | set(self.pids)
 
     def describe(self) -> str:
+        """For log lines and messages: the job's name (when it has one), token, ranks, pids."""
         ranks = ",".join(map(str, self.group or sorted(self.pids))) or "?"
         pids = ",".join(str(p) for p, _ in sorted(self.all_pids())) or "?"
+        if self.name:
+            return f"job {self.name} (ring {self.token}, ranks {ranks}, pids {pids})"
         return f"job {self.token} (ranks {ranks}, pids {pids})"
+
+
+@dataclass
+class Ended:
+    """A dead job's record (NOTE [dead jobs stay visible])."""
+
+    job: Job
+    unix: float
+    why: str
+    reaped_segments: int = 0
+    reaped_bytes: int = 0
 
 
 class Registry:
@@ -187,6 +213,7 @@ class Registry:
         self.shrink_pool = shrink_pool
         self.granted = 0
         self.refused = 0
+        self.ended: dict[str, Ended] = {}  # NOTE [dead jobs stay visible]
 
     # ------------------------------------------------------------- requests
 
@@ -198,6 +225,7 @@ class Registry:
                     f"shmloaderd already tracks {MAX_JOBS} jobs; unregister finished ones"
                 )
             job = self.jobs[token] = Job(token)
+            self.ended.pop(token, None)  # alive again (a restart that kept its token)
         return job
 
     def register(self, f: dict[str, Any]) -> dict[str, Any]:
@@ -349,15 +377,22 @@ class Registry:
             job.ctl_seen = True
             job.pidns_hint = ctl.header.pidns  # NOTE [pid namespaces]
         if ctl is not None and ctl.header is not None and ctl.alive:
-            job.observed = observed_bytes(job.token, entries, ctl.header.pid)
+            pids = job_pids(ctl.header, ctl.description or {})
+            job.observed = observed_bytes(job.token, entries, pids)
         else:
             job.observed = sum(e.size for e in entries if e.header is not None)
 
-    def observe(self, entries: list[Entry]) -> list[str]:
+    def observe(
+        self, entries: list[Entry], reaped: dict[str, tuple[int, int]] | None = None
+    ) -> list[str]:
         """Update every job from a scan; discover new live jobs; drop ended ones.
 
-        Returns the tokens dropped, with why (for the log).
+        ``reaped``: token -> (segments, bytes) the reaper just freed. A dropped
+        job that died, or whose segments were reaped, is kept in ``ended``
+        (NOTE [dead jobs stay visible]). Returns the jobs dropped, with why (for
+        the log).
         """
+        reaped = reaped or {}
         by_token: dict[str, list[Entry]] = {}
         for e in entries:
             if e.header is not None:
@@ -392,7 +427,30 @@ class Registry:
                 )
                 ended.append(f"{job.describe()}: {why}")
                 del self.jobs[token]
+                if alive is False or token in reaped:
+                    self.record_end(job, "its processes died", *reaped.get(token, (0, 0)))
+        self.forget_ended()
         return ended
+
+    def record_end(self, job: Job, why: str, segments: int, nbytes: int) -> None:
+        """Keep a dead job's record (NOTE [dead jobs stay visible])."""
+        self.ended.pop(job.token, None)
+        while len(self.ended) >= MAX_ENDED:  # NOTE [bounded state]
+            self.ended.pop(next(iter(self.ended)))
+        self.ended[job.token] = Ended(job, time.time(), why, segments, nbytes)
+
+    def note_reaped(self, token: str, segments: int, nbytes: int) -> None:
+        """Segments of an already ended job reaped later add to its record."""
+        rec = self.ended.get(token)
+        if rec is not None:
+            rec.reaped_segments += segments
+            rec.reaped_bytes += nbytes
+
+    def forget_ended(self, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        for token, rec in list(self.ended.items()):
+            if now - rec.unix > ENDED_KEEP_S:
+                del self.ended[token]
 
 
 def _from_description(job: Job, ctl: Entry) -> None:

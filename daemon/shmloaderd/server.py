@@ -59,7 +59,7 @@ from shmloader.segment import HEADER_SIZE
 from . import notify, protocol
 from ._version import __version__
 from .pool import Pool
-from .registry import MAX_OWNERS, Registry, RegistryFull
+from .registry import MAX_OWNERS, Job, Registry, RegistryFull, _from_description
 
 log = logging.getLogger("shmloaderd")
 
@@ -71,7 +71,14 @@ MAX_SOCKET_PATH = 107
 
 
 _RANK_KEYS = (
-    "role", "batches", "wait_ms_p50", "wait_share", "lag", "bytes", "updated_unix", *DEVICE_KEYS,
+    "role", "batches", "wait_ms_p50", "wait_ms_p95", "wait_ms_p99", "wait_share", "lag",
+    "traffic_bytes", "updated_unix", *DEVICE_KEYS,
+)  # fmt: skip
+#: What a rank's report sets in its ``stat`` row, as (report field, row field).
+_ROW_FROM_REPORT = (
+    ("role", "role"), ("wait_ms_p50", "wait_ms_p50"), ("wait_ms_p95", "wait_ms_p95"),
+    ("wait_ms_p99", "wait_ms_p99"), ("wait_share", "wait_share"), ("lag", "lag"),
+    ("bytes", "traffic_bytes"),
 )  # fmt: skip
 
 
@@ -302,33 +309,75 @@ class Daemon:
         """Unlink what dead owners left, update the registry, refill the pool."""
         try:
             entries = scan_entries()
+            names = self._job_names(entries)
             kept = []
+            reaped: dict[str, tuple[int, int]] = {}
             for e in entries:
                 if e.header is not None and not e.alive:
                     freed = remove_if_dead(e.name)
                     if freed is not None and freed.removed:
                         self.reaped_segments += 1
                         self.reaped_bytes += freed.bytes
+                        n, b = reaped.get(freed.token, (0, 0))
+                        reaped[freed.token] = (n + 1, b + freed.bytes)
                         log.info(
-                            "reaped %s (%s, %s, job %s): owner pid %d (start %d) is gone",
+                            "reaped %s (%s, %s, %s): owner pid %d (start %d) is gone",
                             freed.name,
                             freed.kind,
                             human_bytes(freed.bytes),
-                            freed.token,
+                            names.get(freed.token, f"ring {freed.token}"),
                             freed.owner_pid,
                             freed.extra["owner_start"],
                         )
                         continue
                 kept.append(e)
-            for why in self.registry.observe(kept):
+            known = set(self.registry.jobs)
+            for why in self.registry.observe(kept, reaped):
                 log.info("forgot %s", why)
+            self._note_reaped(reaped, known, entries)
             self._reap_sockets()
             budget = self.budget()
             room = None if budget is None else budget - self.registry.in_use()
             self.pool.request_refill(room)  # NOTE [pool off the loop]
-            self._snapshot = {"stats": self._document(kept)}
+            self._snapshot = {"stats": self._document(kept), "waits": self._waits()}
         except Exception:
             log.exception("reap pass failed; retrying at the next one")
+
+    def _job_names(self, entries: list) -> dict[str, str]:
+        """token -> "job NAME (ring TOKEN)" for the log: the registry's name, else the
+        one its control segment describes (log lines name the job, not only its token)."""
+        out = {}
+        for e in entries:
+            if e.header is None or e.header.token in out:
+                continue
+            job = self.registry.jobs.get(e.header.token)
+            name = job.name if job is not None else None
+            if name is None and e.description:
+                raw = e.description.get("job")
+                name = raw[:128] if isinstance(raw, str) else None
+            if name:
+                out[e.header.token] = f"job {name} (ring {e.header.token})"
+        return out
+
+    def _note_reaped(self, reaped: dict[str, tuple[int, int]], known: set[str], entries) -> None:
+        """Reaped segments of a ring the registry never knew (it died before this
+        daemon saw it alive) still leave a record (NOTE [dead jobs stay visible])."""
+        for token, (n, nbytes) in reaped.items():
+            if token in known:
+                continue
+            if token in self.registry.ended:
+                self.registry.note_reaped(token, n, nbytes)
+                continue
+            ctl = next(
+                (e for e in entries if e.header and e.header.token == token
+                 and e.header.kind_name == "control"),
+                None,
+            )  # fmt: skip
+            if ctl is None or ctl.header is None:
+                continue  # no ring: a probe or a pool segment, nothing to show as a job
+            job = Job(token, since=ctl.header.created_ns / 1e9)
+            _from_description(job, ctl)
+            self.registry.record_end(job, "its processes died", n, nbytes)
 
     def _reap_sockets(self) -> None:
         """Remove dead writers' private runtime directories and older-layout sockets."""
@@ -382,16 +431,16 @@ class Daemon:
                     j[key] = getattr(job, attr)
             if job.pids:
                 j["pids"] = {str(r): list(p) for r, p in sorted(job.pids.items())}
-            if j["state"] != "dead":  # NOTE [honest bytes]: a dead job holds what gc frees
-                j["bytes"] = max(j["bytes"], job.usage(now))
+            # NOTE [honest bytes]: ``bytes`` is /dev/shm's; grants are reserved apart
+            j["granted_pending_bytes"] = job.pending(now)
             ranks = j["ranks"]
             for rank, rep in sorted(job.reports.items()):
                 row = ranks.setdefault(str(rank), dict.fromkeys(_RANK_KEYS))
                 writes = rep.get("role") in ("leader", "node leader") or "consumed" not in rep
                 row["batches"] = rep.get("published") if writes else rep["consumed"]
-                for key in ("role", "wait_ms_p50", "wait_share", "lag", "bytes"):
+                for key, field in _ROW_FROM_REPORT:
                     if rep.get(key) is not None:
-                        row[key] = rep[key]
+                        row[field] = rep[key]
                 if rep.get("device") is not None:  # the rank's own, newer than the writer's
                     row.update(device_fields(rep))
                 row["updated_unix"] = rep["updated_unix"]
@@ -413,6 +462,10 @@ class Daemon:
                         f["lag"] = max(published - f["consumed"], 0)
                 followers[str(rank)] = f
             j["followers"] = followers
+        self.registry.forget_ended()
+        for token, rec in self.registry.ended.items():
+            if token not in jobs:
+                jobs[token] = _ended_job(rec)
         doc["jobs"] = [jobs[t] for t in sorted(jobs)]
         doc["node"]["shmloader_bytes"] = sum(j["bytes"] for j in doc["jobs"]) + self.pool.nbytes
         doc["daemon"] = {
@@ -421,6 +474,7 @@ class Daemon:
             "socket": self.path,
             "budget_bytes": self.budget(),
             "in_use_bytes": self.registry.in_use(now),
+            "granted_pending_bytes": sum(j.pending(now) for j in self.registry.jobs.values()),
             "uptime_s": round(time.time() - self.started, 3),
             "reaped_segments": self.reaped_segments,
             "reaped_bytes": self.reaped_bytes,
@@ -429,6 +483,19 @@ class Daemon:
             "pool_segments": len(self.pool.items),
         }
         return doc
+
+    def _waits(self) -> list[dict[str, Any]]:
+        """Each reporting rank's wait histogram since its first batch (for metrics)."""
+        out = []
+        for token, job in self.registry.jobs.items():
+            for rank, rep in job.reports.items():
+                if rep.get("wait_hist") is not None:
+                    out.append({
+                        "token": token, "job": job.name or "", "rank": str(rank),
+                        "role": rep.get("role") or "", "counts": list(rep["wait_hist"]),
+                        "sum_ms": rep.get("wait_ms_sum") or 0.0,
+                    })  # fmt: skip
+        return out
 
     def _counters(self) -> dict[str, Any]:
         return {
@@ -449,7 +516,8 @@ class Daemon:
         thread: no I/O, nothing the loop thread could be changing under it."""
         snap = self._snapshot
         stats = snap["stats"] if snap is not None else build_document([], "daemon")
-        return {"stats": stats, "counters": self._counters()}
+        waits = snap["waits"] if snap is not None else []
+        return {"stats": stats, "counters": self._counters(), "waits": waits}
 
     # ----------------------------------------------------------------- close
 
@@ -470,3 +538,29 @@ class Daemon:
             except OSError as exc:
                 if exc.errno != errno.ENOENT:
                     log.warning("could not remove %s: %s", self.path, exc)
+
+
+def _ended_job(rec: Any) -> dict[str, Any]:
+    """The ``stat`` record of a dead job the daemon reaped (NOTE [dead jobs stay visible])."""
+    job = rec.job
+    j = empty_job(job.token)
+    j.update(
+        state="dead",
+        registered=job.registered,
+        job=job.name,
+        started_unix=job.since,
+        group=job.group,
+        leader=job.leader,
+        writer=job.writer,
+        node_ranks=job.node,
+        world=job.world,
+        pids={str(r): list(p) for r, p in sorted(job.pids.items())},
+        writer_alive=False,
+        ended={
+            "unix": rec.unix,
+            "why": rec.why,
+            "reaped_segments": rec.reaped_segments,
+            "reaped_bytes": rec.reaped_bytes,
+        },
+    )
+    return j

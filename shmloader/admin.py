@@ -17,6 +17,16 @@ What counts as ours (NOTE [reaping rule])
     same rule drives ``shmloaderd``'s reaper. Owners are checked in our pid
     namespace: the daemon, ``gc`` and the jobs must share it.
 
+    Every uid (``every_uid``): root's ``gc`` and ``shmloaderd`` in node mode
+    apply the same rule to the segments and private runtime directories of
+    every user: a segment of another uid counts only when its header names
+    that uid (the file's owner), is mode 0600, and its owner is dead. The
+    unlink happens on a re-check made through the open descriptor: the name
+    must still be the very file (device and inode) that was validated and
+    found dead, so nothing put at that name since is removed. A user's
+    ``gc`` sees only its own uid's files (the rule above); the opportunistic
+    reaping of a starting loader stays on its own uid even as root.
+
 Where ``stat`` gets its document
     ``--daemon PATH``, else ``SHMLOADER_DAEMON``, else the system daemon's
     default socket (``/run/shmloader/control.sock``) when it exists; if none
@@ -104,6 +114,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pwd
 import re
 import socket
 import stat
@@ -116,6 +127,7 @@ from typing import Any
 from .errors import ProtocolError, human_bytes
 from .ring import COUNTER_FIELDS
 from .segment import (
+    ANY_UID,
     HEADER_SIZE,
     KIND_CONTROL,
     PREFIX,
@@ -153,6 +165,7 @@ class Entry:
     description: dict[str, Any] | None = None
     alive: bool = False
     inode: int = 0
+    uid: int | None = None  # the file's owner (known once it could be opened)
 
     @property
     def valid(self) -> bool:
@@ -186,8 +199,11 @@ class Freed:
         return out
 
 
-def inspect(name: str) -> Entry | None:
-    """Validate one segment by name (NOTE [reaping rule]); None if it vanished."""
+def inspect(name: str, *, every_uid: bool = False) -> Entry | None:
+    """Validate one segment by name (NOTE [reaping rule]); None if it vanished.
+
+    ``every_uid``: a segment of any uid counts (root's node-wide view).
+    """
     entry = Entry(name)
     try:
         fd = os.open(shm_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -198,9 +214,11 @@ def inspect(name: str) -> Entry | None:
         return entry
     try:
         st = os.fstat(fd)
+        entry.uid = st.st_uid
         if not stat.S_ISREG(st.st_mode):
             raise ProtocolError(f"{name} is not a regular file")
-        header = validate(fd, name, kind=None, token=None)
+        owner = ANY_UID if every_uid else None
+        header = validate(fd, name, kind=None, token=None, owner=owner)
         if not name.startswith(f"/{PREFIX}{header.token}-"):
             raise ProtocolError(f"{name} carries token {header.token!r}, not the one in its name")
         entry.size = st.st_size
@@ -241,29 +259,50 @@ def _read_control(fd: int, header: Header) -> tuple[dict[str, int] | None, dict 
     return counters, description
 
 
-def scan_entries() -> list[Entry]:
-    """Every ``shml-*`` entry of /dev/shm, validated."""
-    return [e for name in list_segments() if (e := inspect(name)) is not None]
+def scan_entries(*, every_uid: bool = False) -> list[Entry]:
+    """Every ``shml-*`` entry of /dev/shm, validated (of any uid with ``every_uid``)."""
+    return [
+        e for name in list_segments() if (e := inspect(name, every_uid=every_uid)) is not None
+    ]
 
 
-def remove_if_dead(name: str, *, dry_run: bool = False) -> Freed | None:
-    """Re-validate ``name`` and unlink it if its owner is dead (NOTE [reaping rule])."""
-    entry = inspect(name)
-    if entry is None or entry.header is None or entry.alive:
+def remove_if_dead(name: str, *, dry_run: bool = False, every_uid: bool = False) -> Freed | None:
+    """Re-validate ``name`` and unlink it if its owner is dead (NOTE [reaping rule]).
+
+    The checks run on one open descriptor, and the name is unlinked only while
+    it still is that file (same device and inode). ``every_uid``: a dead
+    owner's segment of any uid (root only).
+    """
+    try:
+        fd = os.open(shm_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
         return None
-    h = entry.header
-    freed = Freed(
-        "segment",
-        name,
-        entry.size,
-        h.kind_name,
-        h.token,
-        h.pid,
-        extra={"owner_start": h.start},
-    )
-    if not dry_run:
-        freed.removed = unlink_name(name)
-    return freed
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        h = validate(fd, name, kind=None, token=None, owner=ANY_UID if every_uid else None)
+        if not name.startswith(f"/{PREFIX}{h.token}-") or owner_alive(h):
+            return None
+        freed = Freed(
+            "segment",
+            name,
+            st.st_size,
+            h.kind_name,
+            h.token,
+            h.pid,
+            extra={"owner_start": h.start, "uid": st.st_uid},
+        )
+        if not dry_run:
+            now = os.lstat(shm_path(name))
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                return None  # the name was given to another file since: not ours to judge
+            freed.removed = unlink_name(name)
+        return freed
+    except (ProtocolError, OSError):
+        return None
+    finally:
+        os.close(fd)
 
 
 # -------------------------------------------------------------------- document
@@ -296,6 +335,8 @@ def job_from_entries(token: str, entries: list[Entry]) -> dict[str, Any]:
         if e.header is not None
     ]
     named = sum(s["bytes"] for s in segments)
+    owner = ctl or next((e for e in entries if e.header is not None), None)
+    uid = owner.header.uid if owner is not None and owner.header is not None else None
     job_name = desc.get("job")
     job: dict[str, Any] = {
         **empty_job(token),
@@ -306,6 +347,8 @@ def job_from_entries(token: str, entries: list[Entry]) -> dict[str, Any]:
         "node_ranks": _int_list(desc.get("node")),
         "world": _opt_int(desc.get("world")),
         "pids": desc.get("pids") if isinstance(desc.get("pids"), dict) else {},
+        "uid": uid,
+        "user": user_name(uid),
         "writer_pid": ctl.header.pid if ctl and ctl.header else None,
         "writer_alive": ctl.alive if ctl else None,
         "segments": segments,
@@ -448,6 +491,16 @@ def apply_counters(job: dict[str, Any], counters: dict[str, int] | None, ctl_byt
     job["bytes"] = max(job["segment_bytes"], held)  # a dead writer's: see job_from_entries
 
 
+def user_name(uid: int | None) -> str | None:
+    """The login name of ``uid`` (None when unknown, or for None)."""
+    if uid is None:
+        return None
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, OverflowError):
+        return None
+
+
 def empty_job(token: str) -> dict[str, Any]:
     """A job record of the ``stat`` schema with nothing known yet."""
     return {
@@ -463,6 +516,8 @@ def empty_job(token: str) -> dict[str, Any]:
         "node_ranks": None,
         "world": None,
         "pids": {},
+        "uid": None,
+        "user": None,
         "writer_pid": None,
         "writer_alive": None,
         "segments": [],
@@ -509,16 +564,20 @@ def build_document(entries: list[Entry], source: str) -> dict[str, Any]:
 
 
 def scan() -> dict[str, Any]:
-    """The stat document built from /dev/shm headers alone (``source: "scan"``)."""
-    return build_document(scan_entries(), "scan")
+    """The stat document built from /dev/shm headers alone (``source: "scan"``).
+
+    Root sees every uid's jobs (``uid``/``user`` say whose); a user its own.
+    """
+    return build_document(scan_entries(every_uid=os.geteuid() == 0), "scan")
 
 
 # -------------------------------------------------------------------------- gc
 
 
-def runtime_bases(runtime_dir: str | None = None) -> list[str]:
+def runtime_bases(runtime_dir: str | None = None, *, every_uid: bool = False) -> list[str]:
     """Every runtime base we know of, once each: ``runtime_dir``,
-    ``$SHMLOADER_RUNTIME_DIR``, ``$XDG_RUNTIME_DIR``, ``/run/user/<uid>``, ``/tmp``."""
+    ``$SHMLOADER_RUNTIME_DIR``, ``$XDG_RUNTIME_DIR``, ``/run/user/<uid>``, ``/tmp``
+    (with ``every_uid``: every ``/run/user/<uid>``)."""
     bases = [
         runtime_dir,
         os.environ.get("SHMLOADER_RUNTIME_DIR"),
@@ -526,6 +585,12 @@ def runtime_bases(runtime_dir: str | None = None) -> list[str]:
         f"/run/user/{os.geteuid()}",
         "/tmp",
     ]
+    if every_uid:
+        try:
+            users = sorted(n for n in os.listdir("/run/user") if n.isdigit())
+        except OSError:
+            users = []
+        bases += [f"/run/user/{n}" for n in users]
     return list(dict.fromkeys(b for b in bases if b))
 
 
@@ -600,17 +665,18 @@ def stale_sockets(runtime_dir: str | None = None) -> list[str]:
     return out
 
 
-def dead_runtime_dirs(runtime_dir: str | None = None) -> list[str]:
+def dead_runtime_dirs(runtime_dir: str | None = None, *, every_uid: bool = False) -> list[str]:
     """Private runtime directories (``shml-<pid>...``) of ours whose owner is dead.
 
     Looked for under the same bases as :func:`runtime_dirs`; the rule is
     ``reap.runtime_dirs`` (an owner in another pid namespace counts as alive).
+    ``every_uid``: every user's (root only; NOTE [reaping rule]).
     """
     from .reap import runtime_dirs as private_dirs
 
     dead = []
-    for base in runtime_bases(runtime_dir):
-        dead += [path for path, _pid, alive in private_dirs(base) if not alive]
+    for base in runtime_bases(runtime_dir, every_uid=every_uid):
+        dead += [p for p, _pid, alive in private_dirs(base, every_uid=every_uid) if not alive]
     return dead
 
 
@@ -620,18 +686,21 @@ def collect_garbage(
     *,
     tokens: set[str] | None = None,
     owners: set[int] | None = None,
+    every_uid: bool = False,
 ) -> list[dict[str, Any]]:
     """Remove (or with ``dry_run`` only list) what dead owners left: segments, sockets, dirs.
 
     ``tokens`` and ``owners`` (pids) narrow it to those jobs or processes
     (the test suite scopes its gc so that it never touches other runs).
+    ``every_uid``: every user's leftovers, not only our uid's (root's
+    ``shmloader gc``; NOTE [reaping rule]).
     Returns one dict per item: ``type`` ("segment"|"socket"|"rundir"),
     ``name``, ``bytes``, ``kind``, ``token``, ``owner_pid``, ``removed``.
     """
     from .reap import remove_runtime_dir, runtime_dirs
 
     out: list[dict[str, Any]] = []
-    for entry in scan_entries():
+    for entry in scan_entries(every_uid=every_uid):
         h = entry.header
         if h is None or entry.alive:
             continue
@@ -639,7 +708,7 @@ def collect_garbage(
             owners is not None and h.pid not in owners
         ):
             continue
-        freed = remove_if_dead(entry.name, dry_run=dry_run)
+        freed = remove_if_dead(entry.name, dry_run=dry_run, every_uid=every_uid)
         if freed is not None:
             out.append(freed.as_dict())
     for path in stale_sockets(runtime_dir):
@@ -657,7 +726,7 @@ def collect_garbage(
             except FileNotFoundError:
                 pass
         out.append(item.as_dict())
-    for path, pid, alive in runtime_dirs(runtime_dir):
+    for path, pid, alive in runtime_dirs(runtime_dir, every_uid=every_uid):
         if alive or tokens is not None or (owners is not None and pid not in owners):
             continue  # a runtime directory carries no token
         item = Freed("rundir", path, owner_pid=pid)
@@ -787,6 +856,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
         tokens=set(args.token) if args.token else None,
         owners=set(args.owner_pid) if args.owner_pid else None,
+        every_uid=os.geteuid() == 0,  # root: every user's leftovers (NOTE [reaping rule])
     )
     if args.json:
         print(json.dumps(items, indent=2))

@@ -27,6 +27,7 @@ JOB_KEYS = {
     "pids", "writer_pid", "writer_alive", "segments", "segment_bytes", "bytes", "slots",
     "ring_bytes", "published", "bytes_published", "publish_ms_avg", "last_publish_unix",
     "readers", "followers", "job", "started_unix", "age_s", "reclaimable_bytes", "ranks",
+    "uid", "user",
 }  # fmt: skip
 
 

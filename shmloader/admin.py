@@ -261,9 +261,7 @@ def _read_control(fd: int, header: Header) -> tuple[dict[str, int] | None, dict 
 
 def scan_entries(*, every_uid: bool = False) -> list[Entry]:
     """Every ``shml-*`` entry of /dev/shm, validated (of any uid with ``every_uid``)."""
-    return [
-        e for name in list_segments() if (e := inspect(name, every_uid=every_uid)) is not None
-    ]
+    return [e for name in list_segments() if (e := inspect(name, every_uid=every_uid)) is not None]
 
 
 def remove_if_dead(name: str, *, dry_run: bool = False, every_uid: bool = False) -> Freed | None:

@@ -90,6 +90,8 @@ class Daemons:
     ) -> Daemon:
         path = os.path.join(self.dir, name)
         log = os.path.join(self.dir, f"log{len(self.all)}")
+        if "--tenants" not in args:  # the suite runs as root: these test a single user's daemon
+            args = ("--single-user", *args)
         with open(log, "w") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "shmloaderd", "--socket", path, *args],
@@ -311,8 +313,8 @@ def test_refuses_to_start_on_foreign_or_open_directory(daemons: Daemons, tmp_pat
     open_dir = tmp_path / "open"
     open_dir.mkdir(mode=0o755)
     os.chmod(open_dir, 0o755)
-    out = subprocess.run(
-        [sys.executable, "-m", "shmloaderd", "--socket", str(open_dir / "c.sock")],
+    out = subprocess.run(  # single-user: the rule of a daemon started as a user
+        [sys.executable, "-m", "shmloaderd", "--single-user", "--socket", str(open_dir / "c.sock")],
         capture_output=True,
         text=True,
         timeout=20,

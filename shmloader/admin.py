@@ -490,13 +490,13 @@ def apply_counters(job: dict[str, Any], counters: dict[str, int] | None, ctl_byt
 
 
 def user_name(uid: int | None) -> str | None:
-    """The login name of ``uid`` (None when unknown, or for None)."""
+    """The login name of ``uid``; its number as text when it has none; None for None."""
     if uid is None:
         return None
     try:
         return pwd.getpwuid(uid).pw_name
     except (KeyError, OverflowError):
-        return None
+        return str(uid)
 
 
 def empty_job(token: str) -> dict[str, Any]:
@@ -931,10 +931,26 @@ def format_table(doc: dict[str, Any]) -> str:
             f"{daemon['reaped_segments']} segment(s) ({human_bytes(daemon['reaped_bytes'])})"
         )
     jobs = doc["jobs"]
+    others = doc.get("others")
+    if others:  # a user's view of a node-mode daemon: the rest of the node as totals
+        left = (daemon or {}).get("budget_left_bytes")
+        lines.append(
+            f"other users: {others['jobs']} job(s), {human_bytes(others['bytes'])} held"
+            + ("" if left is None else f"; node budget left {human_bytes(left)}")
+        )
+    if daemon:
+        for uid, row in (daemon.get("uids") or {}).items():
+            if row.get("budget_bytes") is not None:
+                lines.append(
+                    f"uid {uid} ({row['user']}): {human_bytes(row['bytes'])} of its budget "
+                    f"{human_bytes(row['budget_bytes'])} in use"
+                )
+    uids = {j.get("uid") for j in jobs} - {None}
+    show_user = bool((daemon or {}).get("tenants") or len(uids) > 1 or uids - {os.geteuid()})
     if not jobs:
         lines.append("no shmloader jobs on this node")
     else:
-        header = (
+        header = ("USER       " if show_user else "") + (
             f"{'TOKEN':<16} {'JOB':<14} {'STATE':<7} {'AGE':>7} {'GROUP':<10} {'WRITER PID':>10} "
             f"{'SEGS':>4} {'BYTES':>10} {'SLOTS':>5} {'BATCHES':>8} {'PUB MS':>7}"
         )
@@ -945,8 +961,10 @@ def format_table(doc: dict[str, Any]) -> str:
             pid_text = "-" if pid is None else f"{pid}{'' if alive else '†'}"
             name = j.get("job") or "-"
             name = name if len(name) <= 14 else name[:13] + "…"
+            who = j.get("user") or _dash(j.get("uid"))
             lines.append(
-                f"{j['token']:<16} {name:<14} {j['state']:<7} {_age(j.get('age_s')):>7} "
+                (f"{who[:10]:<10} " if show_user else "")
+                + f"{j['token']:<16} {name:<14} {j['state']:<7} {_age(j.get('age_s')):>7} "
                 f"{_ranks(j['group']):<10} {pid_text:>10} {len(j['segments']):>4} "
                 f"{human_bytes(j['bytes']):>10} {_dash(j['slots']):>5} "
                 f"{_dash(j['published']):>8} {_dash(j['publish_ms_avg'], '{:.2f}'):>7}"

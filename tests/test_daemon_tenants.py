@@ -348,7 +348,10 @@ def test_one_root_daemon_serves_two_users(daemons: Daemons) -> None:  # noqa: F8
         wait_until(lambda: key in _metrics(port), 3, "the uid rows reach the metrics", step=0.1)
         values = _metrics(port)
         assert values[f'shmloaderd_uid_budget_bytes{{uid="{a_uid}",user="{a_uid}"}}'] == 4 << 20
-        assert values[f'shmloaderd_uid_admissions_total{{result="refused",uid="{a_uid}",user="{a_uid}"}}'] == 1  # noqa: E501
+        refused_key = (
+            f'shmloaderd_uid_admissions_total{{result="refused",uid="{a_uid}",user="{a_uid}"}}'
+        )
+        assert values[refused_key] == 1
         assert values[f'shmloaderd_uid_reaped_bytes_total{{uid="{b_uid}",user="{b_uid}"}}'] > 0
 
         # -- a SIGKILLed job of each user is reaped within about a second

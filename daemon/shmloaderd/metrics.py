@@ -124,9 +124,7 @@ def _per_uid(uids: dict[str, Any]) -> Iterator[Metric]:
     jobs = GaugeMetricFamily("shmloaderd_uid_jobs", "jobs of this uid", labels=labels)
     held = GaugeMetricFamily("shmloaderd_uid_bytes", "bytes its jobs hold", labels=labels)
     budget = GaugeMetricFamily("shmloaderd_uid_budget_bytes", "uid budget", labels=labels)
-    segs = CounterMetricFamily(
-        "shmloaderd_uid_reaped_segments", "segments reaped", labels=labels
-    )
+    segs = CounterMetricFamily("shmloaderd_uid_reaped_segments", "segments reaped", labels=labels)
     nbytes = CounterMetricFamily("shmloaderd_uid_reaped_bytes", "bytes reaped", labels=labels)
     adm = CounterMetricFamily(
         "shmloaderd_uid_admissions", "admit answers", labels=[*labels, "result"]

@@ -287,7 +287,9 @@ def test_one_root_daemon_serves_two_users(daemons: Daemons) -> None:  # noqa: F8
 
         # -- the root daemon in node mode (the default for root)
         d = daemons.start(
-            "--tenants", "--reap-interval", "0.2", "--uid-budget", f"{a_uid}=4M",
+            "--tenants",
+            "--budget",
+            "32M", "--reap-interval", "0.2", "--uid-budget", f"{a_uid}=4M",
             "--pool", "1100K", "--pool-segment", "1M", "--metrics-port", str(port),
         )  # fmt: skip
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o666
@@ -342,6 +344,11 @@ def test_one_root_daemon_serves_two_users(daemons: Daemons) -> None:  # noqa: F8
         wait_until(lambda: d.stats()["daemon"]["pool_segments"] >= 1, 10, "pool filled")
         got = a.call("adopt", ta, f"/shml-{ta}-7.0.{os.urandom(4).hex()}", 4096)
         assert got == {"capacity": 1 << 20, "uid": a_uid, "mode": 0o600}
+
+        # -- the node budget still caps the sum; its refusal shows B only totals of A's jobs
+        refused = b.call("admit", tb, 64 << 20)
+        assert "node budget" in refused and "1 job(s) of other users" in refused, refused
+        assert ta not in refused and tb in refused
 
         # -- metrics carry the uid
         key = f'shmloaderd_uid_budget_bytes{{uid="{a_uid}",user="{a_uid}"}}'

@@ -60,9 +60,9 @@ def _client() -> DaemonClient:
     return _state["client"]
 
 
-def cmd_ring(readers: list[int]) -> dict:
+def cmd_ring(readers: list[int], token: str = "") -> dict:
     """A live ring with one published batch, registered with the daemon."""
-    token = new_token()
+    token = token or new_token()
     pid, start, ns = os.getpid(), segment.MY_START, segment.MY_PIDNS
     desc = {
         "token": token, "group": [0, 1], "leader": 0, "writer": 0, "node": [0, 1],
@@ -334,10 +334,23 @@ def test_one_root_daemon_serves_two_users(daemons: Daemons) -> None:  # noqa: F8
         assert f"refused 'report' from uid {a_uid}" in d.output()
         assert tb in {j["token"] for j in d.stats()["jobs"]}  # B's job untouched
 
+        # -- a token claimed by B before its control segment existed goes to the segment's owner
+        tc = new_token()
+        claim = {"token": tc, "group": [0], "pids": {"0": [b.pid, 0]}}
+        assert b.call("request", "register", claim)["ok"]
+        assert {j["token"]: j["uid"] for j in d.stats()["jobs"]}[tc] == b_uid
+        rc = a.call("ring", [1], tc)  # A's ring: its control segment is A's
+        job = next(j for j in d.stats()["jobs"] if j["token"] == tc)
+        assert job["uid"] == a_uid and job["registered"] and job["job"] == f"job-of-{a_uid}"
+        reply = b.call("request", "report", {"token": tc, "rank": 0, "consumed": 1})
+        assert not reply["ok"] and f"belongs to uid {a_uid}" in reply["error"]
+        assert "the claim is dropped" in d.output()
+
         # -- per-uid budget: A is refused past its 4 MiB, B (no uid budget) admitted
         refused = a.call("admit", ta, 8 << 20)
         assert refused.startswith("refused") and f"budget of uid {a_uid}" in refused
         assert "4.0 MiB" in refused and tb not in refused, refused
+        assert "but only 3." in refused  # what is left of A's budget, not of the node's
         assert b.call("admit", tb, 8 << 20) == "granted"
 
         # -- the warm pool: a segment adopted by A is A's, 0600, before A maps it
@@ -362,7 +375,7 @@ def test_one_root_daemon_serves_two_users(daemons: Daemons) -> None:  # noqa: F8
         assert values[f'shmloaderd_uid_reaped_bytes_total{{uid="{b_uid}",user="{b_uid}"}}'] > 0
 
         # -- a SIGKILLed job of each user is reaped within about a second
-        names = ra["names"] + rb["names"]
+        names = ra["names"] + rb["names"] + rc["names"]
         assert all(exists(n) for n in names) and len(names) >= 4
         a.kill()
         b.kill()

@@ -49,7 +49,9 @@ What a job's bytes mean (NOTE [honest bytes])
 ``stat --json`` document, schema 2 (fields are only ever added within a
 schema; schema 2 added ``job``, ``started_unix``, ``age_s``,
 ``reclaimable_bytes``, ``ranks`` and made a dead job's ``bytes`` what ``gc``
-frees; later, within schema 2, the ``device*`` fields of ``ranks`` rows)::
+frees; later, within schema 2, the ``device*`` fields of ``ranks`` rows, and
+node mode's ``uid``, ``user``, ``others`` and ``daemon.tenants``,
+``budget_left_bytes`` and ``uids``)::
 
     {
       "schema": 2,
@@ -61,7 +63,16 @@ frees; later, within schema 2, the ``device*`` fields of ``ranks`` rows)::
       "daemon": null | {"pid": int, "version": str, "socket": str,
                "budget_bytes": int|null, "in_use_bytes": int, "uptime_s": float,
                "reaped_segments": int, "reaped_bytes": int, "reaped_sockets": int,
-               "pool_bytes": int, "pool_segments": int},
+               "pool_bytes": int, "pool_segments": int,
+               "budget_left_bytes": int|null,   # of the node budget
+               "tenants": bool,                 # node mode: every user of the node served
+               "uids": {"<uid>": {"user": str, "jobs": int, "bytes": int,
+                                  "budget_bytes": int|null, "budget_left_bytes": int|null,
+                                  "reaped_segments": int, "reaped_bytes": int,
+                                  "admissions_granted": int, "admissions_refused": int}}},
+                                        # a user's view: its own uid's row only
+      "others": {"jobs": int, "bytes": int},   # only in a user's view of a node-mode
+                                        # daemon: the rest of the node, as totals
       "jobs": [                         # one per ring: an SP group on this node
         {"token": str,
          "job": str|null,               # SHMLOADER_JOB, TORCHELASTIC_RUN_ID or SLURM_JOB_ID
@@ -72,6 +83,7 @@ frees; later, within schema 2, the ``device*`` fields of ``ranks`` rows)::
          "group": [int]|null, "leader": int|null, "writer": int|null,
          "node_ranks": [int]|null, "world": int|null,
          "pids": {"<rank>": [pid, start, pidns]},
+         "uid": int|null, "user": str|null,  # whose job (its control segment's owner)
          "writer_pid": int|null, "writer_alive": bool|null,
          "segments": [{"name": str, "kind": "control"|"data"|"probe",
                        "bytes": int, "owner_pid": int, "owner_alive": bool}],

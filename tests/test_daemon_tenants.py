@@ -18,16 +18,18 @@ import io
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import stat
+import tempfile
 import traceback
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
 
-from shmloader import admin, segment
+from shmloader import admin, channel, segment
 from shmloader.daemon_client import DaemonClient
 from shmloader.errors import ShmCapacityError, human_bytes
 from shmloader.ring import RingWriter, new_token
@@ -113,6 +115,11 @@ def cmd_adopt(token: str, name: str, nbytes: int) -> dict:
 def cmd_leftover(token: str) -> str:
     """A data segment of job ``token`` that this process leaves behind when it exits."""
     return Segment.create_unique(f"/shml-{token}-0.0", KIND_DATA, token, 4096).name
+
+
+def cmd_rundir(base: str) -> str:
+    """A writer's private runtime directory under ``base``, left behind when this exits."""
+    return channel.make_private_dir(base)
 
 
 def cmd_gc() -> list:
@@ -263,11 +270,21 @@ def test_one_root_daemon_serves_two_users(daemons: Daemons) -> None:  # noqa: F8
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    base = tempfile.mkdtemp(prefix="shmlrt-", dir="/tmp")  # a /tmp of its own: 1777
+    os.chmod(base, 0o1777)
+    try:
+        _two_users(daemons, path, port, base, a_uid, b_uid)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _two_users(daemons: Daemons, path: str, port: int, base: str, a_uid: int, b_uid: int) -> None:  # noqa: F811
     with users(path, a_uid, b_uid, b_uid) as (a, b, b_gone):
         # -- gc before any daemon runs: a user's gc leaves the other's leftovers alone
         a_gone = User(a_uid, path)
         try:
             a_left = a_gone.call("leftover", new_token())
+            a_dir = a_gone.call("rundir", base)
             a_gone.exit()
         finally:
             a_gone.close()
@@ -291,12 +308,14 @@ def test_one_root_daemon_serves_two_users(daemons: Daemons) -> None:  # noqa: F8
             "--budget",
             "32M", "--reap-interval", "0.2", "--uid-budget", f"{a_uid}=4M",
             "--pool", "1100K", "--pool-segment", "1M", "--metrics-port", str(port),
+            env={"SHMLOADER_RUNTIME_DIR": base},
         )  # fmt: skip
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o666
         assert stat.S_IMODE(os.stat(daemons.dir).st_mode) == 0o755
         # every user's dead leftovers are reaped, and logged with uid and bytes
         wait_until(lambda: not exists(b_left2), 5, f"{b_left2} of uid {b_uid} reaped")
         assert f"reaped {b_left2} (data, {left2_bytes}, uid {b_uid}" in d.output()
+        wait_until(lambda: not os.path.exists(a_dir), 5, f"{a_dir} of uid {a_uid} reaped")
 
         ra, rb = a.call("ring", [1]), b.call("ring", [1])
         ta, tb = ra["token"], rb["token"]
@@ -350,7 +369,7 @@ def test_one_root_daemon_serves_two_users(daemons: Daemons) -> None:  # noqa: F8
         refused = a.call("admit", ta, 8 << 20)
         assert refused.startswith("refused") and f"budget of uid {a_uid}" in refused
         assert "4.0 MiB" in refused and tb not in refused, refused
-        assert "but only 3." in refused  # what is left of A's budget, not of the node's
+        assert "but only 3." in refused, refused  # what is left of A's budget
         assert b.call("admit", tb, 8 << 20) == "granted"
 
         # -- the warm pool: a segment adopted by A is A's, 0600, before A maps it
@@ -360,8 +379,8 @@ def test_one_root_daemon_serves_two_users(daemons: Daemons) -> None:  # noqa: F8
 
         # -- the node budget still caps the sum; its refusal shows B only totals of A's jobs
         refused = b.call("admit", tb, 64 << 20)
-        assert "node budget" in refused and "1 job(s) of other users" in refused, refused
-        assert ta not in refused and tb in refused
+        assert "node budget" in refused and "2 job(s) of other users" in refused, refused
+        assert ta not in refused and tc not in refused and tb in refused
 
         # -- metrics carry the uid
         key = f'shmloaderd_uid_budget_bytes{{uid="{a_uid}",user="{a_uid}"}}'

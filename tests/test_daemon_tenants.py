@@ -23,6 +23,7 @@ import signal
 import socket
 import stat
 import tempfile
+import time
 import traceback
 import urllib.request
 from collections.abc import Iterator
@@ -32,8 +33,8 @@ import pytest
 from shmloader import admin, channel, segment
 from shmloader.daemon_client import DaemonClient
 from shmloader.errors import ShmCapacityError, human_bytes
-from shmloader.ring import RingWriter, new_token
-from shmloader.segment import KIND_DATA, Segment, shm_path
+from shmloader.ring import RingWriter, control_stem, new_token
+from shmloader.segment import KIND_CONTROL, KIND_DATA, Segment, shm_path
 from tests.test_daemon import Daemons, daemons, exists, wait_until  # noqa: F401 (fixture)
 
 #: Two uids no account or process of this machine uses (checked by ``free_uids``).
@@ -115,6 +116,11 @@ def cmd_adopt(token: str, name: str, nbytes: int) -> dict:
 def cmd_leftover(token: str) -> str:
     """A data segment of job ``token`` that this process leaves behind when it exits."""
     return Segment.create_unique(f"/shml-{token}-0.0", KIND_DATA, token, 4096).name
+
+
+def cmd_plant_control(token: str) -> str:
+    """A control segment of this user under another user's job token."""
+    return Segment.create_unique(control_stem(token), KIND_CONTROL, token, 4096).name
 
 
 def cmd_rundir(base: str) -> str:
@@ -255,8 +261,8 @@ def test_node_mode_flags_and_peer_credentials() -> None:
     assert peer_of(Frame("localhost")) is None
     # no credentials: refused in node mode, never in single-user mode
     fields = {"token": "ab", "bytes": 1}
-    assert "cannot tell who" in Tenancy(True).check("admit", fields, None, lambda t: None)
-    assert Tenancy(False).check("admit", fields, None, lambda t: 5) is None
+    assert "cannot tell who" in Tenancy(True).check("admit", fields, None, lambda t: set())
+    assert Tenancy(False).check("admit", fields, None, lambda t: {5}) is None
 
 
 # ------------------------------------------------------ two users, one daemon
@@ -365,6 +371,14 @@ def _two_users(daemons: Daemons, path: str, port: int, base: str, a_uid: int, b_
         assert not reply["ok"] and f"belongs to uid {a_uid}" in reply["error"]
         assert "the claim is dropped" in d.output()
 
+        # -- a control segment B plants under A's token takes nothing from A
+        planted = b.call("plant_control", ta)
+        time.sleep(0.5)  # reaper passes see both control segments
+        assert a.call("request", "report", {"token": ta, "rank": 0, "consumed": 1})["ok"]
+        reply = b.call("request", "report", {"token": ta, "rank": 0, "consumed": 1})
+        assert not reply["ok"] and f"belongs to uid {a_uid}" in reply["error"]
+        assert {j["token"]: j["uid"] for j in d.stats()["jobs"]}[ta] == a_uid
+
         # -- per-uid budget: A is refused past its 4 MiB, B (no uid budget) admitted
         refused = a.call("admit", ta, 8 << 20)
         assert refused.startswith("refused") and f"budget of uid {a_uid}" in refused
@@ -382,19 +396,17 @@ def _two_users(daemons: Daemons, path: str, port: int, base: str, a_uid: int, b_
         assert "node budget" in refused and "job(s) of other users" in refused, refused
         assert ta not in refused and tc not in refused and tb in refused
 
-        # -- metrics carry the uid
-        key = f'shmloaderd_uid_budget_bytes{{uid="{a_uid}",user="{a_uid}"}}'
-        wait_until(lambda: key in _metrics(port), 3, "the uid rows reach the metrics", step=0.1)
-        values = _metrics(port)
-        assert values[f'shmloaderd_uid_budget_bytes{{uid="{a_uid}",user="{a_uid}"}}'] == 4 << 20
+        # -- metrics carry the uid (from the stats of the latest reaper pass)
         refused_key = (
             f'shmloaderd_uid_admissions_total{{result="refused",uid="{a_uid}",user="{a_uid}"}}'
         )
-        assert values[refused_key] == 1
+        wait_until(lambda: _metrics(port).get(refused_key) == 1, 3, "uid rows in the metrics", 0.1)
+        values = _metrics(port)
+        assert values[f'shmloaderd_uid_budget_bytes{{uid="{a_uid}",user="{a_uid}"}}'] == 4 << 20
         assert values[f'shmloaderd_uid_reaped_bytes_total{{uid="{b_uid}",user="{b_uid}"}}'] > 0
 
         # -- a SIGKILLed job of each user is reaped within about a second
-        names = ra["names"] + rb["names"] + rc["names"]
+        names = ra["names"] + rb["names"] + rc["names"] + [planted]
         assert all(exists(n) for n in names) and len(names) >= 4
         a.kill()
         b.kill()

@@ -205,49 +205,59 @@ class Registry:
     # ------------------------------------------------------------- requests
 
     def job(self, token: str, uid: int | None = None) -> Job:
-        """The job of ``token``, made for ``uid`` if new (its owner: ``owner``)."""
+        """The job of ``token``, made for ``uid`` if new (whose it is: ``owners``)."""
+        found = self._control_owners(token)
         job = self.jobs.get(token)
         if job is None:
             if len(self.jobs) >= MAX_JOBS:
                 raise RegistryFull(
                     f"shmloaderd already tracks {MAX_JOBS} jobs; unregister finished ones"
                 )
-            job = self.jobs[token] = Job(token)
-            ctl = self._control_owner(token)
-            job.uid, job.uid_from_ctl = (uid, False) if ctl is None else (ctl, True)
+            first = uid if not found or uid in found else None  # root acting for a user
+            job = self.jobs[token] = Job(token, uid=first)
         elif job.uid is None:
             job.uid = uid
-        return job
+        return self._settle(job, found)
 
-    def owner(self, token: str) -> int | None:
-        """The uid job ``token`` belongs to (NOTE [tenants] in ``tenants``); None: nobody's.
+    def owners(self, token: str) -> set[int]:
+        """The uids job ``token`` may be told about by (NOTE [tenants] in
+        ``tenants``); empty: nobody's yet.
 
-        Its control segment's owner when one is in /dev/shm, else the uid that
-        first named it.
+        The owner of its control segment in /dev/shm, else the uid that first
+        named it. Several control segments of different uids under one token
+        (one of them planted): a job keeps the uid it has while that uid owns
+        one of them; a token nobody named yet is open to each of their owners.
         """
         job = self.jobs.get(token)
         if job is not None and job.uid_from_ctl:
-            return job.uid
-        ctl = self._control_owner(token)
-        if ctl is not None:
-            if job is not None and job.uid != ctl:
-                self._give_back(job, ctl)
-            return ctl
-        return None if job is None else job.uid
+            return {job.uid} if job.uid is not None else set()
+        found = self._control_owners(token)
+        if job is None:
+            return found
+        job = self._settle(job, found)
+        return set() if job.uid is None else {job.uid}
 
-    def _control_owner(self, token: str) -> int | None:
-        """Uid of the valid control segment of ``token`` in /dev/shm, if any."""
+    def _control_owners(self, token: str) -> set[int]:
+        """Uids of the valid control segments of ``token`` in /dev/shm."""
         prefix = f"/{PREFIX}{token}-"
+        out = set()
         for name in list_segments():
             if name.startswith(prefix):
                 e = inspect(name, every_uid=self.tenants)
                 if e is not None and e.header is not None and e.header.kind_name == "control":
-                    return e.header.uid
-        return None
+                    out.add(e.header.uid)
+        return out
 
-    def _give_back(self, job: Job, uid: int) -> None:
-        """A claim on ``job`` by another uid gives way to its control segment's owner."""
-        if job.uid is not None and job.uid != uid:
+    def _settle(self, job: Job, owners: set[int]) -> Job:
+        """Whose ``job`` is, given the uids of its control segments: a claim by a
+        uid that owns none of them gives way (the job starts afresh)."""
+        if not owners or job.uid_from_ctl:
+            return job
+        if job.uid in owners:
+            job.uid_from_ctl = True
+            return job
+        uid = min(owners)
+        if job.uid is not None:
             log.warning(
                 "job %s was claimed by uid %s but its control segment belongs to uid %d: "
                 "the claim is dropped",
@@ -255,10 +265,9 @@ class Registry:
                 job.uid,
                 uid,
             )
-            fresh = Job(job.token, uid=uid, uid_from_ctl=True)
-            self.jobs[job.token] = fresh
-            return
+            job = self.jobs[job.token] = Job(job.token)
         job.uid, job.uid_from_ctl = uid, True
+        return job
 
     def register(self, f: dict[str, Any], uid: int | None = None) -> dict[str, Any]:
         known = f["token"] in self.jobs
@@ -442,15 +451,14 @@ class Registry:
         segments, and the mappings of the writer (the live owner of the control
         segment: one ``/proc/<pid>/maps`` read per job and pass, whatever a
         client claims about pids)."""
+        ctls = [e for e in entries if e.header and e.header.kind_name == "control"]
+        job = self._settle(job, {e.header.uid for e in ctls if e.header is not None})
+        if job.uid is not None:  # another uid's segments under this token are not this job's
+            entries = [e for e in entries if e.header is None or e.header.uid == job.uid]
         ctl = next((e for e in entries if e.header and e.header.kind_name == "control"), None)
         if ctl is not None and ctl.header is not None:
             job.ctl_seen = True
             job.pidns_hint = ctl.header.pidns  # NOTE [pid namespaces]
-            if not job.uid_from_ctl:
-                self._give_back(job, ctl.header.uid)
-                job = self.jobs[job.token]
-        if job.uid is not None:  # another uid's segments under this token are not this job's
-            entries = [e for e in entries if e.header is None or e.header.uid == job.uid]
         if ctl is not None and ctl.header is not None and ctl.alive:
             job.observed = observed_bytes(job.token, entries, ctl.header.pid)
         else:

@@ -285,7 +285,7 @@ class Daemon:
             return self._reject(str(exc))
         self._count(op)
         try:
-            denied = self.tenancy.check(op, fields, peer, self.registry.owner)
+            denied = self.tenancy.check(op, fields, peer, self.registry.owners)
             if denied is not None:
                 self._count("denied")
                 self._bad.warn("refused %r from %s: %s", op, peer, denied)

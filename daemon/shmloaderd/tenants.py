@@ -17,8 +17,10 @@ NOTE [tenants]
     - a token of another uid's job: a job belongs to the uid of its control
       segment in /dev/shm (a file nobody can forge for another uid), else to
       the uid that first named the token; a claim made before the control
-      segment showed up gives way to the segment's owner
-      (``Registry.owner``);
+      segment showed up gives way to the segment's owner, and a job keeps its
+      uid while that uid owns a control segment of the token, so a control
+      segment planted under another user's token takes nothing
+      (``Registry.owners``);
     - a pid of another uid (``register``'s ``pids``, ``admit``'s and
       ``adopt``'s ``pid``) that runs in our pid namespace: its effective uid
       is read from ``/proc/<pid>/status``. A pid of another namespace cannot
@@ -154,11 +156,12 @@ class Tenancy:
         return os.geteuid()
 
     def check(
-        self, op: str, fields: dict[str, Any], peer: Peer | None, owner: Callable[[str], int | None]
+        self, op: str, fields: dict[str, Any], peer: Peer | None, owners: Callable[[str], set[int]]
     ) -> str | None:
         """Why ``peer`` may not make this request (NOTE [tenants]); None when it may.
 
-        ``owner(token)`` is the uid a token belongs to (None: nobody's yet).
+        ``owners(token)``: the uids a token's job may be told about by (empty:
+        nobody's yet).
         """
         if not self.enabled:
             return None
@@ -167,11 +170,11 @@ class Tenancy:
         if peer.root:
             return None
         if op in TOKEN_OPS:
-            uid = owner(fields["token"])
-            if uid is not None and uid != peer.uid:
+            uids = owners(fields["token"])
+            if uids and peer.uid not in uids:
                 return (
-                    f"job {fields['token']} belongs to uid {uid}, not to uid {peer.uid}: a job "
-                    "may only be told about by its own user"
+                    f"job {fields['token']} belongs to uid {min(uids)}, not to uid {peer.uid}: "
+                    "a job may only be told about by its own user"
                 )
         pids: list[tuple[int, int | None]] = []
         if op == "register":

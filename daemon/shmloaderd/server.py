@@ -495,26 +495,28 @@ class Daemon:
 
     def _uids(self, jobs: list[dict[str, Any]], now: float) -> dict[str, Any]:
         """Per uid: its jobs, bytes held, budget and what is left of it, bytes reaped."""
-        out: dict[str, Any] = {}
         uids = {j["uid"] for j in jobs if j.get("uid") is not None} | set(self.reaped_by_uid)
-        for uid in sorted(uids):
-            budget = self.uid_budgets(uid)
-            held = self.registry.uid_in_use(uid, now)
-            mine = [j for j in jobs if j.get("uid") == uid]
-            held = max(held, sum(j["bytes"] for j in mine if j["state"] != "dead"))
-            reaped = self.reaped_by_uid.get(uid, [0, 0])
-            out[str(uid)] = {
-                "user": user_name(uid),
-                "jobs": len(mine),
-                "bytes": held,
-                "budget_bytes": budget,
-                "budget_left_bytes": _left(budget, held),
-                "reaped_segments": reaped[0],
-                "reaped_bytes": reaped[1],
-                "admissions_granted": self.registry.admissions.get((uid, "granted"), 0),
-                "admissions_refused": self.registry.admissions.get((uid, "refused"), 0),
-            }
-        return out
+        uids |= {uid for uid, _ in self.registry.admissions if uid >= 0}
+        uids |= set(self.uid_budgets.per_uid)
+        return {str(uid): self._uid_row(uid, jobs, now) for uid in sorted(uids)}
+
+    def _uid_row(self, uid: int, jobs: list[dict[str, Any]], now: float) -> dict[str, Any]:
+        budget = self.uid_budgets(uid)
+        held = self.registry.uid_in_use(uid, now)
+        mine = [j for j in jobs if j.get("uid") == uid]
+        held = max(held, sum(j["bytes"] for j in mine if j["state"] != "dead"))
+        reaped = self.reaped_by_uid.get(uid, [0, 0])
+        return {
+            "user": user_name(uid),
+            "jobs": len(mine),
+            "bytes": held,
+            "budget_bytes": budget,
+            "budget_left_bytes": _left(budget, held),
+            "reaped_segments": reaped[0],
+            "reaped_bytes": reaped[1],
+            "admissions_granted": self.registry.admissions.get((uid, "granted"), 0),
+            "admissions_refused": self.registry.admissions.get((uid, "refused"), 0),
+        }
 
     def view(self, doc: dict[str, Any], peer: Peer | None) -> dict[str, Any]:
         """What ``peer`` may see of a stats document (NOTE [tenants]).
@@ -537,7 +539,7 @@ class Daemon:
         ]
         if doc.get("daemon"):
             daemon = dict(doc["daemon"])
-            daemon["uids"] = {k: v for k, v in daemon.get("uids", {}).items() if k == str(uid)}
+            daemon["uids"] = {str(uid): self._uid_row(uid, mine, time.monotonic())}
             out["daemon"] = daemon
         return out
 

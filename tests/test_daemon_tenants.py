@@ -29,6 +29,9 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
+from shmloaderd.__main__ import build_parser, node_mode, parse_uid_budget
+from shmloaderd.server import Daemon as InProcessDaemon
+from shmloaderd.tenants import Peer, Tenancy, peer_of
 
 from shmloader import admin, channel, segment
 from shmloader.daemon_client import DaemonClient
@@ -121,6 +124,21 @@ def cmd_leftover(token: str) -> str:
 def cmd_plant_control(token: str) -> str:
     """A control segment of this user under another user's job token."""
     return Segment.create_unique(control_stem(token), KIND_CONTROL, token, 4096).name
+
+
+def cmd_own_daemon(base: str) -> dict:
+    """Start (bind) and stop a daemon as this user, with the default mode: single-user."""
+    where = tempfile.mkdtemp(dir=base)
+    path = os.path.join(where, "c.sock")
+    tenants = node_mode(build_parser().parse_args(["--socket", path]), os.geteuid())
+    d = InProcessDaemon(path, tenants=tenants)
+    try:
+        d.bind()
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    finally:
+        d.close()
+        os.rmdir(where)
+    return {"tenants": tenants, "socket_mode": mode}
 
 
 def cmd_rundir(base: str) -> str:
@@ -234,9 +252,6 @@ def _metrics(port: int) -> dict[str, float]:
 
 @pytest.mark.timeout(10)
 def test_node_mode_flags_and_peer_credentials() -> None:
-    from shmloaderd.__main__ import build_parser, node_mode, parse_uid_budget
-    from shmloaderd.tenants import Peer, Tenancy, peer_of
-
     p = build_parser()
     assert node_mode(p.parse_args([]), 0) is True  # root: every user
     assert node_mode(p.parse_args([]), 1000) is False  # a user: only itself, as before
@@ -299,6 +314,9 @@ def _two_users(daemons: Daemons, path: str, port: int, base: str, a_uid: int, b_
         b_left2 = b_gone.call("leftover", new_token())
         b_gone.exit()
         assert exists(a_left) and exists(b_left) and exists(b_left2)
+        # a daemon started by a user serves that user only, as before
+        assert a.call("own_daemon", base) == {"tenants": False, "socket_mode": 0o600}
+
         freed = a.call("gc")
         assert [i["name"] for i in freed if i["type"] == "segment"] == [a_left], freed
         assert not exists(a_left) and exists(b_left) and exists(b_left2)
@@ -341,6 +359,8 @@ def _two_users(daemons: Daemons, path: str, port: int, base: str, a_uid: int, b_
         assert {str(a_uid), str(b_uid)} <= set(full["daemon"]["uids"])
         table = admin.format_table(full)
         assert "USER" in table and str(a_uid) in table and str(b_uid) in table
+        mine = admin.format_table(sa)
+        assert "other users: " in mine and f"uid {a_uid} ({a_uid}): " in mine and tb not in mine
 
         # -- naming the other user's token or pid is refused, and logged
         for op, fields in (
@@ -413,6 +433,7 @@ def _two_users(daemons: Daemons, path: str, port: int, base: str, a_uid: int, b_
         took = wait_until(lambda: not any(exists(n) for n in names), 3.0, "both jobs reaped")
         assert took < 1.5, took
         log = d.output()
-        assert f"uid {a_uid}" in log and f"uid {b_uid}" in log
+        for uid, token in ((a_uid, ta), (b_uid, tb)):  # uid, job name and bytes of each reap
+            assert f"uid {uid} {uid}, job {token} job-of-{uid}): owner pid" in log, log
     for name in (a_left, b_left, b_left2):
         assert not os.path.exists(shm_path(name))

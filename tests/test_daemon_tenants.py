@@ -326,11 +326,9 @@ def _two_users(daemons: Daemons, path: str, port: int, base: str, a_uid: int, b_
         assert not exists(b_left) and exists(b_left2)
         left2_bytes = human_bytes(os.stat(shm_path(b_left2)).st_size)
 
-        # -- the root daemon in node mode (the default for root)
+        # -- the root daemon in node mode (root's default; the fixture asks for it explicitly)
         d = daemons.start(
-            "--tenants",
-            "--budget",
-            "32M", "--reap-interval", "0.2", "--uid-budget", f"{a_uid}=4M",
+            "--tenants", "--budget", "32M", "--reap-interval", "0.2", "--uid-budget", f"{a_uid}=4M",
             "--pool", "1100K", "--pool-segment", "1M", "--metrics-port", str(port),
             env={"SHMLOADER_RUNTIME_DIR": base},
         )  # fmt: skip

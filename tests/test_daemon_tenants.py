@@ -54,6 +54,19 @@ def free_uids() -> tuple[int, int]:
     for uid in UIDS:
         if uid in used:
             pytest.skip(f"uid {uid} is in use on this machine; the test needs two unused uids")
+    if os.geteuid() != 0:
+        pytest.skip("running jobs as other users needs root (CI runs the suite as root)")
+    pid = os.fork()
+    if pid == 0:  # can this machine (a container without CAP_SETUID?) switch uids at all
+        try:
+            os.setgroups([])
+            os.setgid(UIDS[0])
+            os.setuid(UIDS[0])
+        finally:
+            os._exit(0 if os.getuid() == UIDS[0] else 1)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        pytest.skip(f"this machine cannot switch to uid {UIDS[0]} (no CAP_SETUID?)")
     return UIDS
 
 

@@ -17,6 +17,16 @@ What counts as ours (NOTE [reaping rule])
     same rule drives ``shmloaderd``'s reaper. Owners are checked in our pid
     namespace: the daemon, ``gc`` and the jobs must share it.
 
+    Every uid (``every_uid``): root's ``gc`` and ``shmloaderd`` in node mode
+    apply the same rule to the segments and private runtime directories of
+    every user: a segment of another uid counts only when its header names
+    that uid (the file's owner), is mode 0600, and its owner is dead. The
+    unlink happens on a re-check made through the open descriptor: the name
+    must still be the very file (device and inode) that was validated and
+    found dead, so nothing put at that name since is removed. A user's
+    ``gc`` sees only its own uid's files (the rule above); the opportunistic
+    reaping of a starting loader stays on its own uid even as root.
+
 Where ``stat`` gets its document
     ``--daemon PATH``, else ``SHMLOADER_DAEMON``, else the system daemon's
     default socket (``/run/shmloader/control.sock``) when it exists; if none
@@ -50,10 +60,12 @@ Dead jobs (daemon)
 ``stat --json`` document, schema 3 (fields are only ever added within a
 schema; schema 2 added ``job``, ``started_unix``, ``age_s``,
 ``reclaimable_bytes``, ``ranks`` and made a dead job's ``bytes`` what ``gc``
-frees; schema 3 made ``bytes`` what /dev/shm holds (no pending grants),
-renamed the rank rows' ``bytes`` (traffic) to ``traffic_bytes``, added
-``wait_ms_p95``/``wait_ms_p99``, ``granted_pending_bytes``, ``ended`` and
-``notes``)::
+frees; later, within schema 2, the ``device*`` fields of ``ranks`` rows, and
+node mode's ``uid``, ``user``, ``others`` and ``daemon.tenants``,
+``budget_left_bytes`` and ``uids``; schema 3 made ``bytes`` what /dev/shm
+holds (no pending grants), renamed the rank rows' ``bytes`` (traffic) to
+``traffic_bytes``, added ``wait_ms_p95``/``wait_ms_p99``,
+``granted_pending_bytes``, ``ended`` and ``notes``)::
 
     {
       "schema": 3,
@@ -69,7 +81,16 @@ renamed the rank rows' ``bytes`` (traffic) to ``traffic_bytes``, added
                "granted_pending_bytes": int,
                "uptime_s": float,
                "reaped_segments": int, "reaped_bytes": int, "reaped_sockets": int,
-               "pool_bytes": int, "pool_segments": int},
+               "pool_bytes": int, "pool_segments": int,
+               "budget_left_bytes": int|null,   # of the node budget
+               "tenants": bool,                 # node mode: every user of the node served
+               "uids": {"<uid>": {"user": str, "jobs": int, "bytes": int,
+                                  "budget_bytes": int|null, "budget_left_bytes": int|null,
+                                  "reaped_segments": int, "reaped_bytes": int,
+                                  "admissions_granted": int, "admissions_refused": int}}},
+                                        # a user's view: its own uid's row only
+      "others": {"jobs": int, "bytes": int},   # only in a user's view of a node-mode
+                                        # daemon: the rest of the node, as totals
       "jobs": [                         # one per ring: an SP group on this node
         {"token": str,
          "job": str|null,               # SHMLOADER_JOB, TORCHELASTIC_RUN_ID or SLURM_JOB_ID
@@ -80,6 +101,7 @@ renamed the rank rows' ``bytes`` (traffic) to ``traffic_bytes``, added
          "group": [int]|null, "leader": int|null, "writer": int|null,
          "node_ranks": [int]|null, "world": int|null,
          "pids": {"<rank>": [pid, start, pidns]},
+         "uid": int|null, "user": str|null,  # whose job (its control segment's owner)
          "writer_pid": int|null, "writer_alive": bool|null,
          "segments": [{"name": str, "kind": "control"|"data"|"probe",
                        "bytes": int, "owner_pid": int, "owner_alive": bool}],
@@ -132,6 +154,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pwd
 import re
 import socket
 import stat
@@ -145,6 +168,7 @@ from . import segment
 from .errors import ProtocolError, human_bytes
 from .ring import COUNTER_FIELDS
 from .segment import (
+    ANY_UID,
     HEADER_SIZE,
     KIND_CONTROL,
     PREFIX,
@@ -183,6 +207,7 @@ class Entry:
     description: dict[str, Any] | None = None
     alive: bool = False
     inode: int = 0
+    uid: int | None = None  # the file's owner (known once it could be opened)
 
     @property
     def valid(self) -> bool:
@@ -216,8 +241,11 @@ class Freed:
         return out
 
 
-def inspect(name: str) -> Entry | None:
-    """Validate one segment by name (NOTE [reaping rule]); None if it vanished."""
+def inspect(name: str, *, every_uid: bool = False) -> Entry | None:
+    """Validate one segment by name (NOTE [reaping rule]); None if it vanished.
+
+    ``every_uid``: a segment of any uid counts (root's node-wide view).
+    """
     entry = Entry(name)
     try:
         fd = os.open(shm_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -228,9 +256,11 @@ def inspect(name: str) -> Entry | None:
         return entry
     try:
         st = os.fstat(fd)
+        entry.uid = st.st_uid
         if not stat.S_ISREG(st.st_mode):
             raise ProtocolError(f"{name} is not a regular file")
-        header = validate(fd, name, kind=None, token=None)
+        owner = ANY_UID if every_uid else None
+        header = validate(fd, name, kind=None, token=None, owner=owner)
         if not name.startswith(f"/{PREFIX}{header.token}-"):
             raise ProtocolError(f"{name} carries token {header.token!r}, not the one in its name")
         entry.size = st.st_size
@@ -271,29 +301,48 @@ def _read_control(fd: int, header: Header) -> tuple[dict[str, int] | None, dict 
     return counters, description
 
 
-def scan_entries() -> list[Entry]:
-    """Every ``shml-*`` entry of /dev/shm, validated."""
-    return [e for name in list_segments() if (e := inspect(name)) is not None]
+def scan_entries(*, every_uid: bool = False) -> list[Entry]:
+    """Every ``shml-*`` entry of /dev/shm, validated (of any uid with ``every_uid``)."""
+    return [e for name in list_segments() if (e := inspect(name, every_uid=every_uid)) is not None]
 
 
-def remove_if_dead(name: str, *, dry_run: bool = False) -> Freed | None:
-    """Re-validate ``name`` and unlink it if its owner is dead (NOTE [reaping rule])."""
-    entry = inspect(name)
-    if entry is None or entry.header is None or entry.alive:
+def remove_if_dead(name: str, *, dry_run: bool = False, every_uid: bool = False) -> Freed | None:
+    """Re-validate ``name`` and unlink it if its owner is dead (NOTE [reaping rule]).
+
+    The checks run on one open descriptor, and the name is unlinked only while
+    it still is that file (same device and inode). ``every_uid``: a dead
+    owner's segment of any uid (root only).
+    """
+    try:
+        fd = os.open(shm_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
         return None
-    h = entry.header
-    freed = Freed(
-        "segment",
-        name,
-        entry.size,
-        h.kind_name,
-        h.token,
-        h.pid,
-        extra={"owner_start": h.start},
-    )
-    if not dry_run:
-        freed.removed = unlink_name(name)
-    return freed
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        h = validate(fd, name, kind=None, token=None, owner=ANY_UID if every_uid else None)
+        if not name.startswith(f"/{PREFIX}{h.token}-") or owner_alive(h):
+            return None
+        freed = Freed(
+            "segment",
+            name,
+            st.st_size,
+            h.kind_name,
+            h.token,
+            h.pid,
+            extra={"owner_start": h.start, "uid": st.st_uid},
+        )
+        if not dry_run:
+            now = os.lstat(shm_path(name))
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                return None  # the name was given to another file since: not ours to judge
+            freed.removed = unlink_name(name)
+        return freed
+    except (ProtocolError, OSError):
+        return None
+    finally:
+        os.close(fd)
 
 
 # -------------------------------------------------------------------- document
@@ -326,6 +375,8 @@ def job_from_entries(token: str, entries: list[Entry]) -> dict[str, Any]:
         if e.header is not None
     ]
     named = sum(s["bytes"] for s in segments)
+    owner = ctl or next((e for e in entries if e.header is not None), None)
+    uid = owner.header.uid if owner is not None and owner.header is not None else None
     job_name = desc.get("job")
     job: dict[str, Any] = {
         **empty_job(token),
@@ -336,6 +387,8 @@ def job_from_entries(token: str, entries: list[Entry]) -> dict[str, Any]:
         "node_ranks": _int_list(desc.get("node")),
         "world": _opt_int(desc.get("world")),
         "pids": desc.get("pids") if isinstance(desc.get("pids"), dict) else {},
+        "uid": uid,
+        "user": user_name(uid),
         "writer_pid": ctl.header.pid if ctl and ctl.header else None,
         "writer_alive": ctl.alive if ctl else None,
         "segments": segments,
@@ -501,6 +554,16 @@ def apply_counters(job: dict[str, Any], counters: dict[str, int] | None, ctl_byt
         job["last_publish_unix"] = counters["last_publish_unix_ns"] / 1e9
 
 
+def user_name(uid: int | None) -> str | None:
+    """The login name of ``uid``; its number as text when it has none; None for None."""
+    if uid is None:
+        return None
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, OverflowError):
+        return str(uid)
+
+
 def empty_job(token: str) -> dict[str, Any]:
     """A job record of the ``stat`` schema with nothing known yet."""
     return {
@@ -516,6 +579,8 @@ def empty_job(token: str) -> dict[str, Any]:
         "node_ranks": None,
         "world": None,
         "pids": {},
+        "uid": None,
+        "user": None,
         "writer_pid": None,
         "writer_alive": None,
         "segments": [],
@@ -588,16 +653,20 @@ def notes(jobs: list[dict[str, Any]], source: str) -> list[str]:
 
 
 def scan() -> dict[str, Any]:
-    """The stat document built from /dev/shm headers alone (``source: "scan"``)."""
-    return build_document(scan_entries(), "scan")
+    """The stat document built from /dev/shm headers alone (``source: "scan"``).
+
+    Root sees every uid's jobs (``uid``/``user`` say whose); a user its own.
+    """
+    return build_document(scan_entries(every_uid=os.geteuid() == 0), "scan")
 
 
 # -------------------------------------------------------------------------- gc
 
 
-def runtime_bases(runtime_dir: str | None = None) -> list[str]:
+def runtime_bases(runtime_dir: str | None = None, *, every_uid: bool = False) -> list[str]:
     """Every runtime base we know of, once each: ``runtime_dir``,
-    ``$SHMLOADER_RUNTIME_DIR``, ``$XDG_RUNTIME_DIR``, ``/run/user/<uid>``, ``/tmp``."""
+    ``$SHMLOADER_RUNTIME_DIR``, ``$XDG_RUNTIME_DIR``, ``/run/user/<uid>``, ``/tmp``
+    (with ``every_uid``: every ``/run/user/<uid>``)."""
     bases = [
         runtime_dir,
         os.environ.get("SHMLOADER_RUNTIME_DIR"),
@@ -605,6 +674,12 @@ def runtime_bases(runtime_dir: str | None = None) -> list[str]:
         f"/run/user/{os.geteuid()}",
         "/tmp",
     ]
+    if every_uid:
+        try:
+            users = sorted(n for n in os.listdir("/run/user") if n.isdigit())
+        except OSError:
+            users = []
+        bases += [f"/run/user/{n}" for n in users]
     return list(dict.fromkeys(b for b in bases if b))
 
 
@@ -679,17 +754,18 @@ def stale_sockets(runtime_dir: str | None = None) -> list[str]:
     return out
 
 
-def dead_runtime_dirs(runtime_dir: str | None = None) -> list[str]:
+def dead_runtime_dirs(runtime_dir: str | None = None, *, every_uid: bool = False) -> list[str]:
     """Private runtime directories (``shml-<pid>...``) of ours whose owner is dead.
 
     Looked for under the same bases as :func:`runtime_dirs`; the rule is
     ``reap.runtime_dirs`` (an owner in another pid namespace counts as alive).
+    ``every_uid``: every user's (root only; NOTE [reaping rule]).
     """
     from .reap import runtime_dirs as private_dirs
 
     dead = []
-    for base in runtime_bases(runtime_dir):
-        dead += [path for path, _pid, alive in private_dirs(base) if not alive]
+    for base in runtime_bases(runtime_dir, every_uid=every_uid):
+        dead += [p for p, _pid, alive in private_dirs(base, every_uid=every_uid) if not alive]
     return dead
 
 
@@ -700,20 +776,23 @@ def collect_garbage(
     tokens: set[str] | None = None,
     owners: set[int] | None = None,
     jobs: set[str] | None = None,
+    every_uid: bool = False,
 ) -> list[dict[str, Any]]:
     """Remove (or with ``dry_run`` only list) what dead owners left: segments, sockets, dirs.
 
-    ``tokens`` and ``owners`` (pids) narrow it to those rings or processes;
+    ``tokens`` and ``owners`` (pids) narrow it to those rings or processes
+    (the test suite scopes its gc so that it never touches other runs);
     ``jobs`` to the rings whose description names one of those jobs
     (``SHMLOADER_JOB`` or the launcher's run id: the ``JOB`` column of
-    ``stat``), found by their control segments.
+    ``stat``), found by their control segments. ``every_uid``: every user's
+    leftovers, not only our uid's (root's ``shmloader gc``; NOTE [reaping rule]).
     Returns one dict per item: ``type`` ("segment"|"socket"|"rundir"),
     ``name``, ``bytes``, ``kind``, ``token``, ``owner_pid``, ``removed``.
     """
     from .reap import remove_runtime_dir, runtime_dirs
 
     out: list[dict[str, Any]] = []
-    entries = scan_entries()
+    entries = scan_entries(every_uid=every_uid)
     if jobs is not None:
         named = {
             e.header.token
@@ -731,7 +810,7 @@ def collect_garbage(
             owners is not None and h.pid not in owners
         ):
             continue
-        freed = remove_if_dead(entry.name, dry_run=dry_run)
+        freed = remove_if_dead(entry.name, dry_run=dry_run, every_uid=every_uid)
         if freed is not None:
             out.append(freed.as_dict())
     for path in stale_sockets(runtime_dir):
@@ -749,7 +828,7 @@ def collect_garbage(
             except FileNotFoundError:
                 pass
         out.append(item.as_dict())
-    for path, pid, alive in runtime_dirs(runtime_dir):
+    for path, pid, alive in runtime_dirs(runtime_dir, every_uid=every_uid):
         if alive or tokens is not None or (owners is not None and pid not in owners):
             continue  # a runtime directory carries no token
         item = Freed("rundir", path, owner_pid=pid)
@@ -888,6 +967,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         tokens=set(args.token) if args.token else None,
         owners=set(args.owner_pid) if args.owner_pid else None,
         jobs=set(args.job) if args.job else None,
+        every_uid=os.geteuid() == 0,  # root: every user's leftovers (NOTE [reaping rule])
     )
     if args.json:
         print(json.dumps(items, indent=2))
@@ -969,10 +1049,26 @@ def format_table(doc: dict[str, Any]) -> str:
             f"{daemon['reaped_segments']} segment(s) ({human_bytes(daemon['reaped_bytes'])})"
         )
     jobs = doc["jobs"]
+    others = doc.get("others")
+    if others:  # a user's view of a node-mode daemon: the rest of the node as totals
+        left = (daemon or {}).get("budget_left_bytes")
+        lines.append(
+            f"other users: {others['jobs']} job(s), {human_bytes(others['bytes'])} held"
+            + ("" if left is None else f"; node budget left {human_bytes(left)}")
+        )
+    if daemon:
+        for uid, row in (daemon.get("uids") or {}).items():
+            if row.get("budget_bytes") is not None:
+                lines.append(
+                    f"uid {uid} ({row['user']}): {human_bytes(row['bytes'])} of its budget "
+                    f"{human_bytes(row['budget_bytes'])} in use"
+                )
+    uids = {j.get("uid") for j in jobs} - {None}
+    show_user = bool((daemon or {}).get("tenants") or len(uids) > 1 or uids - {os.geteuid()})
     if not jobs:
         lines.append("no shmloader jobs on this node")
     else:
-        header = (
+        header = ("USER       " if show_user else "") + (
             f"{'TOKEN':<16} {'JOB':<14} {'STATE':<7} {'AGE':>7} {'GROUP':<10} {'WRITER PID':>10} "
             f"{'SEGS':>4} {'HELD':>10} {'SLOTS':>5} {'BATCHES':>8} {'PUB MS':>7}"
         )
@@ -983,8 +1079,10 @@ def format_table(doc: dict[str, Any]) -> str:
             pid_text = "-" if pid is None else f"{pid}{'' if alive else '†'}"
             name = j.get("job") or "-"
             name = name if len(name) <= 14 else name[:13] + "…"
+            who = j.get("user") or _dash(j.get("uid"))
             lines.append(
-                f"{j['token']:<16} {name:<14} {j['state']:<7} {_age(j.get('age_s')):>7} "
+                (f"{who[:10]:<10} " if show_user else "")
+                + f"{j['token']:<16} {name:<14} {j['state']:<7} {_age(j.get('age_s')):>7} "
                 f"{_ranks(j['group']):<10} {pid_text:>10} {len(j['segments']):>4} "
                 f"{human_bytes(j['bytes']):>10} {_dash(j['slots']):>5} "
                 f"{_dash(j['published']):>8} {_dash(j['publish_ms_avg'], '{:.2f}'):>7}"

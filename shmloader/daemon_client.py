@@ -344,7 +344,12 @@ class DaemonClient:
         budget = reply.get("budget")
         in_use = reply.get("in_use")
         free = None
-        if isinstance(budget, int) and isinstance(in_use, int):
+        uid_budget, uid_in_use = reply.get("uid_budget"), reply.get("uid_in_use")
+        if isinstance(uid_budget, int) and isinstance(uid_in_use, int):  # node mode
+            free = max(uid_budget - uid_in_use, 0)
+            if isinstance(budget, int) and isinstance(in_use, int):
+                free = min(free, max(budget - in_use, 0))
+        elif isinstance(budget, int) and isinstance(in_use, int):
             free = max(budget - in_use, 0)
         elif isinstance(reply.get("shm_free"), int):
             free = reply["shm_free"]

@@ -198,11 +198,14 @@ def reaping_enabled() -> bool:
     return os.environ.get("SHMLOADER_REAP", "1").strip().lower() not in ("0", "false", "off")
 
 
-def runtime_dirs(parent: str | None = None) -> list[tuple[str, int, bool]]:
+def runtime_dirs(
+    parent: str | None = None, *, every_uid: bool = False
+) -> list[tuple[str, int, bool]]:
     """Our private runtime directories under the base: (path, owner pid, owner alive).
 
-    Only real directories of our uid with mode 0700 whose name matches
-    ``RUNDIR_NAME`` count. An owner in another pid namespace counts as alive.
+    Only real directories of our uid (of any uid with ``every_uid``: root's
+    node-wide reaping) with mode 0700 whose name matches ``RUNDIR_NAME``
+    count. An owner in another pid namespace counts as alive.
     """
     from .channel import runtime_base
     from .segment import MY_PIDNS, process_alive
@@ -224,7 +227,7 @@ def runtime_dirs(parent: str | None = None) -> list[tuple[str, int, bool]]:
             continue
         if (
             not stat.S_ISDIR(st.st_mode)
-            or st.st_uid != os.geteuid()
+            or (st.st_uid != os.geteuid() and not every_uid)
             or stat.S_IMODE(st.st_mode) & 0o077
         ):
             continue

@@ -387,13 +387,27 @@ class Segment:
         return f"Segment({self.name!r}, {self.header.kind_name}, {self.capacity} bytes)"
 
 
-def validate(fd: int, name: str, *, kind: int | None, token: str | None) -> Header:
-    """Check owner, mode, size and header of an open segment (NOTE [segment trust])."""
+#: ``validate(..., owner=ANY_UID)``: a segment of any uid (root's node-wide scan).
+ANY_UID = -1
+
+
+def validate(
+    fd: int, name: str, *, kind: int | None, token: str | None, owner: int | None = None
+) -> Header:
+    """Check owner, mode, size and header of an open segment (NOTE [segment trust]).
+
+    ``owner`` is the uid the file must belong to: ours by default. ``ANY_UID``
+    accepts any uid whose header names the file's own owner: only the node
+    scan of root (``shmloader gc`` as root, ``shmloaderd`` in node mode) asks
+    for it, and nothing it accepts is ever mapped (NOTE [reaping rule] in
+    ``shmloader.admin``).
+    """
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise ProtocolError(f"{name} is not a regular file (mode {st.st_mode:o}); not ours")
-    if st.st_uid != os.geteuid():
-        raise ProtocolError(f"{name} belongs to uid {st.st_uid}, not to us ({os.geteuid()})")
+    expected = os.geteuid() if owner is None else owner
+    if expected != ANY_UID and st.st_uid != expected:
+        raise ProtocolError(f"{name} belongs to uid {st.st_uid}, not to us ({expected})")
     if stat.S_IMODE(st.st_mode) & 0o077:
         raise ProtocolError(f"{name} has mode {stat.S_IMODE(st.st_mode):o}; expected 0600")
     header = Header.unpack(os.pread(fd, _HEADER_READ, 0))

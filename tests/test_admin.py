@@ -27,7 +27,7 @@ JOB_KEYS = {
     "pids", "writer_pid", "writer_alive", "segments", "segment_bytes", "bytes", "slots",
     "ring_bytes", "published", "bytes_published", "publish_ms_avg", "last_publish_unix",
     "readers", "followers", "job", "started_unix", "age_s", "reclaimable_bytes", "ranks",
-    "granted_pending_bytes", "ended",
+    "granted_pending_bytes", "ended", "uid", "user",
 }  # fmt: skip
 
 
@@ -455,3 +455,21 @@ def test_every_public_exception_is_importable_from_the_package() -> None:
     for name in public:
         assert getattr(shmloader, name) is getattr(errors, name), name
         assert name in shmloader.__all__, name
+
+
+@pytest.mark.timeout(20)
+def test_reaping_unlinks_only_the_very_file_it_found_dead(monkeypatch) -> None:
+    """The name is unlinked only while it still is the file validated and found dead."""
+    dead = orphan(KIND_DATA)
+    live = Segment.create(f"/shml-{dead.header.token}-0.1", KIND_DATA, dead.header.token, 8192)
+    judged = admin.owner_alive
+
+    def swap_then_judge(header: Header) -> bool:  # another file takes the name meanwhile
+        os.rename(_shm_path(live.name), _shm_path(dead.name))
+        return judged(header)
+
+    monkeypatch.setattr(admin, "owner_alive", swap_then_judge)
+    with cleanup(dead, live):
+        assert admin.remove_if_dead(dead.name) is None
+        assert os.fstat(live.fd).st_nlink == 1  # the live owner's file is still named
+    assert not os.path.exists(_shm_path(dead.name))

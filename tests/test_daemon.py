@@ -91,6 +91,8 @@ class Daemons:
     ) -> Daemon:
         path = os.path.join(self.dir, name)
         log = os.path.join(self.dir, f"log{len(self.all)}")
+        if "--tenants" not in args:  # the suite runs as root: these test a single user's daemon
+            args = ("--single-user", *args)
         with open(log, "w") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "shmloaderd", "--socket", path, *args],
@@ -313,8 +315,8 @@ def test_refuses_to_start_on_foreign_or_open_directory(daemons: Daemons, tmp_pat
     open_dir = tmp_path / "open"
     open_dir.mkdir(mode=0o755)
     os.chmod(open_dir, 0o755)
-    out = subprocess.run(
-        [sys.executable, "-m", "shmloaderd", "--socket", str(open_dir / "c.sock")],
+    out = subprocess.run(  # single-user: the rule of a daemon started as a user
+        [sys.executable, "-m", "shmloaderd", "--single-user", "--socket", str(open_dir / "c.sock")],
         capture_output=True,
         text=True,
         timeout=20,
@@ -708,7 +710,8 @@ def test_unit_file_verifies(tmp_path) -> None:
         pytest.skip("systemd-analyze is not installed")
     with open(os.path.join(REPO, "systemd", "shmloaderd.service")) as f:
         unit = f.read()
-    assert "Type=notify" in unit and "WatchdogSec=" in unit and "RuntimeDirectoryMode=0700" in unit
+    assert "Type=notify" in unit and "WatchdogSec=" in unit
+    assert "RuntimeDirectoryMode=0755" in unit  # node mode: every user reaches the socket
     assert "ReadWritePaths=/dev/shm" in unit
     settings = [line for line in unit.splitlines() if not line.startswith("#")]
     for forbidden in ("PrivateIPC=yes", "PrivateDevices=yes", "ProtectProc=invisible"):

@@ -2,7 +2,12 @@
 
     shmloaderd [--socket PATH] [--budget SIZE|PCT%] [--metrics-port PORT]
                [--reap-interval SECONDS] [--pool SIZE] [--pool-segment SIZE]
-               [--log-level LEVEL]
+               [--tenants | --single-user] [--uid-budget UID=SIZE|PCT% ...]
+               [--default-uid-budget SIZE|PCT%] [--log-level LEVEL]
+
+Started as root (or with ``--tenants``) it serves every user of the node
+(NOTE [tenants] in ``tenants``); as any other user, or with
+``--single-user``, only its own uid.
 
 Exit codes: 0 after SIGTERM/SIGINT, 2 for a bad argument or when it cannot
 start (the message says why: socket directory not ours, another daemon
@@ -27,6 +32,7 @@ from shmloader.errors import human_bytes
 from . import notify
 from ._version import __version__
 from .server import Daemon, StartError
+from .tenants import UidBudgets, parse_uid
 
 log = logging.getLogger("shmloaderd")
 
@@ -74,6 +80,25 @@ def budget_function(spec: tuple[str, float] | None):
         return int(st.f_blocks * st.f_frsize * value / 100)
 
     return pct
+
+
+def parse_uid_budget(text: str) -> tuple[int, tuple[str, float]]:
+    """``"1001=8G"`` or ``"alice=25%"`` -> (uid, budget spec)."""
+    uid_text, sep, budget = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r}: use UID=SIZE or UID=PCT%, e.g. 1001=8G")
+    try:
+        uid = parse_uid(uid_text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return uid, parse_budget(budget)
+
+
+def node_mode(args: argparse.Namespace, euid: int) -> bool:
+    """Whether to serve every user: ``--tenants``, or root without ``--single-user``."""
+    if args.tenants is not None:
+        return args.tenants
+    return euid == 0
 
 
 def _positive(text: str) -> float:
@@ -146,6 +171,41 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="payload bytes of each pooled segment (default 64M)",
     )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--tenants",
+        dest="tenants",
+        action="store_const",
+        const=True,
+        default=None,
+        help="node mode: serve every user of the node (the default when started as root); "
+        "the socket directory is 0755 and the socket 0666, each client is known by its "
+        "SO_PEERCRED",
+    )
+    mode.add_argument(
+        "--single-user",
+        dest="tenants",
+        action="store_const",
+        const=False,
+        help="serve only our own uid, even as root (socket 0600 in a 0700 directory)",
+    )
+    p.add_argument(
+        "--uid-budget",
+        type=parse_uid_budget,
+        action="append",
+        default=[],
+        metavar="UID=SIZE|PCT%",
+        help="node mode: all jobs of this uid (or user name) together stay under SIZE "
+        "(repeatable); the node --budget still caps the sum",
+    )
+    p.add_argument(
+        "--default-uid-budget",
+        type=parse_budget,
+        default=None,
+        metavar="SIZE|PCT%",
+        help="node mode: the budget of every uid without its own --uid-budget "
+        "(default: none, only the node budget)",
+    )
     p.add_argument("--version", action="version", version=f"shmloaderd {__version__}")
     return p
 
@@ -167,6 +227,18 @@ def main(argv: list[str] | None = None) -> int:
         budget_text = f"{args.budget[1]:g}% of /dev/shm ({human_bytes(budget() or 0)})"
     else:
         budget_text = human_bytes(int(args.budget[1]))
+    tenants = node_mode(args, os.geteuid())
+    if (args.uid_budget or args.default_uid_budget) and not tenants:
+        print(
+            "shmloaderd: --uid-budget and --default-uid-budget need node mode (run as root "
+            "or with --tenants)",
+            file=sys.stderr,
+        )
+        return 2
+    uid_budgets = UidBudgets(
+        {uid: budget_function(spec) for uid, spec in args.uid_budget},
+        None if args.default_uid_budget is None else budget_function(args.default_uid_budget),
+    )
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -182,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         reap_interval=args.reap_interval,
         pool_bytes=args.pool,
         pool_segment=args.pool_segment,
+        tenants=tenants,
+        uid_budgets=uid_budgets,
     )
     metrics = None
     try:

@@ -9,7 +9,7 @@ a scrape never touches /dev/shm or the daemon's loop::
     shmloaderd_shm_size_bytes / _free_bytes     gauge
     shmloaderd_pool_bytes                       gauge
     shmloaderd_jobs                             gauge
-    shmloaderd_job_bytes{token}                 gauge
+    shmloaderd_job_bytes{token,job,uid}         gauge
     shmloaderd_job_published_total{token}       counter  batches written
     shmloaderd_job_publish_seconds_avg{token}   gauge
     shmloaderd_follower_lag_batches{token,rank} gauge
@@ -23,7 +23,14 @@ a scrape never touches /dev/shm or the daemon's loop::
     shmloaderd_reaped_bytes_total               counter
     shmloaderd_reaped_sockets_total             counter
     shmloaderd_admissions_total{result}         counter  granted | refused
-    shmloaderd_requests_total{op}               counter  op "invalid" for rejected ones
+    shmloaderd_requests_total{op}               counter  op "invalid" for rejected ones,
+                                                         "denied" for refused ones (node mode)
+    per uid (node mode: every uid with a job or a reap; else the daemon's own):
+    shmloaderd_uid_jobs{uid,user}               gauge
+    shmloaderd_uid_bytes{uid,user}              gauge    bytes its jobs hold
+    shmloaderd_uid_budget_bytes{uid,user}       gauge    (absent without a uid budget)
+    shmloaderd_uid_reaped_segments_total{uid,user} / _reaped_bytes_total  counter
+    shmloaderd_uid_admissions_total{uid,user,result} counter  granted | refused
 """
 
 from __future__ import annotations
@@ -77,7 +84,9 @@ class _Collector:
         yield from gauge("shmloaderd_shm_free_bytes", "/dev/shm free", node["shm_free_bytes"])
         yield from gauge("shmloaderd_pool_bytes", "warm pool bytes", daemon.get("pool_bytes"))
         yield from gauge("shmloaderd_jobs", "jobs on this node", len(doc["jobs"]))
-        job_bytes = GaugeMetricFamily("shmloaderd_job_bytes", "bytes held", labels=["token"])
+        job_bytes = GaugeMetricFamily(
+            "shmloaderd_job_bytes", "bytes held", labels=["token", "job", "uid"]
+        )
         published = CounterMetricFamily(
             "shmloaderd_job_published", "batches published", labels=["token"]
         )
@@ -103,7 +112,8 @@ class _Collector:
                     share.add_metric(key, row["wait_share"])
                 if row.get("wait_ms_p50") is not None:
                     wait.add_metric(key, row["wait_ms_p50"] / 1e3)
-            job_bytes.add_metric([token], job["bytes"])
+            uid = "" if job.get("uid") is None else str(job["uid"])
+            job_bytes.add_metric([token, job.get("job") or "", uid], job["bytes"])
             if job["published"] is not None:
                 published.add_metric([token], job["published"])
             if job["publish_ms_avg"] is not None:
@@ -123,6 +133,7 @@ class _Collector:
                 sum_value=w["sum_ms"] / 1e3,
             )
         yield from (job_bytes, published, pub_s, lag, recv, share, wait, hist)
+        yield from _per_uid(daemon.get("uids") or {})
         yield CounterMetricFamily(
             "shmloaderd_reaped_segments", "segments reaped", value=counters["reaped_segments"]
         )
@@ -140,6 +151,30 @@ class _Collector:
         for op, n in sorted(counters["requests"].items()):
             req.add_metric([op], n)
         yield req
+
+
+def _per_uid(uids: dict[str, Any]) -> Iterator[Metric]:
+    """The per-uid series, from the ``daemon.uids`` rows of the stats document."""
+    labels = ["uid", "user"]
+    jobs = GaugeMetricFamily("shmloaderd_uid_jobs", "jobs of this uid", labels=labels)
+    held = GaugeMetricFamily("shmloaderd_uid_bytes", "bytes its jobs hold", labels=labels)
+    budget = GaugeMetricFamily("shmloaderd_uid_budget_bytes", "uid budget", labels=labels)
+    segs = CounterMetricFamily("shmloaderd_uid_reaped_segments", "segments reaped", labels=labels)
+    nbytes = CounterMetricFamily("shmloaderd_uid_reaped_bytes", "bytes reaped", labels=labels)
+    adm = CounterMetricFamily(
+        "shmloaderd_uid_admissions", "admit answers", labels=[*labels, "result"]
+    )
+    for uid, row in sorted(uids.items()):
+        key = [uid, str(row.get("user") or uid)]
+        jobs.add_metric(key, row["jobs"])
+        held.add_metric(key, row["bytes"])
+        if row.get("budget_bytes") is not None:
+            budget.add_metric(key, row["budget_bytes"])
+        segs.add_metric(key, row["reaped_segments"])
+        nbytes.add_metric(key, row["reaped_bytes"])
+        adm.add_metric([*key, "granted"], row["admissions_granted"])
+        adm.add_metric([*key, "refused"], row["admissions_refused"])
+    yield from (jobs, held, budget, segs, nbytes, adm)
 
 
 class MetricsServer:

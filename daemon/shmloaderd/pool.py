@@ -245,7 +245,16 @@ class Pool:
         return freed
 
     def adopt(
-        self, token: str, name: str, nbytes: int, pid: int, start: int, pidns: int = 0
+        self,
+        token: str,
+        name: str,
+        nbytes: int,
+        pid: int,
+        start: int,
+        pidns: int = 0,
+        *,
+        uid: int | None = None,
+        gid: int | None = None,
     ) -> dict:
         """Hand the smallest fitting pooled segment to ``(pid, start)`` as ``name``.
 
@@ -253,6 +262,12 @@ class Pool:
         namespace must run; one of another namespace cannot be checked here
         (NOTE [pid namespaces] in ``registry``). The new header names the
         adopter's namespace, so no reaper judges it by a pid of another one.
+
+        ``uid``/``gid`` (node mode, NOTE [tenants] in ``tenants``): the adopting
+        user. The segment is ``fchown``-ed to it and set to mode 0600 and its
+        header names that uid before its new name is linked: the job never maps
+        a segment another user could open (the pooled one was the daemon's,
+        0600, and only the daemon held it open).
         """
         mine = segment_module.MY_PIDNS
         foreign = bool(pidns and mine and pidns != mine)
@@ -275,11 +290,17 @@ class Pool:
         old = seg.header
         # a pid that runs here is of our namespace (NOTE [segment trust] in ``segment``)
         owner_ns = pidns or mine
-        new = Header(KIND_DATA, old.uid, token, pid, start, old.capacity, time.time_ns(), owner_ns)
-        new.write(seg.fd)
+        owner = old.uid if uid is None else uid
+        new = Header(KIND_DATA, owner, token, pid, start, old.capacity, time.time_ns(), owner_ns)
         try:
+            if owner != old.uid:  # hand it over before it gets a name the user can open
+                os.fchown(seg.fd, owner, os.getegid() if gid is None else gid)
+            os.fchmod(seg.fd, 0o600)
+            new.write(seg.fd)
             os.link(shm_path(seg.name), shm_path(name))
         except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.fchown(seg.fd, old.uid, os.getegid())
             old.write(seg.fd)  # still ours
             with self.lock:
                 self.items.append(item)
@@ -288,7 +309,7 @@ class Pool:
         seg.unlink()
         seg.close()
         self.adopted += 1
-        log.info("warm pool: %s adopted as %s by pid %d", seg.name, name, pid)
+        log.info("warm pool: %s adopted as %s by pid %d (uid %d)", seg.name, name, pid, owner)
         return {"ok": True, "adopted": True, "name": name, "capacity": old.capacity}
 
     def close(self, wait: float = 5.0) -> None:

@@ -1,7 +1,9 @@
 """The control protocol of shmloaderd, version 1. Pure: bytes in, dicts out.
 
 Transport: ZeroMQ over ``ipc://<socket>`` (the file is mode 0600 in a 0700
-directory, so only the daemon's own user can connect). The daemon binds a
+directory, so only the daemon's own user can connect; in node mode 0666 in a
+0755 directory, and each request is judged by its connection's
+``SO_PEERCRED``: NOTE [tenants] in ``tenants``). The daemon binds a
 ROUTER; clients use REQ (``shmloader.daemon_client``) or DEALER. Every request
 and every reply is exactly one frame holding one UTF-8 JSON object, at most
 ``MAX_REQUEST`` bytes; never pickle::
@@ -53,9 +55,13 @@ as the field ``pids_ns`` ({rank: pidns}); ``pids`` keeps ``(pid, start)``.
 
 ``admit`` refusing is not an error: ``ok: true, admitted: false`` with a
 ``reason`` naming the budget, what is in use and by which jobs; the client
-raises ``ShmCapacityError`` from it. Tokens are 1-16 ASCII letters/digits;
-segment names are ``/shml-<token>-<suffix>`` and the daemon never accepts a
-name outside the token's own prefix.
+raises ``ShmCapacityError`` from it. With a uid budget (node mode) the reply
+also carries ``uid``, ``uid_budget`` and ``uid_in_use``. In node mode a
+request naming another uid's job or pid is answered ``ok: false`` with an
+``error`` starting ``refused:``; ``stats`` answers with the asker's view.
+Tokens are 1-16 ASCII letters/digits; segment names are
+``/shml-<token>-<suffix>`` and the daemon never accepts a name outside the
+token's own prefix.
 """
 
 from __future__ import annotations

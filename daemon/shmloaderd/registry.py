@@ -31,7 +31,12 @@ NOTE [budget]
     /dev/shm itself has not that much free. A refusal names the budget, the
     bytes in use and the jobs (token, ranks, pids) that hold them. A request
     is refused without being recorded, so asking for too much costs nothing
-    to the other jobs.
+    to the other jobs. In node mode (NOTE [tenants] in ``tenants``) each job
+    belongs to a uid, and a uid with a budget (``--uid-budget``,
+    ``--default-uid-budget``) is refused once all its jobs together would
+    exceed it, whatever other uids hold; the node budget still caps the sum.
+    A refusal shown to a user details only that user's jobs: the rest of the
+    node is a count and a total.
 
 NOTE [pid namespaces]
     Clients name their processes by (pid, start time) as they see them. The
@@ -79,6 +84,8 @@ from shmloader import segment
 from shmloader.admin import DEVICE_REPORTED, Entry, inspect, job_pids, observed_bytes
 from shmloader.errors import human_bytes
 from shmloader.segment import PREFIX, list_segments, process_alive, shm_free_bytes
+
+from .tenants import user_name
 
 log = logging.getLogger("shmloaderd")
 
@@ -133,6 +140,8 @@ class Job:
     # NOTE [pid namespaces]: namespace of a known (pid, start); the writer's as a hint
     pidns: dict[tuple[int, int], int] = field(default_factory=dict)
     pidns_hint: int = 0
+    uid: int | None = None  # whose job (NOTE [tenants] in ``tenants``)
+    uid_from_ctl: bool = False  # the uid is its control segment's owner, not a claim
 
     def all_pids(self) -> set[tuple[int, int]]:
         return set(self.pids.values()) | self.owners
@@ -206,31 +215,91 @@ class Registry:
         budget: Callable[[], int | None],
         pool_bytes: Callable[[], int] = lambda: 0,
         shrink_pool: Callable[[int], int] = lambda need: 0,
+        uid_budget: Callable[[int | None], int | None] = lambda uid: None,
+        tenants: bool = False,
     ) -> None:
         self.jobs: dict[str, Job] = {}
         self.budget = budget
         self.pool_bytes = pool_bytes
         self.shrink_pool = shrink_pool
+        self.uid_budget = uid_budget
+        self.tenants = tenants  # node mode: refusals detail only the asker's jobs
         self.granted = 0
         self.refused = 0
         self.ended: dict[str, Ended] = {}  # NOTE [dead jobs stay visible]
+        self.admissions: dict[tuple[int, str], int] = {}  # (uid, "granted"|"refused") -> n
 
     # ------------------------------------------------------------- requests
 
-    def job(self, token: str) -> Job:
+    def job(self, token: str, uid: int | None = None) -> Job:
+        """The job of ``token``, made for ``uid`` if new (whose it is: ``owners``)."""
+        found = self._control_owners(token)
         job = self.jobs.get(token)
         if job is None:
             if len(self.jobs) >= MAX_JOBS:
                 raise RegistryFull(
                     f"shmloaderd already tracks {MAX_JOBS} jobs; unregister finished ones"
                 )
-            job = self.jobs[token] = Job(token)
+            first = uid if not found or uid in found else None  # root acting for a user
+            job = self.jobs[token] = Job(token, uid=first)
             self.ended.pop(token, None)  # alive again (a restart that kept its token)
+        elif job.uid is None:
+            job.uid = uid
+        return self._settle(job, found)
+
+    def owners(self, token: str) -> set[int]:
+        """The uids job ``token`` may be told about by (NOTE [tenants] in
+        ``tenants``); empty: nobody's yet.
+
+        The owner of its control segment in /dev/shm, else the uid that first
+        named it. Several control segments of different uids under one token
+        (one of them planted): a job keeps the uid it has while that uid owns
+        one of them; a token nobody named yet is open to each of their owners.
+        """
+        job = self.jobs.get(token)
+        if job is not None and job.uid_from_ctl:
+            return {job.uid} if job.uid is not None else set()
+        found = self._control_owners(token)
+        if job is None:
+            return found
+        job = self._settle(job, found)
+        return set() if job.uid is None else {job.uid}
+
+    def _control_owners(self, token: str) -> set[int]:
+        """Uids of the valid control segments of ``token`` in /dev/shm."""
+        prefix = f"/{PREFIX}{token}-"
+        out = set()
+        for name in list_segments():
+            if name.startswith(prefix):
+                e = inspect(name, every_uid=self.tenants)
+                if e is not None and e.header is not None and e.header.kind_name == "control":
+                    out.add(e.header.uid)
+        return out
+
+    def _settle(self, job: Job, owners: set[int]) -> Job:
+        """Whose ``job`` is, given the uids of its control segments: a claim by a
+        uid that owns none of them gives way (the job starts afresh)."""
+        if not owners or job.uid_from_ctl:
+            return job
+        if job.uid in owners:
+            job.uid_from_ctl = True
+            return job
+        uid = min(owners)
+        if job.uid is not None:
+            log.warning(
+                "job %s was claimed by uid %s but its control segment belongs to uid %d: "
+                "the claim is dropped",
+                job.token,
+                job.uid,
+                uid,
+            )
+            job = self.jobs[job.token] = Job(job.token)
+        job.uid, job.uid_from_ctl = uid, True
         return job
 
-    def register(self, f: dict[str, Any]) -> dict[str, Any]:
+    def register(self, f: dict[str, Any], uid: int | None = None) -> dict[str, Any]:
         known = f["token"] in self.jobs
-        job = self.job(f["token"])
+        job = self.job(f["token"], uid)
         job.registered = True
         job.group = f["group"]
         job.pids = f["pids"]
@@ -270,13 +339,14 @@ class Registry:
             job.segments.pop(f["name"], None)
         return {"ok": True, "token": job.token, "segments": len(job.segments)}
 
-    def admit(self, f: dict[str, Any]) -> dict[str, Any]:
+    def admit(self, f: dict[str, Any], uid: int | None = None) -> dict[str, Any]:
         token, nbytes = f["token"], f["bytes"]
-        job = self.job(token)
+        job = self.job(token, uid)
         if "pid" in f and not job.pids and len(job.owners) < MAX_OWNERS:
             job.owners.add((f["pid"], f.get("start", 0)))
             job.note_namespace(f["pid"], f.get("start", 0), f.get("pidns"))
         self.observe_one(job)
+        job = self.jobs[token]  # a claim may have given way to the control segment's owner
         now = time.monotonic()
         budget = self.budget()
         in_use = self.in_use(now)
@@ -284,11 +354,22 @@ class Registry:
         pending_total = sum(j.pending(now) for j in self.jobs.values())
         reason = ""
         job.pending(now)  # drops expired grants
+        uid_budget = self.uid_budget(job.uid)
+        uid_use = self.uid_in_use(job.uid, now)
         if len(job.grants) >= MAX_GRANTS:
             reason = (
                 f"{job.describe()} has {MAX_GRANTS} admissions granted whose memory has not "
                 f"shown up in /dev/shm yet (they expire after {GRANT_TTL_S:g} s); create the "
                 "segments admitted before asking for more"
+            )
+        elif uid_budget is not None and uid_use + nbytes > uid_budget:
+            reason = (
+                f"the budget of uid {job.uid} ({user_name(job.uid)}) on this node is "
+                f"{human_bytes(uid_budget)} ({uid_budget} bytes) and its jobs use "
+                f"{human_bytes(uid_use)}: {self.holders(now, job.uid, only_uid=True)}; "
+                f"{job.describe()} asked {human_bytes(nbytes)}. Ask the node's operator for a "
+                f"larger --uid-budget {job.uid}=SIZE, lower SHMLOADER_SLOTS or run fewer of "
+                "your jobs on this node at once"
             )
         elif budget is not None and in_use + nbytes > budget:
             self.shrink_pool(in_use + nbytes - budget)
@@ -296,7 +377,8 @@ class Registry:
         if not reason and budget is not None and in_use + nbytes > budget:
             reason = (
                 f"the node budget of shmloaderd is {human_bytes(budget)} ({budget} bytes) and "
-                f"{human_bytes(in_use)} is in use by {self.holders(now)}; {job.describe()} asked "
+                f"{human_bytes(in_use)} is in use by {self.holders(now, job.uid)}; "
+                f"{job.describe()} asked "
                 f"{human_bytes(nbytes)}. Raise the daemon's --budget, lower SHMLOADER_SLOTS or "
                 "run fewer jobs on this node at once"
             )
@@ -314,10 +396,15 @@ class Registry:
             "in_use": in_use,
             "shm_free": free,
         }
+        if uid_budget is not None:
+            reply.update(uid=job.uid, uid_budget=uid_budget, uid_in_use=uid_use)
+        result = "refused" if reason else "granted"
+        key = (-1 if job.uid is None else job.uid, result)
+        self.admissions[key] = self.admissions.get(key, 0) + 1
         if reason:
             self.refused += 1
             reply["reason"] = reason
-            log.warning("refused %d bytes: %s", nbytes, reason)
+            log.warning("refused %d bytes of uid %s: %s", nbytes, job.uid, reason)
         else:
             self.granted += 1
             job.grants.append(Grant(nbytes, now + GRANT_TTL_S, job.observed))
@@ -353,9 +440,25 @@ class Registry:
         now = time.monotonic() if now is None else now
         return sum(j.usage(now) for j in self.jobs.values()) + self.pool_bytes()
 
-    def holders(self, now: float) -> str:
+    def uid_in_use(self, uid: int | None, now: float | None = None) -> int:
+        """Bytes all jobs of ``uid`` hold (observed plus pending grants)."""
+        now = time.monotonic() if now is None else now
+        return sum(j.usage(now) for j in self.jobs.values() if j.uid == uid)
+
+    def holders(self, now: float, viewer: int | None = None, *, only_uid: bool = False) -> str:
+        """Who holds the memory, for a refusal. In node mode a non-root ``viewer``
+        sees its own jobs in detail and the other uids' as a count and a total
+        (NOTE [budget]); ``only_uid``: the viewer's jobs alone."""
         jobs = sorted(self.jobs.values(), key=lambda j: -j.usage(now))
-        parts = [f"{j.describe()} {human_bytes(j.usage(now))}" for j in jobs if j.usage(now)]
+        cut = self.tenants and viewer not in (None, 0)
+        mine = [j for j in jobs if not (cut or only_uid) or j.uid == viewer]
+        parts = [f"{j.describe()} {human_bytes(j.usage(now))}" for j in mine if j.usage(now)]
+        if only_uid:
+            return "; ".join(parts) or "nothing"
+        others = [j for j in jobs if j not in mine and j.usage(now)]
+        if others:
+            total = sum(j.usage(now) for j in others)
+            parts.append(f"{len(others)} job(s) of other users {human_bytes(total)}")
         pool = self.pool_bytes()
         if pool:
             parts.append(f"the warm pool {human_bytes(pool)}")
@@ -364,7 +467,11 @@ class Registry:
     def observe_one(self, job: Job) -> None:
         """Refresh one job's observed bytes from /dev/shm now (before an admission)."""
         prefix = f"/{PREFIX}{job.token}-"
-        entries = [e for n in list_segments() if n.startswith(prefix) and (e := inspect(n))]
+        entries = [
+            e
+            for n in list_segments()
+            if n.startswith(prefix) and (e := inspect(n, every_uid=self.tenants))
+        ]
         self._observe(job, [e for e in entries if e.header is not None])
 
     def _observe(self, job: Job, entries: list[Entry]) -> None:
@@ -372,6 +479,10 @@ class Registry:
         segments, and the mappings of the writer (the live owner of the control
         segment: one ``/proc/<pid>/maps`` read per job and pass, whatever a
         client claims about pids)."""
+        ctls = [e for e in entries if e.header and e.header.kind_name == "control"]
+        job = self._settle(job, {e.header.uid for e in ctls if e.header is not None})
+        if job.uid is not None:  # another uid's segments under this token are not this job's
+            entries = [e for e in entries if e.header is None or e.header.uid == job.uid]
         ctl = next((e for e in entries if e.header and e.header.kind_name == "control"), None)
         if ctl is not None and ctl.header is not None:
             job.ctl_seen = True
@@ -403,7 +514,8 @@ class Registry:
                 ctl = next((e for e in es if e.header and e.header.kind_name == "control"), None)
                 if ctl is None or not ctl.alive or len(self.jobs) >= MAX_JOBS:
                     continue  # probes and dead leftovers are not jobs
-                job = self.jobs[token] = Job(token)
+                assert ctl.header is not None
+                job = self.jobs[token] = Job(token, uid=ctl.header.uid, uid_from_ctl=True)
                 _from_description(job, ctl)
                 log.info("discovered %s from its control segment %s", job.describe(), ctl.name)
             elif not job.registered:

@@ -17,13 +17,17 @@ The reaper follows NOTE [reaping rule] in ``shmloader.admin``: a segment goes
 only when its header validates and its owner (pid, start time) is dead; a
 socket ``<token>-<pid>.sock`` in one of our uid's runtime directories goes
 when its pid is gone (``admin.stale_sockets``, the rule ``shmloader gc``
-uses). Pool work runs on its own thread (NOTE [pool off the loop] in
-``pool``): nothing on the loop waits for page faults. On
-SIGTERM nothing of a live job is unlinked; on the next start the jobs are
-re-discovered from their control segments. Nothing a client sends can stop
-the loop: a malformed request gets ``{"ok": false, "error": ...}`` and a log
-line (rate-limited), an exception while serving one is logged with its
-traceback and answered the same way.
+uses). In node mode (NOTE [tenants] in ``tenants``) the same rule covers
+every uid's segments and private runtime directories, each reap logged with
+its uid, job and bytes; every request is checked against its peer's
+credentials first, and ``stats`` answers with the asker's view (``view``).
+Pool work runs on its own thread (NOTE [pool off the loop] in ``pool``):
+nothing on the loop waits for page faults. On SIGTERM nothing of a live job
+is unlinked; on the next start the jobs are re-discovered from their
+control segments. Nothing a client sends can stop the loop: a malformed
+request gets ``{"ok": false, "error": ...}`` and a log line (rate-limited),
+an exception while serving one is logged with its traceback and answered the
+same way.
 """
 
 from __future__ import annotations
@@ -54,12 +58,13 @@ from shmloader.admin import (
 from shmloader.daemon_client import MAX_REQUEST, DaemonClient
 from shmloader.errors import ProtocolError, human_bytes
 from shmloader.reap import remove_runtime_dir
-from shmloader.segment import HEADER_SIZE
+from shmloader.segment import HEADER_SIZE, SHM_DIR
 
 from . import notify, protocol
 from ._version import __version__
 from .pool import Pool
 from .registry import MAX_OWNERS, Job, Registry, RegistryFull, _from_description
+from .tenants import Peer, Tenancy, UidBudgets, peer_of, user_name
 
 log = logging.getLogger("shmloaderd")
 
@@ -116,13 +121,24 @@ class Daemon:
         reap_interval: float = 0.5,
         pool_bytes: int = 0,
         pool_segment: int = 64 << 20,
+        tenants: bool = False,
+        uid_budgets: UidBudgets | None = None,
     ) -> None:
         self.path = os.path.abspath(socket_path)
         self.budget = budget
         self.budget_text = budget_text
         self.reap_interval = reap_interval
         self.pool = Pool(pool_bytes, pool_segment)
-        self.registry = Registry(budget, lambda: self.pool.nbytes, self.pool.shrink)
+        self.tenancy = Tenancy(tenants)  # NOTE [tenants]
+        self.uid_budgets = uid_budgets or UidBudgets()
+        self.registry = Registry(
+            budget,
+            lambda: self.pool.nbytes,
+            self.pool.shrink,
+            uid_budget=self.uid_budgets,
+            tenants=tenants,
+        )
+        self.reaped_by_uid: dict[int, list[int]] = {}  # uid -> [segments, bytes]
         self.sock: zmq.Socket | None = None
         self.ctx: zmq.Context | None = None
         self.started = time.time()
@@ -139,7 +155,12 @@ class Daemon:
     # ----------------------------------------------------------------- bind
 
     def bind(self) -> None:
-        """Create the 0700 directory if needed, check it, bind the 0600 socket."""
+        """Create the 0700 directory if needed, check it, bind the 0600 socket.
+
+        In node mode: a 0755 directory nobody else may write, a 0666 socket
+        (every user connects; who they are comes from ``SO_PEERCRED``).
+        """
+        tenants = self.tenancy.enabled
         if len(self.path.encode()) > MAX_SOCKET_PATH:
             raise StartError(
                 f"--socket {self.path} is {len(self.path.encode())} bytes long; unix sockets "
@@ -148,7 +169,7 @@ class Daemon:
         directory = os.path.dirname(self.path)
         if not os.path.lexists(directory):
             try:
-                os.makedirs(directory, mode=0o700)
+                os.makedirs(directory, mode=0o755 if tenants else 0o700)
             except OSError as exc:
                 raise StartError(f"cannot create {directory}: {exc.strerror}") from None
         st = os.lstat(directory)
@@ -159,7 +180,13 @@ class Daemon:
                 f"{directory} belongs to uid {st.st_uid}, not to us ({os.geteuid()}); run "
                 "shmloaderd as that user or choose a --socket in a directory of ours"
             )
-        if stat.S_IMODE(st.st_mode) & 0o077:
+        if tenants and stat.S_IMODE(st.st_mode) & 0o022:
+            raise StartError(
+                f"{directory} has mode {stat.S_IMODE(st.st_mode):o}; in node mode the control "
+                f"socket needs a directory only we can write (chmod 755 {directory}, or "
+                "another --socket)"
+            )
+        if not tenants and stat.S_IMODE(st.st_mode) & 0o077:
             raise StartError(
                 f"{directory} has mode {stat.S_IMODE(st.st_mode):o}; the control socket needs a "
                 f"directory only we can enter (chmod 700 {directory}, or another --socket)"
@@ -181,7 +208,7 @@ class Daemon:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE)
         sock.setsockopt(zmq.SNDTIMEO, 0)
-        old = os.umask(0o177)
+        old = os.umask(0o111 if tenants else 0o177)
         try:
             sock.bind(f"ipc://{self.path}")
         except zmq.ZMQError as exc:
@@ -189,15 +216,18 @@ class Daemon:
             raise StartError(f"cannot bind {self.path}: {exc}") from None
         finally:
             os.umask(old)
-        os.chmod(self.path, 0o600)
+        if tenants:
+            os.chmod(directory, stat.S_IMODE(os.lstat(directory).st_mode) | 0o555)
+        os.chmod(self.path, 0o666 if tenants else 0o600)
         self.sock = sock
         self._bound = True
         self.pool.start()
         log.info(
-            "shmloaderd %s (pid %d) serving %s; budget %s; reaping every %g s%s",
+            "shmloaderd %s (pid %d) serving %s%s; budget %s; reaping every %g s%s",
             __version__,
             os.getpid(),
             self.path,
+            " for every user of the node (node mode)" if tenants else f" for uid {os.geteuid()}",
             self.budget_text,
             self.reap_interval,
             f"; warm pool {human_bytes(self.pool.target)}" if self.pool.target else "",
@@ -226,9 +256,10 @@ class Daemon:
         assert self.sock is not None
         for _ in range(256):  # then let the reaper run
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            frames = [p.bytes for p in parts]
             if len(frames) >= 3 and frames[1] == b"":
                 envelope, body = frames[:2], frames[2:]  # REQ
             else:
@@ -236,7 +267,7 @@ class Daemon:
             if len(body) != 1:
                 reply = self._reject(f"request of {len(body)} frames; expected exactly one")
             else:
-                reply = self.handle(body[0])
+                reply = self.handle(body[0], peer_of(parts[-1]))  # NOTE [tenants]
             with contextlib.suppress(zmq.ZMQError):  # the client may be gone
                 self.sock.send_multipart([*envelope, reply], zmq.NOBLOCK)
 
@@ -249,15 +280,26 @@ class Daemon:
         self._bad.warn("rejected a malformed request: %s", why)
         return protocol.encode({"ok": False, "error": why, "daemon_id": self.daemon_id})
 
-    def handle(self, raw: bytes) -> bytes:
-        """One request frame in, one reply frame out. Never raises."""
+    def handle(self, raw: bytes, peer: Peer | None = None) -> bytes:
+        """One request frame in, one reply frame out. Never raises.
+
+        ``peer``: the connection's credentials (NOTE [tenants]); in node mode a
+        request naming what is not the peer's is refused here, and logged.
+        """
         try:
             op, fields = protocol.parse(raw)
         except ProtocolError as exc:
             return self._reject(str(exc))
         self._count(op)
         try:
-            reply = self.dispatch(op, fields)
+            denied = self.tenancy.check(op, fields, peer, self.registry.owners)
+            if denied is not None:
+                self._count("denied")
+                self._bad.warn("refused %r from %s: %s", op, peer, denied)
+                return protocol.encode(
+                    {"ok": False, "error": f"refused: {denied}", "daemon_id": self.daemon_id}
+                )
+            reply = self.dispatch(op, fields, peer)
         except RegistryFull as exc:
             reply = {"ok": False, "error": str(exc)}
         except Exception as exc:  # a bug of ours must not take the node's daemon down
@@ -266,8 +308,9 @@ class Daemon:
         log.debug("%s %s -> %s", op, fields.get("token", ""), reply.get("ok"))
         return protocol.encode({**reply, "daemon_id": self.daemon_id})
 
-    def dispatch(self, op: str, f: dict[str, Any]) -> dict[str, Any]:
+    def dispatch(self, op: str, f: dict[str, Any], peer: Peer | None = None) -> dict[str, Any]:
         r = self.registry
+        uid = self.tenancy.uid_of(peer)
         if op == "hello":
             return {
                 "ok": True,
@@ -279,23 +322,28 @@ class Daemon:
                 "budget": self.budget(),
             }
         if op == "stats":
-            return {"ok": True, "stats": self.stats()}
+            return {"ok": True, "stats": self.view(self.stats(), peer)}
         if op == "register":
-            return r.register(f)
+            return r.register(f, uid)
         if op == "segment":
             return r.segment(f)
         if op == "admit":
-            return r.admit(f)
+            return r.admit(f, uid)
         if op == "report":
             return r.report(f)
         if op == "unregister":
             return r.unregister(f)
         if op == "adopt":
+            job = r.job(f["token"], uid)
+            if self.tenancy.enabled and job.uid is not None:  # NOTE [tenants]: fchown to them
+                gid = peer.gid if peer is not None and peer.uid == job.uid else None
+                owner = {"uid": job.uid, "gid": gid}
+            else:
+                owner = {}
             reply = self.pool.adopt(
-                f["token"], f["name"], f["bytes"], f["pid"], f["start"], f.get("pidns", 0)
+                f["token"], f["name"], f["bytes"], f["pid"], f["start"], f.get("pidns", 0), **owner
             )
             if reply.get("adopted"):
-                job = r.job(f["token"])
                 job.segments[f["name"]] = HEADER_SIZE + reply["capacity"]
                 if not job.pids and len(job.owners) < MAX_OWNERS:
                     job.owners.add((f["pid"], f["start"]))
@@ -307,24 +355,31 @@ class Daemon:
 
     def reap_pass(self) -> None:
         """Unlink what dead owners left, update the registry, refill the pool."""
+        every_uid = self.tenancy.enabled  # NOTE [reaping rule] in shmloader.admin
         try:
-            entries = scan_entries()
+            entries = scan_entries(every_uid=every_uid)
             names = self._job_names(entries)
             kept = []
             reaped: dict[str, tuple[int, int]] = {}
             for e in entries:
                 if e.header is not None and not e.alive:
-                    freed = remove_if_dead(e.name)
+                    freed = remove_if_dead(e.name, every_uid=every_uid)
                     if freed is not None and freed.removed:
                         self.reaped_segments += 1
                         self.reaped_bytes += freed.bytes
                         n, b = reaped.get(freed.token, (0, 0))
                         reaped[freed.token] = (n + 1, b + freed.bytes)
+                        uid = freed.extra["uid"]
+                        count = self.reaped_by_uid.setdefault(uid, [0, 0])
+                        count[0] += 1
+                        count[1] += freed.bytes
                         log.info(
-                            "reaped %s (%s, %s, %s): owner pid %d (start %d) is gone",
+                            "reaped %s (%s, %s, uid %d %s, %s): owner pid %d (start %d) is gone",
                             freed.name,
                             freed.kind,
                             human_bytes(freed.bytes),
+                            uid,
+                            user_name(uid),
                             names.get(freed.token, f"ring {freed.token}"),
                             freed.owner_pid,
                             freed.extra["owner_start"],
@@ -381,7 +436,7 @@ class Daemon:
 
     def _reap_sockets(self) -> None:
         """Remove dead writers' private runtime directories and older-layout sockets."""
-        for path in dead_runtime_dirs():
+        for path in dead_runtime_dirs(every_uid=self.tenancy.enabled):
             if remove_runtime_dir(path):
                 self.reaped_sockets += 1
                 log.info("reaped the runtime directory %s: its process is gone", path)
@@ -399,7 +454,7 @@ class Daemon:
     # ----------------------------------------------------------------- stats
 
     def stats(self) -> dict[str, Any]:
-        return self._document(scan_entries())
+        return self._document(scan_entries(every_uid=self.tenancy.enabled))
 
     def _document(self, entries: list) -> dict[str, Any]:
         doc = build_document(
@@ -415,6 +470,8 @@ class Daemon:
                 alive = job.alive()
                 j["state"] = "live" if alive else "unknown" if alive is None else "dead"
             j["registered"] = job.registered
+            if job.uid is not None:
+                j["uid"], j["user"] = job.uid, user_name(job.uid)
             if job.name is not None:
                 j["job"] = job.name
             if j["started_unix"] is None:
@@ -475,12 +532,15 @@ class Daemon:
             "budget_bytes": self.budget(),
             "in_use_bytes": self.registry.in_use(now),
             "granted_pending_bytes": sum(j.pending(now) for j in self.registry.jobs.values()),
+            "budget_left_bytes": _left(self.budget(), self.registry.in_use(now)),
             "uptime_s": round(time.time() - self.started, 3),
             "reaped_segments": self.reaped_segments,
             "reaped_bytes": self.reaped_bytes,
             "reaped_sockets": self.reaped_sockets,
             "pool_bytes": self.pool.nbytes,
             "pool_segments": len(self.pool.items),
+            "tenants": self.tenancy.enabled,
+            "uids": self._uids(doc["jobs"], now),
         }
         return doc
 
@@ -495,6 +555,56 @@ class Daemon:
                         "role": rep.get("role") or "", "counts": list(rep["wait_hist"]),
                         "sum_ms": rep.get("wait_ms_sum") or 0.0,
                     })  # fmt: skip
+        return out
+
+    def _uids(self, jobs: list[dict[str, Any]], now: float) -> dict[str, Any]:
+        """Per uid: its jobs, bytes held, budget and what is left of it, bytes reaped."""
+        uids = {j["uid"] for j in jobs if j.get("uid") is not None} | set(self.reaped_by_uid)
+        uids |= {uid for uid, _ in self.registry.admissions if uid >= 0}
+        uids |= set(self.uid_budgets.per_uid)
+        return {str(uid): self._uid_row(uid, jobs, now) for uid in sorted(uids)}
+
+    def _uid_row(self, uid: int, jobs: list[dict[str, Any]], now: float) -> dict[str, Any]:
+        budget = self.uid_budgets(uid)
+        held = self.registry.uid_in_use(uid, now)
+        mine = [j for j in jobs if j.get("uid") == uid]
+        held = max(held, sum(j["bytes"] for j in mine if j["state"] != "dead"))
+        reaped = self.reaped_by_uid.get(uid, [0, 0])
+        return {
+            "user": user_name(uid),
+            "jobs": len(mine),
+            "bytes": held,
+            "budget_bytes": budget,
+            "budget_left_bytes": _left(budget, held),
+            "reaped_segments": reaped[0],
+            "reaped_bytes": reaped[1],
+            "admissions_granted": self.registry.admissions.get((uid, "granted"), 0),
+            "admissions_refused": self.registry.admissions.get((uid, "refused"), 0),
+        }
+
+    def view(self, doc: dict[str, Any], peer: Peer | None) -> dict[str, Any]:
+        """What ``peer`` may see of a stats document (NOTE [tenants]).
+
+        Root, or any peer outside node mode: everything. A user in node mode:
+        its own jobs in full; of the rest of the node only totals (``others``:
+        jobs and bytes; the node's budget and use in ``daemon``), its own row
+        of ``daemon.uids``, and only its own entries of ``invalid``.
+        """
+        if not self.tenancy.enabled or peer is None or peer.root:
+            return doc
+        uid = peer.uid
+        mine = [j for j in doc["jobs"] if j.get("uid") == uid]
+        others = [j for j in doc["jobs"] if j.get("uid") != uid]
+        out = dict(doc)
+        out["jobs"] = mine
+        out["others"] = {"jobs": len(others), "bytes": sum(j["bytes"] for j in others)}
+        out["invalid"] = [
+            bad for bad in doc.get("invalid", []) if _file_uid(bad.get("name")) == uid
+        ]
+        if doc.get("daemon"):
+            daemon = dict(doc["daemon"])
+            daemon["uids"] = {str(uid): self._uid_row(uid, mine, time.monotonic())}
+            out["daemon"] = daemon
         return out
 
     def _counters(self) -> dict[str, Any]:
@@ -556,6 +666,8 @@ def _ended_job(rec: Any) -> dict[str, Any]:
         world=job.world,
         pids={str(r): list(p) for r, p in sorted(job.pids.items())},
         writer_alive=False,
+        uid=job.uid,
+        user=None if job.uid is None else user_name(job.uid),
         ended={
             "unix": rec.unix,
             "why": rec.why,
@@ -564,3 +676,17 @@ def _ended_job(rec: Any) -> dict[str, Any]:
         },
     )
     return j
+
+
+def _file_uid(name: Any) -> int | None:
+    """Owner of ``/dev/shm/<name>`` (None when it cannot be told)."""
+    if not isinstance(name, str):
+        return None
+    try:
+        return os.lstat(os.path.join(SHM_DIR, name.lstrip("/"))).st_uid
+    except OSError:
+        return None
+
+
+def _left(budget: int | None, used: int) -> int | None:
+    return None if budget is None else max(budget - used, 0)

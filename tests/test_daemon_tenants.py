@@ -162,7 +162,7 @@ def cmd_rundir(base: str) -> str:
 def cmd_gc() -> list:
     """``shmloader gc --json`` as this user."""
     out = io.StringIO()
-    ns = argparse.Namespace(dry_run=False, json=True, token=None, owner_pid=None)
+    ns = argparse.Namespace(dry_run=False, json=True, token=None, owner_pid=None, job=None)
     with contextlib.redirect_stdout(out):
         admin.cmd_gc(ns)
     return json.loads(out.getvalue())
@@ -445,6 +445,6 @@ def _two_users(daemons: Daemons, path: str, port: int, base: str, a_uid: int, b_
         assert took < 1.5, took
         log = d.output()
         for uid, token in ((a_uid, ta), (b_uid, tb)):  # uid, job name and bytes of each reap
-            assert f"uid {uid} {uid}, job {token} job-of-{uid}): owner pid" in log, log
+            assert f"uid {uid} {uid}, job job-of-{uid} (ring {token})): owner pid" in log, log
     for name in (a_left, b_left, b_left2):
         assert not os.path.exists(shm_path(name))

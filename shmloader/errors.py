@@ -26,6 +26,21 @@ class ConfigError(ShmLoaderError, ValueError):
         super().__init__(f"{name}={value!r} is not valid: expected {accepted}")
 
 
+class ConfigMismatchError(ConfigError):
+    """Ranks of one group constructed their ``ShmLoader`` with different settings.
+
+    ``name`` is the setting, ``value`` the values by rank, ``accepted`` the fix.
+    Raised at set-up, before any collective (NOTE [set-up marks] in ``arrival``).
+    """
+
+    def __init__(self, name: str, values: dict[int, object], fix: str) -> None:
+        self.name = name
+        self.value = values
+        self.accepted = fix
+        shown = ", ".join(f"rank {r}: {v!r}" for r, v in sorted(values.items()))
+        ShmLoaderError.__init__(self, f"ranks disagree on {name} ({shown}): {fix}")
+
+
 class UnsupportedBatchError(ShmLoaderError, TypeError):
     """A batch holds something the codec cannot carry without pickle.
 

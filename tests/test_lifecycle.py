@@ -220,7 +220,7 @@ def test_a_rank_that_never_constructs_is_named_within_the_timeout():
     out = run_ranks(absent_rank, 3)
     for o in out[:2]:
         assert o["type"] == "PeerLostError", o
-        assert "rank 2" in o["message"] and "did not construct" in o["message"], o
+        assert "rank 2" in o["message"] and "not constructed" in o["message"], o
         assert o["seconds"] < 5, o
 
 

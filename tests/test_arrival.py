@@ -278,3 +278,20 @@ def test_sharing_off_on_one_rank_and_settings_that_differ_fail_in_seconds():
         roles = [m for m in o["log"] if m.startswith(f"shmloader: rank {rank} ")]
         assert any("sharing on" in m and o["agreed"]["role"] in m for m in roles), o["log"]
     assert any("sharing off" in m for m in out[2]["log"] if m.startswith("shmloader: rank 2 l"))
+
+
+def leader_dies_building(rank: int, world: int) -> dict:
+    """The leader dies inside make_loader, after every rank marked."""
+
+    def make():
+        time.sleep(1.0)
+        os._exit(0)
+
+    cfg = Config.from_env(enabled=True, timeout=30.0)
+    got = outcome(lambda: ShmLoader(make, dist.group.WORLD, config=cfg))
+    return got
+
+
+def test_a_leader_that_dies_building_its_loader_is_named_in_seconds():
+    out = run_ranks(leader_dies_building, 2, expect_failure=True, timeout=60, gc_after=True)
+    assert out[1]["type"] == "PeerLostError" and out[1]["seconds"] < 5, out[1]

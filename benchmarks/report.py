@@ -267,7 +267,7 @@ def targets(rows: list[dict], *, key_mib: float = 256.0, key_sp: int | None = No
         {
             "target": f"(information) broadcast_object_list of the metadata only, SP{key_sp} "
             f"{key_mib:g} MiB",
-            "measured": f"{_fmt(bc.get('meta_ms_p50') if bc else None)} ms of the seed's "
+            "measured": f"{_fmt(bc.get('meta_ms_p50') if bc else None)} ms of the broadcast way's "
             f"{_fmt(bc.get('publish_ms_p50') if bc else None)} ms publish",
             "verdict": "-",
         }
@@ -320,7 +320,7 @@ def targets(rows: list[dict], *, key_mib: float = 256.0, key_sp: int | None = No
 
 
 def _zero_copy_targets(rows: list[dict], key: dict | None, sp: int, mib: float) -> list[dict]:
-    """Issue 12's targets for the zero-copy way (workers write the ring)."""
+    """The zero-copy way's targets (workers write the ring)."""
     shm = [r for r in rows if r["run"] == "transport" and r["mode"] == "shmloader"]
     main = [r["main_ms_p50"] for r in shm if r.get("main_ms_p50") is not None]
     at_key = key.get("main_ms_p50") if key else None

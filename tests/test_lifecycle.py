@@ -1,4 +1,4 @@
-"""Issue 14: kept leaves, set-up bounds, the same failure in both modes, and
+"""Kept leaves, set-up bounds, the same failure in both modes, and
 behaviours no test pinned before (empty epochs, finished-epoch cursors, node
 identity by probe, a daemon job with one live pid)."""
 

@@ -48,16 +48,18 @@ class UnsupportedBatchError(ShmLoaderError, TypeError):
     offending leaf (``batch['meta'][3]``) and its type.
     """
 
-    def __init__(self, path: str, obj: object, why: str = "") -> None:
+    def __init__(self, path: str, obj: object, why: str = "", fix: str = "") -> None:
         self.path = path
         self.type_name = f"{type(obj).__module__}.{type(obj).__qualname__}"
         reason = why or "only tensors, numpy arrays, int/float/bool/str/bytes/None leaves"
-        super().__init__(
-            f"{path} is a {self.type_name}, which shmloader cannot share: {reason}. "
+        fix = fix or (
             "Convert it in your collate_fn (e.g. to a tensor or a str), or opt in to "
             "pickling it with ShmLoader(..., config=Config.from_env(allow_pickle=True)) on "
             "every rank (from_env keeps SHMLOADER and the other variables; a bare Config() "
             "does not read the environment)."
+        )
+        super().__init__(
+            f"{path} is a {self.type_name}, which shmloader cannot share: {reason}. {fix}"
         )
 
 

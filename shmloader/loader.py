@@ -69,11 +69,17 @@ NOTE [small leaves]
     slot, which is released as soon as the large leaves die. A batch made
     only of small leaves is released right at delivery.
 
-NOTE [same failure in both modes]
-    With sharing off every rank still runs each batch through the codec's
-    checks (``codec.encode``, which builds metadata only and copies no
-    payload), and ``len()``/``next()`` after ``close()`` raise the same
-    ``ShmLoaderError``: a bug shows up the same way whatever the launcher sets.
+NOTE [sharing off is plain torch]
+    With sharing off every rank delivers exactly what its loader yields, as
+    without shmloader: a batch that plain torch accepts (a ``pathlib.Path``,
+    a tensor that requires grad, any object) is never refused. Each batch
+    still runs through the codec's checks (``codec.encode``: metadata only,
+    no payload copy) until the first one sharing would refuse, which is
+    named in one warning carrying the ``UnsupportedBatchError`` that
+    ``SHMLOADER=1`` would raise; later batches are not checked. With sharing
+    on such a batch is refused before anything is written. ``len()`` and
+    ``next()`` after ``close()`` raise the same ``ShmLoaderError`` in both
+    modes.
 """
 
 from __future__ import annotations
@@ -240,6 +246,7 @@ class ShmLoader(_Leader, _Relay, _Follower):
         self._waits: collections.deque = collections.deque(maxlen=WAIT_WINDOW)  # ms per batch
         self._wait_since: float | None = None  # perf_counter when this rank first waited
         self._warned_rng = False
+        self._told_unshareable = False  # NOTE [sharing off is plain torch]
         self._group_ranks = _group_ranks(group)
         sharing = (
             self.config.enabled and self._group_ranks is not None and len(self._group_ranks) > 1

@@ -24,7 +24,9 @@ NOTE [set-up marks]
       reading each mark once as it appears (every ``POLL_S``). A peer with
       sharing off, or with other ``AGREED`` settings, is a ``ConfigError``
       naming the rank, the setting and the values (every rank with sharing on
-      sees every mark, so each of them raises). A peer that marked and died
+      sees every mark, so each of them raises); other ``NOTED`` settings
+      (the device kind: a group may mix host and GPU delivery) are named in
+      a warning. A peer that marked and died
       is a ``PeerLostError`` within about a second: by pid and start time on
       the same host and pid namespace, else by its heartbeat counter standing
       still for ``HEARTBEAT_STALE_S``. Ranks still missing are named in a
@@ -64,16 +66,23 @@ HEARTBEAT_STALE_S = 3.0
 #: ``copy``, ``slots``, ``small_copy_bytes``: what each rank's batches are
 #: made of and how far the writer runs ahead; ``allow_pickle``/``verify``:
 #: how readers decode what the writer encoded; ``accumulation_steps``,
-#: ``device`` (kind), ``prefetch``: where checkpoints and prefetch windows fall.
+#: ``prefetch``: where checkpoints and prefetch windows fall.
 AGREED: dict[str, str] = {
     "accumulation_steps": "ShmLoader(accumulation_steps=...)",
-    "device": "ShmLoader(device=...) or SHMLOADER_DEVICE: cpu, cuda or auto",
     "prefetch": "SHMLOADER_PREFETCH",
     "slots": "SHMLOADER_SLOTS",
     "copy": "SHMLOADER_COPY",
     "verify": "SHMLOADER_VERIFY",
     "allow_pickle": "Config.from_env(allow_pickle=...)",
     "small_copy_bytes": "SHMLOADER_SMALL_COPY",
+}
+
+#: Settings ranks may set differently on purpose, named in one warning when they
+#: do: ``device``, the delivery kind asked for (``cpu``, ``cuda``, ``auto``). A
+#: group may mix host and GPU delivery (``auto`` on ranks with and without a
+#: GPU, a host rank beside GPU ranks); batches are the same bytes either way.
+NOTED: dict[str, str] = {
+    "device": "ShmLoader(device=...) or SHMLOADER_DEVICE",
 }
 
 #: ShmLoaders constructed so far per group (rank tuple) in this process: ``n``.
@@ -263,6 +272,20 @@ class Arrival:
                     {self.me: mine, rank: theirs},
                     f"every rank of the group {self.ranks} must construct its ShmLoader with "
                     f"the same {name} (set by {how})",
+                )
+        for name, how in NOTED.items():
+            mine, theirs = self.mark.agreed.get(name), mark.agreed.get(name)
+            if mine != theirs:
+                log.warning(
+                    "shmloader: rank %d asks for %s=%r and rank %d for %r (%s); the group "
+                    "mixes host and GPU delivery. If that is not meant, set it the same on "
+                    "every rank",
+                    self.me,
+                    name,
+                    mine,
+                    rank,
+                    theirs,
+                    how,
                 )
         self.marks[rank] = mark
 

@@ -79,7 +79,6 @@ def test_a_peer_with_sharing_off_is_a_config_error_naming_it_and_shmloader():
     "name, theirs",
     [
         ("accumulation_steps", 4),
-        ("device", "cuda"),
         ("prefetch", 3),
         ("slots", 4),
         ("copy", True),
@@ -96,6 +95,16 @@ def test_every_agreed_setting_that_differs_is_named_with_both_values(name, their
     text = str(info.value)
     assert name in text and repr(theirs) in text and repr(AGREED[name]) in text, text
     assert info.value.name == name
+
+
+def test_a_group_that_mixes_host_and_gpu_delivery_is_named_in_a_warning(caplog):
+    """Mixing is supported (auto on ranks with and without GPUs); a launcher slip shows."""
+    store = dist.HashStore()
+    _plant(store, 1, _mark(1, device="cuda"), [0, 1])
+    with caplog.at_level(logging.WARNING, logger="shmloader"):
+        assert sorted(_arrival(store, 0, [0, 1]).wait(timeout=5)) == [0, 1]
+    told = [r.getMessage() for r in caplog.records if "mixes host and GPU" in r.getMessage()]
+    assert len(told) == 1 and "'cpu'" in told[0] and "'cuda'" in told[0], told
 
 
 def test_a_dead_peer_on_this_host_is_lost_at_once():

@@ -21,7 +21,8 @@ NOTE [set-up marks]
       wait: a rank with sharing off whose peers have it on says so once in a
       warning, and loads its own batches as without shmloader.
     - Sharing on: the rank waits until every rank of the group has marked,
-      reading each mark once as it appears (every ``POLL_S``). A peer with
+      reading each mark once as it appears (every ``POLL_S``, after
+      ``POLL_FAST_S`` every ``POLL_SLOW_S``). A peer with
       sharing off, or with other ``AGREED`` settings, is a ``ConfigError``
       naming the rank, the setting and the values (every rank with sharing on
       sees every mark, so each of them raises); other ``NOTED`` settings
@@ -54,8 +55,12 @@ from .errors import ConfigMismatchError, PeerLostError
 
 log = logging.getLogger("shmloader.loader")
 
-#: Seconds between two reads of the store while waiting for peers' marks.
+#: Seconds between two reads of the store while waiting for peers' marks, for
+#: the first ``POLL_FAST_S`` seconds; ``POLL_SLOW_S`` after that, so that a
+#: large job's ranks waiting for a slow peer do not load the store.
 POLL_S = 0.1
+POLL_FAST_S = 5.0
+POLL_SLOW_S = 0.5
 #: Seconds between two warnings naming the ranks still missing.
 WAIT_LOG_EVERY_S = 30.0
 #: A peer on another host (or pid namespace) whose heartbeat stands still this
@@ -245,7 +250,7 @@ class Arrival:
                     self.ranks,
                     timeout,
                 )
-            time.sleep(POLL_S)
+            time.sleep(POLL_S if now - t0 < POLL_FAST_S else POLL_SLOW_S)
 
     def _read(self, rank: int) -> None:
         mark = Mark.parse(self.store.get(self.key(rank)))

@@ -189,9 +189,13 @@ class Arrival:
     def check_peers_on(self) -> bool:
         """Warn (and return True) when a peer of this construction has sharing on."""
         on = self.prefix + "on"
-        if not self.store.check([on]):
+        try:
+            if not self.store.check([on]):
+                return False
+            peer = self.store.get(on).decode(errors="replace")
+        except (RuntimeError, OSError) as exc:  # sharing off never fails for shmloader's sake
+            log.debug("shmloader: set-up marks not readable: %s", exc)
             return False
-        peer = self.store.get(on).decode(errors="replace")
         self.warned = True
         log.warning(
             "shmloader: rank %d has sharing off (SHMLOADER unset or 0, or a Config with "

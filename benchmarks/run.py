@@ -1,8 +1,8 @@
 """``python -m benchmarks.run [--quick] [--out DIR]``: every configuration, one run.
 
 Runs the same workload three ways (``base``: every SP rank loads its own
-batch; ``broadcast``: the leader loads and sends the batch over gloo as in the
-seed; ``shmloader``: ``ShmLoader`` embedded mode), plus the whole batch
+batch; ``broadcast``: the leader loads and sends the batch over gloo, as
+leader-only loaders do; ``shmloader``: ``ShmLoader`` embedded mode), plus the whole batch
 through ``broadcast_object_list`` (``objlist``) at the smaller sizes, then a
 "realistic workers" run for CPU and memory, and an equal-CPU-budget run
 (``budget``: the realistic workload with ``w`` workers on every base rank
@@ -12,7 +12,7 @@ arrives for the same CPU). Each configuration runs in
 freshly spawned ranks; a line per configuration goes to stderr. Writes
 ``results.json``, ``results.md``, ``delivery.png`` and ``e2e.png`` to
 ``--out`` (default ``benchmarks/results``; with ``--quick`` a new temporary
-directory, printed at the end).
+directory), printed when the run starts and again with every file at the end.
 """
 
 from __future__ import annotations
@@ -104,8 +104,26 @@ def plan(args: argparse.Namespace) -> list[Case]:
     return [
         replace(c, timeout_s=args.timeout)
         for c in cases
-        if c.mode in args.modes and c.run in args.runs
+        if c.mode in args.modes and c.run in args.runs and not _left_out_of_quick(c, args)
     ]
+
+
+def _left_out_of_quick(case: Case, args: argparse.Namespace) -> bool:
+    """``--quick`` keeps one configuration per question (about a minute on 2 cores).
+
+    Each configuration starts fresh ranks (a few seconds on 2 cores whatever
+    it measures), so the smoke run measures the one-copy way only at its
+    largest size, ``broadcast_object_list`` only at its smallest, and the
+    realistic run without the broadcast way.
+    """
+    if not getattr(args, "quick", False):
+        return False
+    mib = case.target_bytes / MiB
+    return (
+        (case.run == "transport" and case.mode == "shmloader-1copy" and mib < max(args.sizes))
+        or (case.run == "transport" and case.mode == "objlist" and mib > min(args.sizes))
+        or (case.run == "realistic" and case.mode == "broadcast")
+    )
 
 
 def memory_need(case: Case) -> tuple[int, int]:
@@ -314,6 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     machine = procstat.machine()
     cases = plan(args)
+    print(
+        f"benchmarks.run: {len(cases)} configurations; results go to {args.out}",
+        file=sys.stderr,
+        flush=True,
+    )
     started = time.monotonic()
     rows: list[dict] = []
     skipped: list[dict] = []
@@ -350,13 +373,14 @@ def main(argv: list[str] | None = None) -> int:
         "failed": failed,
     }
     result["targets"] = report.targets(rows)
-    write(result, args.out)
-    print(f"wrote {args.out} in {result['wall_s']:.0f} s", file=sys.stderr)
+    for path in write(result, args.out):
+        print(f"wrote {path}", file=sys.stderr)
+    print(f"{len(cases)} configurations in {result['wall_s']:.0f} s", file=sys.stderr)
     return 1 if failed else 0
 
 
-def write(result: dict[str, Any], out: str) -> None:
-    """``results.json`` (with raw per-rank data), ``results.md``, the plots."""
+def write(result: dict[str, Any], out: str) -> list[str]:
+    """``results.json`` (with raw per-rank data), ``results.md``, the plots; their paths."""
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(result, f, indent=1)
     lean = {**result, "rows": [{k: v for k, v in r.items() if k != "raw"} for r in result["rows"]]}
@@ -376,6 +400,8 @@ def write(result: dict[str, Any], out: str) -> None:
         "leader publish start -> last follower holds it (ms)",
         "End-to-end delivery",
     )
+    names = ("results.json", "results.md", "delivery.png", "e2e.png")
+    return [os.path.abspath(os.path.join(out, name)) for name in names]
 
 
 if __name__ == "__main__":

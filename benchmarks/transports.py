@@ -1,4 +1,4 @@
-"""The ``torch.distributed`` baselines, as in the seed (``seeds/000_*``).
+"""The ``torch.distributed`` baselines: leader-only loading, batch shipped by torch.distributed.
 
 ``broadcast``: the leader sends the batch's skeleton (every tensor replaced by
 a :class:`TensorRef`, aliases kept) with ``broadcast_object_list`` (pickle),

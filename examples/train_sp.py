@@ -3,6 +3,8 @@
     torchrun --standalone --nproc-per-node 4 examples/train_sp.py --sp 2 --ckpt /tmp/ckpt
     SHMLOADER=1 torchrun --standalone --nproc-per-node 4 examples/train_sp.py --sp 2 ...
 
+(``torchrun`` is ``.venv/bin/torchrun`` after ``./setup.sh``.)
+
 With ``SHMLOADER=1`` one rank per SP group runs the DataLoader and the others
 map its batches from shared memory; without it every rank loads its own. The
 losses are bit-identical either way, and so is a run that was stopped
@@ -117,8 +119,8 @@ def main() -> None:
         )
 
     loader = ShmLoader(make_loader, group=mesh, mesh_dim="sp", accumulation_steps=args.accum)
-    # device=: once ShmLoader(device=...) lands, pass device="cuda" when
-    # torch.cuda.is_available() to receive batches already on the GPU.  <-- TODO(device)
+    # This model trains on the CPU. On GPUs, ShmLoader(..., device="cuda") delivers
+    # every batch already on this rank's device (README: "Batches on the GPU").
 
     start_epoch, step = 0, 0
     if args.resume:

@@ -86,6 +86,15 @@ MAX_META_BYTES = 64 << 20
 #: Most dimensions of a leaf (numpy's own limit); enforced on encode as well as
 #: on decode, so the leader refuses what no follower could rebuild.
 MAX_NDIM = 64
+#: Why a tensor that requires grad is refused, and what to do instead (pickling
+#: would not help: an autograd graph does not cross processes).
+_REQUIRES_GRAD = (
+    "it requires grad (requires_grad=True), and an autograd graph cannot be shared "
+    "between processes",
+    "Detach it in your collate_fn (tensor.detach(), or build it under torch.no_grad()); "
+    "if your model needs it to require grad, call requires_grad_() on the delivered "
+    "batch. Config.from_env(allow_pickle=True) does not change this.",
+)
 #: Ints longer than this many bits travel as hex (["I", ...]): Python refuses
 #: to convert ints of more than ``sys.get_int_max_str_digits()`` (>= 640)
 #: decimal digits to or from text, which a plain JSON number would need.
@@ -301,7 +310,7 @@ class _Encoder:
         if name not in _TORCH_DTYPES:
             raise UnsupportedBatchError(path, t, f"dtype {t.dtype} has no plain byte layout")
         if t.requires_grad:
-            raise UnsupportedBatchError(path, t, "requires_grad=True; detach() it in collate")
+            raise UnsupportedBatchError(path, t, *_REQUIRES_GRAD)
         if t.dim() > MAX_NDIM:  # decode refuses these: refuse them here, before writing
             raise UnsupportedBatchError(path, t, f"{t.dim()} dimensions; at most {MAX_NDIM}")
         return self.leaf(t, "t", name, tuple(t.shape), t.numel() * t.element_size())

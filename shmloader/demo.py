@@ -8,6 +8,15 @@ batches. Then the same ranks run the same job with every rank loading its
 own batches. Each rank fingerprints every batch; the parent checks that all
 SP peers received identical batches in both runs and prints a report.
 Embedded mode: no daemon needed, nothing left in ``/dev/shm``.
+
+What the report sets side by side, measured in the same run for both modes:
+DataLoaders running and worker processes started (each rank's live
+children), CPU seconds of every process (each rank's own, plus its workers'
+user and system time read from ``/proc`` before they stop), node memory of
+loading (proportional set size of each rank and its workers above the
+rank's own before its loader started, peak per rank, summed: pages shared
+by several processes count once), time from construction to the first
+batch, and the wait for each next batch.
 """
 
 from __future__ import annotations
@@ -120,21 +129,29 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: Any) -> None:
 
     report: dict[str, Any] = {"rank": rank}
     for mode in ("shared", "alone"):
+        dist.barrier()  # both modes start together on every rank
+        base_pss = _pss(os.getpid())
         cpu0 = time.process_time()
+        t0 = t = time.perf_counter()
         loader = ShmLoader(make, group, config=Config.from_env(enabled=mode == "shared"))
-        prints, waits = [], []
-        t = time.perf_counter()
+        prints, waits, peak = [], [], 0
+        first = None
         for batch in loader:
             waits.append(time.perf_counter() - t)
+            if first is None:
+                first = time.perf_counter() - t0
             prints.append(fingerprint(batch))
             nbytes = sum(
                 v.numel() * v.element_size() for v in batch.values() if isinstance(v, torch.Tensor)
             )
+            # this rank's tree (itself and its workers) while it holds a batch
+            peak = max(peak, sum(_pss(pid) for pid in [os.getpid(), *_children()]) - base_pss)
             del batch
             dist.barrier(group)  # a training step: SP peers move in lockstep
             t = time.perf_counter()
+        workers = _children()  # persistent DataLoader workers, still alive
+        worker_cpu = sum(_cpu_seconds(pid) for pid in workers)
         stats = loader.stats()
-        loader.close()
         report[mode] = {
             "role": loader.role,
             "prints": prints,
@@ -142,10 +159,50 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: Any) -> None:
             "stats": stats,
             "bytes": nbytes,
             "cpu_s": time.process_time() - cpu0,
+            "worker_cpu_s": worker_cpu,
+            "workers": len(workers),
+            "loads": loader.is_leader,
+            "first_s": first,
+            "peak_bytes": peak,
         }
+        loader.close()
         dist.barrier()
     out.put(report)
     dist.destroy_process_group()
+
+
+def _children() -> list[int]:
+    """Live child processes of this process (its DataLoader workers)."""
+    pids: list[int] = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids += [int(p) for p in f.read().split()]
+        except OSError:
+            continue
+    return pids
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds ``pid`` has used so far (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _pss(pid: int) -> int:
+    """Proportional set size of ``pid`` in bytes: shared pages counted once per node."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _free_port() -> int:
@@ -157,7 +214,7 @@ def _free_port() -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=4, help="local ranks to start (default 4)")
     p.add_argument("--sp", type=int, default=2, help="sequence-parallel group size (default 2)")
-    p.add_argument("--steps", type=int, default=8, help="batches per rank (default 8)")
+    p.add_argument("--steps", type=int, default=6, help="batches per rank (default 6)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=32768, help="tokens per sample (default 32768)")
     p.add_argument("--image-size", type=int, default=224)
@@ -230,30 +287,64 @@ def _report(args: argparse.Namespace, reports: dict[int, dict]) -> int:
         for f in followers
     ]
     alone_wait = [statistics.median(reports[r]["alone"]["wait_ms"]) for r in range(args.ranks)]
-    alone_med = statistics.median(alone_wait)
     shared_wait = [
         statistics.median(reports[r]["shared"]["wait_ms"]) for r in range(args.ranks) if r % args.sp
     ]
-    cpu_shared = sum(reports[r]["shared"]["cpu_s"] for r in range(args.ranks))
-    cpu_alone = sum(reports[r]["alone"]["cpu_s"] for r in range(args.ranks))
     nbytes = lead["bytes"]
     payload = np.zeros(nbytes, np.uint8)
     t = time.perf_counter()
     for _ in range(3):
         payload.copy()
     memcpy_ms = (time.perf_counter() - t) / 3 * 1e3
+
+    def total(mode: str, key: str) -> float:
+        return sum(reports[r][mode][key] for r in range(args.ranks))
+
+    def cpu(mode: str) -> float:
+        return total(mode, "cpu_s") + total(mode, "worker_cpu_s")
+
+    def first(mode: str) -> float:
+        return statistics.median(reports[r][mode]["first_s"] or 0.0 for r in range(args.ranks))
+
+    rows = [
+        ("DataLoaders running", "{:.0f}", total("shared", "loads"), total("alone", "loads")),
+        (
+            "worker processes started",
+            "{:.0f}",
+            total("shared", "workers"),
+            total("alone", "workers"),
+        ),
+        ("CPU seconds, every process", "{:.2f} s", cpu("shared"), cpu("alone")),
+        (
+            "node memory of loading, peak",
+            "{}",
+            total("shared", "peak_bytes"),
+            total("alone", "peak_bytes"),
+        ),
+        ("time to a usable batch", "{:.2f} s", first("shared"), first("alone")),
+        (
+            "wait for the next batch",
+            "{:.2f} ms",
+            statistics.median(shared_wait),
+            statistics.median(alone_wait),
+        ),
+    ]
     print()
-    print(f"  steps per rank                  {steps}")
-    print(f"  bytes per batch                 {human_bytes(nbytes)}")
+    print(f"  {'measured in this run':32} {'shared':>12} {'unshared':>12}")
+    for name, fmt, shared, alone in rows:
+        cells = [human_bytes(int(v)) if fmt == "{}" else fmt.format(v) for v in (shared, alone)]
+        print(f"  {name:32} {cells[0]:>12} {cells[1]:>12}")
+    print()
+    print("  CPU: ranks' and DataLoader workers' user + system time over the whole run;")
+    print("  memory: proportional set size of every rank and worker above the rank's own")
+    print("  before its loader started (shared pages counted once), its peak per rank,")
+    print("  summed; time to a usable batch: construction to the first batch, median rank;")
+    print("  wait: followers (shared) and every rank (unshared), median.")
+    print()
+    print(f"  bytes per batch                 {human_bytes(nbytes)}, {steps} steps per rank")
     print(f"  plain memcpy of those bytes     {memcpy_ms:8.2f} ms")
     print(f"  leader publish (encode + write) {publish_ms:8.2f} ms  per batch, once per SP group")
     print(f"  follower receive (map + decode) {statistics.mean(recv):8.3f} ms  per batch")
-    print(f"  follower wait for next batch    {statistics.median(shared_wait):8.2f} ms  (median)")
-    print(f"  each rank loads its own: wait   {alone_med:8.2f} ms  (median)")
-    print(f"  main-process CPU, all ranks     {cpu_shared:8.2f} s  vs {cpu_alone:.2f} s unshared")
-    print(
-        f"  DataLoaders started             {args.ranks // args.sp} shared vs {args.ranks} unshared"
-    )
     print()
     print("OK: every SP peer received identical batches" if ok else "FAILED: batches differed")
     return 0 if ok else 1

@@ -26,6 +26,21 @@ class ConfigError(ShmLoaderError, ValueError):
         super().__init__(f"{name}={value!r} is not valid: expected {accepted}")
 
 
+class ConfigMismatchError(ConfigError):
+    """Ranks of one group constructed their ``ShmLoader`` with different settings.
+
+    ``name`` is the setting, ``value`` the values by rank, ``accepted`` the fix.
+    Raised at set-up, before any collective (NOTE [set-up marks] in ``arrival``).
+    """
+
+    def __init__(self, name: str, values: dict[int, object], fix: str) -> None:
+        self.name = name
+        self.value = values
+        self.accepted = fix
+        shown = ", ".join(f"rank {r}: {v!r}" for r, v in sorted(values.items()))
+        ShmLoaderError.__init__(self, f"ranks disagree on {name} ({shown}): {fix}")
+
+
 class UnsupportedBatchError(ShmLoaderError, TypeError):
     """A batch holds something the codec cannot carry without pickle.
 
@@ -33,16 +48,18 @@ class UnsupportedBatchError(ShmLoaderError, TypeError):
     offending leaf (``batch['meta'][3]``) and its type.
     """
 
-    def __init__(self, path: str, obj: object, why: str = "") -> None:
+    def __init__(self, path: str, obj: object, why: str = "", fix: str = "") -> None:
         self.path = path
         self.type_name = f"{type(obj).__module__}.{type(obj).__qualname__}"
         reason = why or "only tensors, numpy arrays, int/float/bool/str/bytes/None leaves"
-        super().__init__(
-            f"{path} is a {self.type_name}, which shmloader cannot share: {reason}. "
+        fix = fix or (
             "Convert it in your collate_fn (e.g. to a tensor or a str), or opt in to "
             "pickling it with ShmLoader(..., config=Config.from_env(allow_pickle=True)) on "
             "every rank (from_env keeps SHMLOADER and the other variables; a bare Config() "
             "does not read the environment)."
+        )
+        super().__init__(
+            f"{path} is a {self.type_name}, which shmloader cannot share: {reason}. {fix}"
         )
 
 

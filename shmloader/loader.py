@@ -69,11 +69,17 @@ NOTE [small leaves]
     slot, which is released as soon as the large leaves die. A batch made
     only of small leaves is released right at delivery.
 
-NOTE [same failure in both modes]
-    With sharing off every rank still runs each batch through the codec's
-    checks (``codec.encode``, which builds metadata only and copies no
-    payload), and ``len()``/``next()`` after ``close()`` raise the same
-    ``ShmLoaderError``: a bug shows up the same way whatever the launcher sets.
+NOTE [sharing off is plain torch]
+    With sharing off every rank delivers exactly what its loader yields, as
+    without shmloader: a batch that plain torch accepts (a ``pathlib.Path``,
+    a tensor that requires grad, any object) is never refused. Each batch
+    still runs through the codec's checks (``codec.encode``: metadata only,
+    no payload copy) until the first one sharing would refuse, which is
+    named in one warning carrying the ``UnsupportedBatchError`` that
+    ``SHMLOADER=1`` would raise; later batches are not checked. With sharing
+    on such a batch is refused before anything is written. ``len()`` and
+    ``next()`` after ``close()`` raise the same ``ShmLoaderError`` in both
+    modes.
 """
 
 from __future__ import annotations
@@ -93,7 +99,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from . import codec, rng, wire  # noqa: F401  (codec: tests/faults patch loader.codec)
+from . import arrival, codec, rng, wire  # noqa: F401  (codec: tests/faults patch loader.codec)
 from .admin import DEVICE_REPORTED
 from .channel import Hub, Peer, Spoke
 from .config import DEFAULT_TIMEOUT_S, Config
@@ -115,7 +121,7 @@ from .pool import WorkerPool
 from .relay import _Relay
 from .ring import RingReader, RingWriter, new_token
 from .roles import _error_body, _json_body, _leader_error, log
-from .topology import GroupTopology, broadcast_bytes, discover
+from .topology import GroupTopology, broadcast_bytes, discover, node_claim
 from .waits import WaitHistogram
 from .wire import Kind
 from .xnode import CrossNode
@@ -238,12 +244,32 @@ class ShmLoader(_Leader, _Relay, _Follower):
         self._waits = WaitHistogram()  # ms per batch, O(1) each (``waits``)
         self._wait_since: float | None = None  # perf_counter when this rank first waited
         self._warned_rng = False
+        self._told_unshareable = False  # NOTE [sharing off is plain torch]
         self._group_ranks = _group_ranks(group)
         sharing = (
             self.config.enabled and self._group_ranks is not None and len(self._group_ranks) > 1
         )
+        if isinstance(device, DeviceOps):
+            kind = "cuda" if self._stage is not None and self._stage.on_device else "cpu"
+        else:  # as asked: 'auto' may resolve differently on ranks with and without a GPU
+            kind = str(self.config.device if device is None else device).partition(":")[0]
+        self._agreed = arrival.agreed_settings(self.config, accumulation_steps, kind)
+        # sharing off: looked at once more when the first iteration starts, in
+        # case peers with sharing on marked after this rank (NOTE [set-up marks])
+        self._unwarned: arrival.Arrival | None = None
         if not sharing:
             self._role = "local"
+            if self._group_ranks is not None and len(self._group_ranks) > 1:
+                # NOTE [set-up marks] (arrival): one set, one check, no wait
+                self._unwarned = arrival.arrive(
+                    self._group_ranks,
+                    dist.get_rank(),
+                    sharing=False,
+                    node=node_claim(self.config.node),
+                    agreed=self._agreed,
+                    timeout=self.config.timeout or DEFAULT_TIMEOUT_S,
+                )
+            _log_role(self._group_ranks, "local", sharing=False)
             self._loader = make_loader()
             return
         try:
@@ -260,7 +286,14 @@ class ShmLoader(_Leader, _Relay, _Follower):
     # ------------------------------------------------------------------ set-up
 
     def _setup(self, make_loader: Callable[[], Iterable[Any]], group: dist.ProcessGroup) -> None:
-        _arrive(self._group_ranks or [], self.config.timeout)  # NOTE [set-up is bounded]
+        arrival.arrive(  # NOTE [set-up is bounded], NOTE [set-up marks] (arrival)
+            self._group_ranks,
+            dist.get_rank(),
+            sharing=True,
+            node=node_claim(self.config.node),
+            agreed=self._agreed,
+            timeout=self.config.timeout or DEFAULT_TIMEOUT_S,
+        )
         pg = self._exchange_group(group)
         try:
             topo = discover(
@@ -306,6 +339,7 @@ class ShmLoader(_Leader, _Relay, _Follower):
             self._out.send(wire.frames(Kind.HELLO, rank=topo.me, pid=me.pid, start=me.start))
         if len(topo.nodes) > 1 and topo.me in topo.node_leaders:
             self._xnode = CrossNode(pg, topo.leader, topo.node_leaders)
+        _log_role(self._group_ranks, self._role, sharing=True, leader=topo.leader)
 
     def _agree_on_loader(
         self, make_loader: Callable[[], Iterable[Any]], pg: dist.ProcessGroup
@@ -565,6 +599,10 @@ class ShmLoader(_Leader, _Relay, _Follower):
             rng.restore(restore)
         self._rng_undo = restore if restore is not None and cursor > 0 else None
         if self._role == "local":
+            if self._unwarned is not None:  # NOTE [set-up marks] (arrival)
+                self._unwarned, unwarned = None, self._unwarned
+                if not unwarned.warned:
+                    unwarned.check_peers_on()
             inner = self._local_iteration(cursor if skip else 0)
         elif self._role == "leader":
             inner = self._leader_iteration(self._it, cursor if skip else 0)
@@ -807,9 +845,6 @@ class ShmLoader(_Leader, _Relay, _Follower):
 
 # ------------------------------------------------------------------ helpers
 
-#: ShmLoaders constructed so far per group (rank tuple): the set-up arrival keys.
-_ARRIVALS: dict[tuple[int, ...], int] = {}
-
 
 def group_timeout(group: dist.ProcessGroup | None) -> float | None:
     """Seconds of ``group``'s own collective timeout, or None when it cannot be read.
@@ -838,9 +873,12 @@ def _resolve_config(config: Config | None, group: dist.ProcessGroup | None) -> C
         ``timeout=None`` (``SHMLOADER_TIMEOUT`` unset) follows the process
         group's own timeout, else torch's default (30 min): a leader busy
         alone (evaluation, a checkpoint) is tolerated as long as the job's
-        collectives would tolerate it. Set-up starts with an arrival check at
-        the default store bounded by that timeout (``_arrive``), so a rank
-        that never constructs its ShmLoader is named, not waited for forever.
+        collectives would tolerate it. Set-up starts with every rank's mark in
+        the default store, waited for within that timeout (NOTE [set-up
+        marks] in ``arrival``): a rank that never constructs its ShmLoader is
+        named in a warning every 30 s and in a ``PeerLostError`` at the
+        timeout, one that marked and died within about a second, one with
+        sharing off or other settings in a ``ConfigError`` at once.
     """
     if config is None:
         config = Config.from_env()
@@ -866,41 +904,28 @@ def _env_enabled() -> bool:
         return False
 
 
-def _arrive(ranks: list[int], timeout: float) -> None:
-    """Check in at the default store; raise ``PeerLostError`` naming ranks that never do.
-
-    Every member of the group sets its key and waits, at most ``timeout``
-    seconds, for the others' keys: the collectives that follow would
-    otherwise wait, silently, for the process group's own timeout.
-    """
-    if len(ranks) < 2:
-        return
-    try:
-        store = dist.distributed_c10d._get_default_store()
-    except Exception:  # no default store (a world of one, or internals changed)
-        return
-    key = tuple(ranks)
-    n = _ARRIVALS[key] = _ARRIVALS.get(key, 0) + 1
-    prefix = f"shmloader/arrive/{'-'.join(map(str, ranks))}/{n}/"
-    store.set(prefix + str(dist.get_rank()), b"1")
-    keys = [prefix + str(r) for r in ranks]
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
-    except (RuntimeError, dist.DistError) as exc:
-        try:
-            missing = [r for r in ranks if not store.check([prefix + str(r)])]
-        except (RuntimeError, dist.DistError):
-            missing = []
-        if not missing and "timeout" not in str(exc).lower():
-            raise PeerLostError(None, "peer", f"the set-up arrival check failed: {exc}") from None
-        if missing:
-            raise PeerLostError(
-                None,
-                f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}",
-                f"they did not construct their ShmLoader over ranks {ranks} within "
-                f"{timeout:.0f} s (SHMLOADER_TIMEOUT, default the process group's timeout); "
-                "every rank of the group must construct it at the same point",
-            ) from None
+def _log_role(
+    ranks: list[int] | None, role: str, *, sharing: bool, leader: int | None = None
+) -> None:
+    """The one INFO line per rank and construction: its role and whether sharing is on."""
+    me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if sharing:
+        log.info(
+            "shmloader: rank %d is the %s of group %s (leader rank %s); sharing on",
+            me,
+            role,
+            ranks,
+            leader,
+        )
+    elif ranks is not None and len(ranks) > 1:
+        log.info(
+            "shmloader: rank %d loads its own batches for group %s; sharing off "
+            "(SHMLOADER=1 shares one loader per group)",
+            me,
+            ranks,
+        )
+    else:
+        log.info("shmloader: rank %d loads its own batches (no group to share with)", me)
 
 
 def _group_ranks(group: dist.ProcessGroup | None) -> list[int] | None:

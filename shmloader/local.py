@@ -1,15 +1,16 @@
 """The rank that runs the user's loader: ``local`` (sharing off), and the leader built on it.
 
 With sharing off every rank is *local*: it iterates its own loader exactly
-as without shmloader, and still runs each batch through the codec's checks
-(NOTE [same failure in both modes] in ``loader``)::
+as without shmloader, and runs its batches through the codec's checks until
+one would be refused with sharing on, which it names in one warning
+(NOTE [sharing off is plain torch] in ``loader``)::
 
     local
     -----
     source = iter(loader)          (_open_source: skip a resumed cursor)
     _mark_boundary()               (optimizer-step boundary: loader state, RNG)
     batch = next(source)
-    codec.encode(batch)            (metadata only: the checks sharing makes)
+    codec.encode(batch)            (metadata only: warns once what sharing would refuse)
     yield batch
 
 The leader (``leader``) opens and steps its loader the same way.
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from . import codec, rng
+from .errors import UnsupportedBatchError
 from .roles import log
 
 
@@ -40,9 +42,16 @@ class _Local:
             except StopIteration:
                 self._exhausted = True
                 return
-            # NOTE [same failure in both modes] (loader): a batch sharing could not carry
-            # fails here too, whatever the launcher sets.
-            codec.encode(box[0], allow_pickle=self.config.allow_pickle)
+            if not self._told_unshareable:  # NOTE [sharing off is plain torch] (loader)
+                try:
+                    codec.encode(box[0], allow_pickle=self.config.allow_pickle)
+                except UnsupportedBatchError as exc:
+                    self._told_unshareable = True
+                    log.warning(
+                        "shmloader: sharing is off, so this batch is delivered as the loader "
+                        "made it; with SHMLOADER=1 it would be refused: %s",
+                        exc,
+                    )
             self._delivered += 1
             yield box.pop()
 

@@ -18,7 +18,9 @@ Slot state machine (zero is invalid)::
 
     FREE -> HELD      the writer copied a batch in and announced it
     HELD -> FREE      every local holder sent RELEASE for (slot, gen)
-    FREE -> RETIRED   replaced by a bigger segment with gen + 1
+    FREE -> RETIRED   replaced by a bigger segment with gen + 1, or oversized
+                      for the batches since (NOTE [ring shrink]); its index
+                      is reused with gen + 1 when the ring next needs a slot
     any  -> RETIRED   close()
 
     Pooled slots (``Slot.pooled``, made by ``pool.WorkerPool``) are written
@@ -40,6 +42,18 @@ NOTE [slot lifetime]
     ``slots`` batches ahead of its slowest reader) plus what readers
     deliberately keep alive.
 
+NOTE [ring shrink]
+    A slot grows for the largest batch it had to hold and would keep that
+    size until ``close()``: one 512 MiB batch among 8 MiB ones would pin
+    1 GiB of a 2-slot ring for the rest of the job. So ``acquire`` retires
+    every FREE slot (never a HELD one) more than ``SHRINK_RATIO`` times the
+    capacity that the largest of the last ``SHRINK_WINDOW`` batches needs;
+    the ring then grows again, right-sized, as batches need slots. Batches
+    that vary within that ratio never cause a retire, and a run of fewer
+    than ``SHRINK_WINDOW`` small batches after a large one keeps it (a
+    large batch every few steps is not worth re-touching pages for). Pooled
+    slots (written by DataLoader workers) are sized by their pool.
+
 NOTE [names in /dev/shm]
     Data segments are unlinked as soon as every local reader has opened them
     (ATTACHED), so a crash of anyone leaves no data segment named in
@@ -51,6 +65,7 @@ NOTE [names in /dev/shm]
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import functools
@@ -91,6 +106,10 @@ log = logging.getLogger(__name__)
 HEADROOM = 1.125
 #: Slot capacities are multiples of this.
 GRANULE = 64 << 10
+#: A FREE slot larger than this many times what each of the last
+#: ``SHRINK_WINDOW`` batches needed is retired (NOTE [ring shrink]).
+SHRINK_RATIO = 4
+SHRINK_WINDOW = 8
 
 # Control segment counters, at offset 64 of the header page.
 _COUNTERS = struct.Struct("<QQQQQQQQ")
@@ -190,6 +209,7 @@ class RingWriter:
         self.slots: list[Slot] = []
         self._daemon = daemon
         self._retired: set[str] = set()  # names of replaced segments (late ATTACHED is fine)
+        self._recent: collections.deque[int] = collections.deque(maxlen=SHRINK_WINDOW)
         self._counters = dict.fromkeys(COUNTER_FIELDS, 0)
         self._counters["readers"] = len(self.readers)
         self.control = Segment.create_unique(
@@ -236,6 +256,8 @@ class RingWriter:
 
     def acquire(self, nbytes: int) -> Slot:
         """A FREE slot that holds ``nbytes``: reuse, regrow a free one, or add one."""
+        self._recent.append(nbytes)
+        self._shrink()
         best = None
         for slot in self.slots:
             fits = slot.state == SlotState.FREE and slot.capacity >= nbytes and not slot.pooled
@@ -249,9 +271,37 @@ class RingWriter:
                 self._retire(slot)
                 self.slots[i] = grown
                 return grown
+        for i, slot in enumerate(self.slots):
+            if slot.state == SlotState.RETIRED and not slot.pooled:  # NOTE [ring shrink]
+                self.slots[i] = self._create(i, slot.gen + 1, nbytes)
+                return self.slots[i]
         slot = self._create(len(self.slots), 0, nbytes)
         self.slots.append(slot)
         return slot
+
+    def _shrink(self) -> None:
+        """NOTE [ring shrink]: retire FREE slots far larger than the recent batches need."""
+        if len(self._recent) < SHRINK_WINDOW:
+            return
+        limit = SHRINK_RATIO * slot_capacity_for(max(self._recent))
+        oversized = [
+            s
+            for s in self.slots
+            if s.state == SlotState.FREE and not s.pooled and s.capacity > limit
+        ]
+        for slot in oversized:
+            log.info(
+                "shmloader: ring %s: slot %d (%d bytes) retired: the last %d batches needed "
+                "at most %d bytes",
+                self.token,
+                slot.index,
+                slot.capacity,
+                len(self._recent),
+                max(self._recent),
+            )
+            self._retire(slot)
+        if oversized:
+            self._store_counters()
 
     def _create(self, index: int, gen: int, nbytes: int) -> Slot:
         capacity = slot_capacity_for(nbytes)

@@ -1,4 +1,4 @@
-"""Issue 14: kept leaves, set-up bounds, the same failure in both modes, and
+"""Kept leaves, set-up bounds, sharing off as plain torch, and
 behaviours no test pinned before (empty epochs, finished-epoch cursors, node
 identity by probe, a daemon job with one live pid)."""
 
@@ -8,6 +8,7 @@ import datetime
 import fractions
 import logging
 import os
+import pathlib
 import time
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from shmloader import Config, ShmLoader
+from shmloader import Config, ShmLoader, codec
 from shmloader.errors import ShmLoaderError, UnsupportedBatchError
 from tests import ranks
 from tests.faults.scenarios import outcome
@@ -220,7 +221,7 @@ def test_a_rank_that_never_constructs_is_named_within_the_timeout():
     out = run_ranks(absent_rank, 3)
     for o in out[:2]:
         assert o["type"] == "PeerLostError", o
-        assert "rank 2" in o["message"] and "did not construct" in o["message"], o
+        assert "rank 2" in o["message"] and "not constructed" in o["message"], o
         assert o["seconds"] < 5, o
 
 
@@ -264,15 +265,39 @@ def test_node_identity_follows_the_probe_when_claims_are_equal():
     assert [o["role"] for o in out] == ["leader", "follower", "node leader", "follower"]
 
 
-def test_unsupported_leaves_fail_with_sharing_off_too():
+def test_sharing_off_delivers_what_plain_torch_does_and_names_what_sharing_would_refuse(caplog):
+    """NOTE [sharing off is plain torch]: a Path, a file handle, a tensor that
+    requires grad are delivered as they are (the same objects), with one
+    warning carrying the error sharing on would raise; sharing on refuses."""
+    grad = torch.ones(2, requires_grad=True)
     with open(os.devnull) as handle:
-        loader = ShmLoader(lambda: [{"f": handle}], None, config=Config(enabled=False))
-        with pytest.raises(UnsupportedBatchError, match=r"batch\['f'\]") as info:
-            next(iter(loader))
-    assert "Config.from_env(allow_pickle=True)" in str(info.value)
+        batches = [
+            {"path": pathlib.Path("/data/shard-0.bin"), "x": torch.ones(2)},
+            {"f": handle, "grad": grad},
+            {"path": pathlib.PurePosixPath("a/b")},
+        ]
+        with caplog.at_level(logging.WARNING, logger="shmloader"):
+            loader = ShmLoader(lambda: batches, None, config=Config(enabled=False))
+            got = list(loader)
+    assert [b is orig for b, orig in zip(got, batches, strict=True)] == [True] * 3
+    assert got[1]["grad"] is grad and got[0]["path"] == pathlib.Path("/data/shard-0.bin")
+    told = [r.getMessage() for r in caplog.records if "sharing is off" in r.getMessage()]
+    assert len(told) == 1 and "batch['path']" in told[0] and "PosixPath" in told[0], told
+    with pytest.raises(UnsupportedBatchError, match=r"batch\['path'\]"):
+        codec.encode(batches[0])  # what sharing on runs on the leader, before any write
     loader.close()
     with pytest.raises(ShmLoaderError, match="closed"):
         len(loader)
+
+
+def test_the_requires_grad_refusal_gives_one_consistent_fix():
+    with pytest.raises(UnsupportedBatchError) as info:
+        codec.encode({"x": torch.ones(2, requires_grad=True)})
+    text = str(info.value)
+    assert "batch['x']" in text and "detach()" in text and "requires_grad_()" in text, text
+    # no advice that cannot work for a tensor: converting it to a tensor, or pickling it
+    assert "to a tensor or a str" not in text
+    assert "does not change this" in text and "opt in to pickling" not in text
 
 
 def test_a_direct_config_that_switches_sharing_off_under_shmloader_warns(monkeypatch, caplog):

@@ -475,6 +475,47 @@ def test_regrow_a_too_small_free_slot(writer, token) -> None:
         w.release(1, 0, 0)
 
 
+def test_a_slot_grown_for_one_large_batch_is_retired_once_batches_are_small(writer) -> None:
+    """NOTE [ring shrink]: never while HELD; after SHRINK_WINDOW much smaller batches."""
+    w = writer(readers=frozenset({1}))
+    big_n, small_n = 16 << 20, 64 << 10
+    small = w.acquire(small_n)
+    w.publish(small, 0, small_n, 1)
+    big = w.acquire(big_n)  # the small one is HELD: the ring grows a large slot
+    w.publish(big, 1, big_n, 1)
+    w.release(1, small.index, small.gen)
+    peak = w.total_bytes
+    assert peak > big_n
+    for seq in range(2, 2 + ring.SHRINK_WINDOW):  # the large batch is still held
+        s = w.acquire(small_n)
+        assert s is small and big.state == SlotState.HELD
+        w.publish(s, seq, small_n, 1)
+        w.release(1, s.index, s.gen)
+    assert w.total_bytes == peak
+    w.release(1, big.index, big.gen)  # now FREE, and the last batches were all small
+    s = w.acquire(small_n)
+    assert big.state == SlotState.RETIRED and big.segment.fd == -1  # memory given back
+    assert w.total_bytes == ring.slot_capacity_for(small_n) and peak > 100 * w.total_bytes
+    # the retired index comes back, right-sized, when the ring needs a second slot
+    w.publish(s, 99, small_n, 1)
+    again = w.acquire(small_n)
+    assert (again.index, again.gen) == (big.index, big.gen + 1)
+    assert again.capacity == ring.slot_capacity_for(small_n)
+
+
+def test_batches_that_vary_within_the_ratio_never_retire_a_slot(writer) -> None:
+    w = writer(readers=frozenset({1}))
+    sizes = [1 << 20, 3 << 20] * ring.SHRINK_WINDOW
+    slots = set()
+    for seq, n in enumerate(sizes):
+        s = w.acquire(n)
+        slots.add((s.index, s.gen))
+        w.publish(s, seq, n, 1)
+        w.release(1, s.index, s.gen)
+    assert all(s.state != SlotState.RETIRED for s in w.slots)
+    assert len(slots) <= 2, slots  # at most one regrow, never a retire
+
+
 def test_attach_of_every_reader_unlinks_the_data_name(writer, token) -> None:
     w = writer()
     s = w.acquire(10)

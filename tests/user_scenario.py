@@ -1,4 +1,4 @@
-"""One rank of issue 14's user scenario, run by torchrun from tests/faults/test_user_scenario.py.
+"""One rank of the user scenario, run by torchrun from tests/faults/test_user_scenario.py.
 
 What a user writes: a ShmLoader whose DataLoader has persistent workers,
 iterated from a background prefetch thread; an epoch-level metric that keeps

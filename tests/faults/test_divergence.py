@@ -1,4 +1,4 @@
-"""Threads, ranks that iterate differently, and the leader's last word (issue 14, items 3, 4, 12).
+"""Threads, ranks that iterate differently, and the leader's last word.
 
 - A follower iterated from a background prefetch thread while the main thread
   drops the batches (NOTE [one thread per socket] in ``loader``).

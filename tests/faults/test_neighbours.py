@@ -1,4 +1,4 @@
-"""Hostile neighbours, forks and signals (issue 14 items 1, 2, 6, 7 and 10).
+"""Hostile neighbours, forks and signals.
 
 - another local user plants objects at the names we want, or squats the
   runtime directory: no hang, no failure (NOTE [unpredictable names],

@@ -1,4 +1,4 @@
-"""Issue 14's "Done when" scenario, end to end under a real torchrun.
+"""A user's training script, end to end under a real torchrun.
 
 Three ranks share one group's batches (SHMLOADER=1). Every rank iterates its
 ShmLoader (a DataLoader with two persistent workers) from a background

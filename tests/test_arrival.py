@@ -1,0 +1,306 @@
+"""Set-up never hangs silently: every rank's mark in the process group's store
+(NOTE [set-up marks] in ``shmloader.arrival``).
+
+Pure tests drive ``Arrival`` over an in-process ``HashStore`` with peers'
+marks written by hand; two real multi-process runs check the whole path under
+gloo: a rank that marked and died, ranks that never construct, a rank with
+sharing off, and ranks that disagree on settings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from shmloader import Config, ShmLoader, arrival
+from shmloader.errors import ConfigError, ConfigMismatchError, PeerLostError
+from tests.faults.scenarios import outcome
+from tests.harness import Warnings, run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+#: the ConfigError raised for ranks that disagree (a subclass: ``except ConfigError`` holds)
+MISMATCH = "ConfigMismatchError"
+assert issubclass(ConfigMismatchError, ConfigError)
+
+AGREED = {
+    "accumulation_steps": 1,
+    "device": "cpu",
+    "prefetch": 2,
+    "slots": 2,
+    "copy": False,
+    "verify": False,
+    "allow_pickle": False,
+    "small_copy_bytes": 65536,
+}
+
+
+def _mark(
+    rank: int, *, sharing: bool = True, boot: str | None = None, pid: int | None = None, **agreed
+) -> arrival.Mark:
+    mine = arrival.Mark.mine(rank, node="n", sharing=sharing, agreed={**AGREED, **agreed})
+    changes = {}
+    if boot is not None:
+        changes["boot"] = boot
+    if pid is not None:
+        changes["pid"], changes["start"] = pid, 0
+    return arrival.Mark(**{**mine.__dict__, **changes})
+
+
+def _arrival(store, me: int, ranks: list[int], **agreed) -> arrival.Arrival:
+    return arrival.Arrival(store, me, ranks, _mark(me, **agreed), n=1)
+
+
+def _plant(store, rank: int, mark: arrival.Mark, ranks: list[int]) -> None:
+    """A peer's mark, as that peer's Arrival would set it."""
+    store.set(arrival.Arrival(store, rank, ranks, mark, n=1).key(rank), mark.to_bytes())
+
+
+# ---------------------------------------------------------------- pure tests
+
+
+def test_a_peer_with_sharing_off_is_a_config_error_naming_it_and_shmloader():
+    store = dist.HashStore()
+    _plant(store, 1, _mark(1, sharing=False), [0, 1])
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        _arrival(store, 0, [0, 1]).wait(timeout=30)
+    assert time.monotonic() - t0 < 2
+    assert "SHMLOADER" in str(info.value) and "rank 1" in str(info.value), info.value
+
+
+@pytest.mark.parametrize(
+    "name, theirs",
+    [
+        ("accumulation_steps", 4),
+        ("prefetch", 3),
+        ("slots", 4),
+        ("copy", True),
+        ("verify", True),
+        ("allow_pickle", True),
+        ("small_copy_bytes", 0),
+    ],
+)
+def test_every_agreed_setting_that_differs_is_named_with_both_values(name, theirs):
+    store = dist.HashStore()
+    _plant(store, 1, _mark(1, **{name: theirs}), [0, 1])
+    with pytest.raises(ConfigError) as info:
+        _arrival(store, 0, [0, 1]).wait(timeout=30)
+    text = str(info.value)
+    assert name in text and repr(theirs) in text and repr(AGREED[name]) in text, text
+    assert info.value.name == name
+
+
+def test_a_group_that_mixes_host_and_gpu_delivery_is_named_in_a_warning(caplog):
+    """Mixing is supported (auto on ranks with and without GPUs); a launcher slip shows."""
+    store = dist.HashStore()
+    _plant(store, 1, _mark(1, device="cuda"), [0, 1])
+    with caplog.at_level(logging.WARNING, logger="shmloader"):
+        assert sorted(_arrival(store, 0, [0, 1]).wait(timeout=5)) == [0, 1]
+    told = [r.getMessage() for r in caplog.records if "mixes host and GPU" in r.getMessage()]
+    assert len(told) == 1 and "'cpu'" in told[0] and "'cuda'" in told[0], told
+
+
+def test_a_dead_peer_on_this_host_is_lost_at_once():
+    store = dist.HashStore()
+    gone = os.fork()
+    if gone == 0:
+        os._exit(0)
+    os.waitpid(gone, 0)
+    _plant(store, 1, _mark(1, pid=gone), [0, 1, 2])
+    t0 = time.monotonic()
+    with pytest.raises(PeerLostError) as info:
+        _arrival(store, 0, [0, 1, 2]).wait(timeout=30)
+    assert time.monotonic() - t0 < 1
+    assert info.value.rank == 1 and str(gone) in str(info.value)
+
+
+def test_a_peer_on_another_host_is_judged_by_its_heartbeat(monkeypatch):
+    monkeypatch.setattr(arrival, "HEARTBEAT_STALE_S", 0.5)
+    # alive: its heartbeat moves, so only the missing rank 2 is named, at the timeout
+    store = dist.HashStore()
+    peer = _arrival(store, 1, [0, 1, 2])
+    _plant(store, 1, _mark(1, boot="another-host"), [0, 1, 2])
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(0.1):
+            store.add(f"{peer.prefix}hb/1", 1)
+
+    beating = threading.Thread(target=beat)
+    beating.start()
+    try:
+        with pytest.raises(PeerLostError) as info:
+            _arrival(store, 0, [0, 1, 2]).wait(timeout=1.5)
+    finally:
+        stop.set()
+        beating.join()
+    assert info.value.rank is None and "rank 2" in str(info.value), info.value
+    # dead: the heartbeat stands still; lost after HEARTBEAT_STALE_S, long before the timeout
+    t0 = time.monotonic()
+    with pytest.raises(PeerLostError) as info:
+        _arrival(store, 0, [0, 1, 2]).wait(timeout=30)
+    assert info.value.rank == 1 and "heartbeat" in str(info.value)
+    assert 0.4 < time.monotonic() - t0 < 3
+
+
+def test_waiting_is_logged_naming_the_missing_ranks_and_since_when(monkeypatch, caplog):
+    monkeypatch.setattr(arrival, "WAIT_LOG_EVERY_S", 0.3)
+    store = dist.HashStore()
+    with caplog.at_level(logging.WARNING, logger="shmloader"), pytest.raises(PeerLostError) as info:
+        _arrival(store, 0, [0, 1, 2]).wait(timeout=1.0)
+    waits = [r.getMessage() for r in caplog.records if "has waited since" in r.getMessage()]
+    assert 2 <= len(waits) <= 4, waits
+    assert all("ranks 1, 2" in m for m in waits), waits
+    assert "ranks 1, 2" in str(info.value) and "not constructed" in str(info.value)
+
+
+def test_all_marks_present_returns_them_and_sharing_off_warns_once(caplog):
+    store = dist.HashStore()
+    _plant(store, 1, _mark(1), [0, 1])
+    got = _arrival(store, 0, [0, 1])
+    assert sorted(got.wait(timeout=5)) == [0, 1]
+    # a third rank with sharing off over the same construction: one set, one warning
+    off = arrival.Arrival(store, 2, [0, 1], _mark(2, sharing=False), n=1)
+    with caplog.at_level(logging.WARNING, logger="shmloader"):
+        assert off.leave_mark() is True
+    assert json.loads(store.get(off.key(2)))["sharing"] is False
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "sharing off" in msgs[0] and "rank 0" in msgs[0], msgs
+    # nobody with sharing on: no warning
+    quiet = arrival.Arrival(dist.HashStore(), 0, [0, 1], _mark(0, sharing=False), n=1)
+    assert quiet.leave_mark() is False
+
+
+def test_each_construction_over_the_same_ranks_has_its_own_keys():
+    store = dist.HashStore()
+    a = arrival.Arrival(store, 0, [5, 6], _mark(5))
+    b = arrival.Arrival(store, 0, [6, 5], _mark(5))
+    c = arrival.Arrival(store, 0, [5, 7], _mark(5))
+    assert a.prefix != b.prefix and a.prefix.rsplit("/", 2)[0] == b.prefix.rsplit("/", 2)[0]
+    assert c.prefix.split("/")[2] == "5-7"
+
+
+# ---------------------------------------------------------------- real ranks
+
+
+def lost_and_missing(rank: int, world: int, *, stamp: str) -> dict:
+    """Rank 1 marks and dies; rank 2 never constructs. Rank 0 constructs twice."""
+    arrival.WAIT_LOG_EVERY_S = 1.0
+    if rank == 2:
+        return {"ok": True}  # exits before constructing
+    if rank == 1:
+
+        def die():
+            time.sleep(1.0)
+            with open(stamp, "w") as f:
+                f.write(repr(time.time()))
+            os._exit(0)
+
+        threading.Thread(target=die, daemon=True).start()
+    warnings = Warnings()
+    logging.getLogger("shmloader").addHandler(warnings)
+    cfg = Config.from_env(enabled=True, timeout=20.0)
+    first = outcome(lambda: ShmLoader(lambda: [1], dist.group.WORLD, config=cfg))
+    first["at"] = time.time()
+    cfg = Config.from_env(enabled=True, timeout=3.0)
+    second = outcome(lambda: ShmLoader(lambda: [1], dist.group.WORLD, config=cfg))
+    return {"first": first, "second": second, "warnings": warnings.messages}
+
+
+def test_a_rank_that_died_after_marking_or_never_came_is_named(tmp_path):
+    stamp = str(tmp_path / "died")
+    out = run_ranks(lost_and_missing, 3, kwargs={"stamp": stamp}, expect_failure=True, timeout=60)
+    with open(stamp) as f:
+        died = float(f.read())
+    first, second = out[0]["first"], out[0]["second"]
+    assert first["type"] == "PeerLostError" and "rank 1" in first["message"], first
+    assert first["at"] - died < 2.5, (first, died)
+    assert second["type"] == "PeerLostError", second
+    assert "ranks 1, 2" in second["message"] and "not constructed" in second["message"]
+    assert 2.5 < second["seconds"] < 6, second
+    waits = [m for m in out[0]["warnings"] if "has waited since" in m]
+    # one warning a second (WAIT_LOG_EVERY_S = 1 here), each naming who is missing then
+    assert len([m for m in waits if "for ranks 1, 2 " in m]) >= 2, out[0]["warnings"]
+
+
+def mixed_settings(rank: int, world: int) -> dict:
+    """Rank 2 runs with SHMLOADER=0; then settings that differ; then all agree."""
+    warnings = Warnings()
+    warnings.setLevel(logging.INFO)
+    logger = logging.getLogger("shmloader")
+    logger.addHandler(warnings)
+    logger.setLevel(logging.INFO)
+    out: dict = {}
+    if rank == 2:
+        time.sleep(1.0)  # its peers marked first: it sees them at construction
+        loader = ShmLoader(lambda: list(range(4)), dist.group.WORLD)
+        out["sharing_off"] = {"role": loader.role, "got": list(loader) + list(loader)}
+        loader.close()
+    else:
+        out["sharing_off"] = outcome(lambda: ShmLoader(lambda: [1], dist.group.WORLD))
+    for name, kwargs in [
+        ("accumulation", {"accumulation_steps": 2 if rank == 1 else 1}),
+        ("prefetch", {"config": Config.from_env(enabled=True, prefetch=3 if rank == 2 else 2)}),
+    ]:
+        kwargs.setdefault("config", Config.from_env(enabled=True))
+        out[name] = outcome(
+            lambda kwargs=kwargs: ShmLoader(lambda: [1], dist.group.WORLD, **kwargs)
+        )
+    loader = ShmLoader(lambda: [7, 8], dist.group.WORLD, config=Config.from_env(enabled=True))
+    out["agreed"] = {"role": loader.role, "got": list(loader)}
+    loader.close()
+    out["log"] = warnings.messages
+    return out
+
+
+def test_sharing_off_on_one_rank_and_settings_that_differ_fail_in_seconds():
+    out = run_ranks(
+        mixed_settings,
+        3,
+        env={"SHMLOADER": "1", "SHMLOADER_TIMEOUT": "30"},
+        rank_env={2: {"SHMLOADER": "0"}},
+    )
+    for rank in (0, 1):
+        o = out[rank]["sharing_off"]
+        assert o["type"] == MISMATCH and o["seconds"] < 5, o
+        assert "rank 2" in o["message"] and "SHMLOADER" in o["message"], o
+    off = out[2]["sharing_off"]
+    assert off == {"role": "local", "got": [0, 1, 2, 3] * 2}, off
+    told = [m for m in out[2]["log"] if "has sharing off" in m]
+    assert len(told) == 1 and ("rank 0" in told[0] or "rank 1" in told[0]), out[2]["log"]
+    for rank, o in enumerate(out):
+        acc = o["accumulation"]
+        assert acc["type"] == MISMATCH and acc["seconds"] < 5, (rank, acc)
+        assert "accumulation_steps" in acc["message"] and "2" in acc["message"], acc
+        pre = o["prefetch"]
+        assert pre["type"] == MISMATCH and "prefetch" in pre["message"], (rank, pre)
+        assert o["agreed"]["got"] == [7, 8], o
+    assert [o["agreed"]["role"] for o in out] == ["leader", "follower", "follower"]
+    for rank, o in enumerate(out):
+        roles = [m for m in o["log"] if m.startswith(f"shmloader: rank {rank} ")]
+        assert any("sharing on" in m and o["agreed"]["role"] in m for m in roles), o["log"]
+    assert any("sharing off" in m for m in out[2]["log"] if m.startswith("shmloader: rank 2 l"))
+
+
+def leader_dies_building(rank: int, world: int) -> dict:
+    """The leader dies inside make_loader, after every rank marked."""
+
+    def make():
+        time.sleep(1.0)
+        os._exit(0)
+
+    cfg = Config.from_env(enabled=True, timeout=30.0)
+    got = outcome(lambda: ShmLoader(make, dist.group.WORLD, config=cfg))
+    return got
+
+
+def test_a_leader_that_dies_building_its_loader_is_named_in_seconds():
+    out = run_ranks(leader_dies_building, 2, expect_failure=True, timeout=60, gc_after=True)
+    assert out[1]["type"] == "PeerLostError" and out[1]["seconds"] < 5, out[1]

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from .config import Config
 from .errors import (
     ConfigError,
+    ConfigMismatchError,
     DivergenceError,
     LeaderError,
     LeaderStoppedError,
@@ -58,6 +59,7 @@ __all__ = [
     "BalancedBatchSampler",
     "Config",
     "ConfigError",
+    "ConfigMismatchError",
     "DivergenceError",
     "LeaderError",
     "LeaderStoppedError",

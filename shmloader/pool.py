@@ -21,8 +21,8 @@ Control segment (``/shml-<token>-pool``, one page of header, then)::
     0           version          POOL_VERSION
     8           num_workers
     16          per_worker
-    64 + 64*i   slot i: state, gen, capacity, writer pid, ticket, write ns,
-                name (random part), bytes collated in place
+    64 + 128*i  slot i: state, gen, capacity, writer pid, ticket, write ns,
+                name (random part), bytes collated in place, keeper pid
 
 Pool slot state machine (the ``state`` word; the ring's own FREE/HELD runs
 beside it, see ``ring.py``)::
@@ -78,13 +78,36 @@ NOTE [pool names]
     its record (``NAME``), written by whoever creates that generation (the
     main process for generation 0, the growing worker after), so every
     process derives the current name from the control segment.
+
+NOTE [kept collate outputs]
+    A collate's shared-memory outputs are made in the worker's claimed slot
+    (NOTE [collate into the slot] in ``worker``), and a collate may keep them
+    past the call: a memory bank that returns its output from K calls back, a
+    packing carry, a view of one leaf. Plain PyTorch keeps such outputs
+    intact (each is fresh shared memory), so a slot must never be rewritten
+    under them. The worker tracks every piece of a slot it hands to a
+    collate (``WorkerSlots.track``: a finalizer on the array a storage was
+    made from, which lives exactly as long as that storage) and records
+    itself in the slot's ``KEPT`` word while any is alive. Before it writes
+    into a generation that still has live pieces (the next claim of that
+    slot), it *detaches* them (``_detach``): the pages under each piece are
+    copied into private anonymous memory mapped at the very same addresses
+    (``mremap`` over them, one atomic step per range), so every tensor that
+    references them keeps its bytes, and the slot is mapped afresh for the
+    new batch. The cost is one copy of what is kept, when it is kept; a
+    collate that keeps nothing pays a finalizer per storage. Another process
+    (a second worker with the same id: two DataLoader iterators alive at
+    once) never claims a slot whose ``KEPT`` names a live worker other than
+    itself.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import fcntl
+import itertools
 import logging
 import math
 import mmap
@@ -115,14 +138,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-POOL_VERSION = 1
+POOL_VERSION = 2
 FREE, WRITING, FILLED, HELD = 1, 2, 3, 4
 STATE_NAMES = {0: "INVALID", FREE: "FREE", WRITING: "WRITING", FILLED: "FILLED", HELD: "HELD"}
 # Word indices of a slot record (WRITE_NS: the worker's last encode + write, for stats).
 #: NAME: the random part of the current generation's segment name (NOTE [pool names])
 #: PLACED: bytes of the batch its collate made in the slot (NOTE [collate into the slot])
-STATE, GEN, CAPACITY, PID, TICKET, WRITE_NS, NAME, PLACED = range(8)
-_RECORD_WORDS = 8  # 64 bytes per slot: one cache line
+#: KEPT: the worker whose collate still references memory in this generation, or 0
+#: (NOTE [kept collate outputs])
+STATE, GEN, CAPACITY, PID, TICKET, WRITE_NS, NAME, PLACED, KEPT = range(9)
+_RECORD_WORDS = 16  # 128 bytes per slot: two cache lines
 _RECORDS_AT = 8  # in words: slot records start at payload offset 64
 #: A worker's wait for a FREE slot polls with this backoff (seconds).
 POLL_FIRST_S, POLL_MAX_S = 50e-6, 2e-3
@@ -430,6 +455,11 @@ class WorkerSlots:
         self.grown = False  # has this worker checked /dev/shm for the pool's size yet
         self.last_nbytes = 0  # this worker's last batch: the size to claim for the next
         self.unsent: dict[int, int] = {}  # slot -> a generation grown since its claim
+        # (slot, gen) -> {key: (address, nbytes)} of pieces a collate still references
+        # (NOTE [kept collate outputs])
+        self.live: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
+        self._keys = itertools.count()
+        self.detached = 0  # pieces copied out of a slot before it was rewritten
 
     def _record(self, i: int) -> np.ndarray:
         at = _RECORDS_AT + i * _RECORD_WORDS
@@ -465,7 +495,7 @@ class WorkerSlots:
             best = None
             for i in self.first:
                 rec = self._record(i)
-                if int(rec[STATE]) != FREE:
+                if int(rec[STATE]) != FREE or self._kept_elsewhere(int(rec[KEPT])):
                     continue
                 cap = int(rec[CAPACITY])
                 if best is None:
@@ -487,12 +517,22 @@ class WorkerSlots:
         finally:
             fcntl.lockf(self.control.fd, fcntl.LOCK_UN, 1, offset)
 
+    def _kept_elsewhere(self, keeper: int) -> bool:
+        """A live worker other than this one still references the slot's memory."""
+        return keeper not in (0, self.pid) and process_alive(keeper, 0)
+
     def payload(self, i: int, nbytes: int) -> tuple[np.ndarray, int]:
-        """Slot ``i`` (claimed) as a writable uint8 array of at least ``nbytes``; and its gen."""
+        """Slot ``i`` (claimed) as a writable uint8 array of at least ``nbytes``; and its gen.
+
+        Pieces of this generation a collate still references are copied out
+        first (NOTE [kept collate outputs]): the array returned is safe to write.
+        """
         rec = self._record(i)
         gen, cap = int(rec[GEN]), int(rec[CAPACITY])
         if cap < nbytes:
             gen = self._grow(i, gen, cap, nbytes)
+        elif self.live.get((i, gen)):
+            self._detach(i, gen)
         held = self.maps.get(i)
         if held is None or held[0] != gen:
             self._forget(i)
@@ -570,6 +610,37 @@ class WorkerSlots:
         self.unsent[i] = new
         return new
 
+    def track(self, i: int, gen: int, piece: np.ndarray) -> None:
+        """Count ``piece`` (of slot ``i``, handed to a collate) as live until it dies.
+
+        ``piece`` must be the object a storage was made from (``torch.frombuffer``
+        holds it for exactly the storage's life). NOTE [kept collate outputs].
+        """
+        key = next(self._keys)
+        self.live.setdefault((i, gen), {})[key] = (piece.ctypes.data, piece.nbytes)
+        self._record(i)[KEPT] = self.pid
+        weakref.finalize(piece, self._untrack, i, gen, key)
+
+    def _untrack(self, i: int, gen: int, key: int) -> None:
+        if os.getpid() != self.pid:  # a forked child's copy of the tracking: not ours
+            return
+        live = self.live.get((i, gen))
+        if live is None or live.pop(key, None) is None or live:
+            return
+        del self.live[(i, gen)]
+        rec = self._record(i)
+        if int(rec[KEPT]) == self.pid:
+            rec[KEPT] = 0
+
+    def _detach(self, i: int, gen: int) -> None:
+        """Copy the live pieces of slot ``i`` out of it, at their addresses; remap the slot."""
+        pieces = self.live.pop((i, gen))
+        _privatise(pieces.values())
+        self.detached += len(pieces)
+        self._forget(i)  # the old mapping now holds private pages: map the slot afresh
+        self._record(i)[KEPT] = 0
+        log.debug("pool slot %d.%d: %d kept collate outputs copied out", i, gen, len(pieces))
+
     def filled(self, i: int, write_ns: int, placed: int = 0) -> None:
         self.unsent.pop(i, None)
         rec = self._record(i)
@@ -590,6 +661,72 @@ class WorkerSlots:
             with contextlib.suppress(BufferError):
                 mm.close()
             segment.close()
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mmap.restype = ctypes.c_void_p
+_LIBC.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_LIBC.mremap.restype = ctypes.c_void_p
+_LIBC.mremap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_void_p,
+]
+_LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _page_ranges(pieces: Any) -> list[tuple[int, int]]:
+    """The page-aligned, merged ``(start, end)`` address ranges under ``pieces``."""
+    page = mmap.PAGESIZE
+    spans = sorted(
+        (addr // page * page, -(-(addr + n) // page) * page) for addr, n in pieces if n > 0
+    )
+    merged: list[tuple[int, int]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _privatise(pieces: Any) -> None:
+    """Replace the pages under ``pieces`` by private anonymous copies, at the same addresses.
+
+    For each range: a fresh anonymous mapping gets a copy of the bytes, then
+    ``mremap(MREMAP_FIXED)`` moves it over the range in one step, so whoever
+    holds a pointer into it reads the same bytes before and after, and the
+    shared pages behind it are no longer referenced (NOTE [kept collate outputs]).
+    """
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    for start, end in _page_ranges(pieces):
+        n = end - start
+        new = _LIBC.mmap(None, n, prot, flags, -1, 0)
+        if new in (None, _MAP_FAILED):
+            err = ctypes.get_errno()
+            raise OSError(
+                err, f"mmap of {n} bytes to copy a kept collate output: {os.strerror(err)}"
+            )
+        ctypes.memmove(new, start, n)
+        moved = _LIBC.mremap(
+            ctypes.c_void_p(new), n, n, _MREMAP_MAYMOVE | _MREMAP_FIXED, ctypes.c_void_p(start)
+        )
+        if moved != start:
+            err = ctypes.get_errno()
+            _LIBC.munmap(ctypes.c_void_p(new), n)
+            raise OSError(err, f"mremap of a kept collate output: {os.strerror(err)}")
 
 
 def estimate_bytes(obj: Any, depth: int = 0) -> int:

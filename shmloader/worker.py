@@ -39,9 +39,11 @@ NOTE [collate into the slot]
     is copied after them. Any allocation that does not fit, any other
     thread, any other device gets torch's own ``_new_shared``. If the
     finished batch outgrows the slot, the worker grows the slot and copies
-    the whole batch, as without the allocator. A collate that keeps a
-    reference to its output past the call would see it rewritten by a later
-    batch: collates do not, and the DataLoader gives the batch away.
+    the whole batch, as without the allocator. A collate may keep references
+    to its outputs past the call (a memory bank, a view of one leaf): the
+    pieces it keeps are copied out of the slot, at their addresses, before
+    the slot is written again (NOTE [kept collate outputs] in ``pool``), so
+    they keep their bytes as with plain PyTorch.
     ``SHMLOADER_COLLATE_IN_SLOT=0`` (``Config.collate_in_slot``, carried to
     the workers in the ``PoolSpec``) turns the allocator off: every batch is
     then written by one copy after the collate.
@@ -60,6 +62,7 @@ user's collate unchanged.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 import os
@@ -126,12 +129,16 @@ def _rebuild_failure(
 
 
 class _Arena:
-    """Bump allocator over a claimed slot's payload: the collate's shared-memory outputs."""
+    """Bump allocator over a claimed slot's payload: the collate's shared-memory outputs.
 
-    def __init__(self, dest: np.ndarray) -> None:
+    ``track`` is told of every piece handed out (NOTE [kept collate outputs] in ``pool``).
+    """
+
+    def __init__(self, dest: np.ndarray, track: Callable[[np.ndarray], None] | None = None) -> None:
         self.dest = dest
         self.base = dest.ctypes.data
         self.top = 0  # bytes handed out so far (the next leaf to copy goes after)
+        self.track = track
 
     def storage(self, nbytes: int) -> torch.UntypedStorage | None:
         """``nbytes`` of the slot as a storage, or None when they do not fit."""
@@ -139,7 +146,10 @@ class _Arena:
         if nbytes <= 0 or at + nbytes > self.dest.nbytes:
             return None
         self.top = at + nbytes
-        return torch.frombuffer(self.dest[at : at + nbytes], dtype=torch.uint8).untyped_storage()
+        piece = self.dest[at : at + nbytes]  # the storage holds it for exactly its own life
+        if self.track is not None:
+            self.track(piece)
+        return torch.frombuffer(piece, dtype=torch.uint8).untyped_storage()
 
     def offset_of(self, obj: Any, nbytes: int) -> int | None:
         """Where ``obj``'s bytes lie in the slot, if they were made here."""
@@ -216,7 +226,7 @@ class WorkerWriter:
         if claimed is None:  # no allocator: collate as usual, then one copy
             batch = self.collate_fn(samples)  # the user's errors travel the DataLoader's way
             return self.write(batch, info.id)
-        arena = _Arena(dest)
+        arena = _Arena(dest, functools.partial(slots.track, index, gen))
         try:
             with _allocating_from(arena):
                 batch = self.collate_fn(samples)

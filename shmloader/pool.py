@@ -119,12 +119,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import ProtocolError, ShmCapacityError, ShmLoaderError
+from . import segment as _segment
+from .errors import PeerLostError, ProtocolError, ShmCapacityError, ShmLoaderError
 from .ring import GRANULE, RingWriter, Slot, SlotState, slot_capacity_for, slot_stem
 from .segment import (
     HEADER_SIZE,
     KIND_DATA,
-    MY_START,
     PREFIX,
     Segment,
     process_alive,
@@ -151,6 +151,8 @@ _RECORD_WORDS = 16  # 128 bytes per slot: two cache lines
 _RECORDS_AT = 8  # in words: slot records start at payload offset 64
 #: A worker's wait for a FREE slot polls with this backoff (seconds).
 POLL_FIRST_S, POLL_MAX_S = 50e-6, 2e-3
+#: ... and checks this often that the leader's main process is alive (seconds).
+OWNER_CHECK_S = 0.2
 
 #: Pools of this process by ring token, for SlotRef.__del__ (abandon).
 _POOLS: weakref.WeakValueDictionary[str, WorkerPool] = weakref.WeakValueDictionary()
@@ -260,7 +262,7 @@ class WorkerPool:
             per_worker,
             prefetch_factor,
             os.getpid(),
-            MY_START,
+            _segment.MY_START,  # read now: a forked leader's own (refreshed at fork)
             timeout,
             allow_pickle,
             collate_in_slot,
@@ -469,15 +471,30 @@ class WorkerSlots:
         """A slot of this partition for ``nbytes``: (index, ticket), state WRITING.
 
         Waits, polling with backoff, at most ``spec.timeout`` seconds for a
-        FREE slot (NOTE [bounded waits] in ``channel``).
+        FREE slot (NOTE [bounded waits] in ``channel``), and raises
+        :class:`PeerLostError` within ``OWNER_CHECK_S`` of the leader's main
+        process dying (it alone frees slots): the DataLoader worker then ends
+        as its own parent watchdog sees the parent gone, instead of holding
+        the pool's memory for the rest of the timeout.
         """
-        deadline = time.monotonic() + self.spec.timeout
+        now = time.monotonic()
+        deadline, check = now + self.spec.timeout, now + OWNER_CHECK_S
         delay = POLL_FIRST_S
         while True:
             got = self._try_claim(nbytes)
             if got is not None:
                 return got
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now >= check:
+                check = now + OWNER_CHECK_S
+                if not process_alive(self.spec.owner_pid, self.spec.owner_start):
+                    raise PeerLostError(
+                        None,
+                        f"leader's main process (pid {self.spec.owner_pid})",
+                        f"it died while DataLoader worker {self.worker_id} waited for a free "
+                        "pool slot",
+                    )
+            if now > deadline:
                 states = [STATE_NAMES.get(int(self._record(i)[STATE])) for i in self.first]
                 raise ShmLoaderError(
                     f"DataLoader worker {self.worker_id} waited {self.spec.timeout:.0f} s for a "

@@ -1,0 +1,88 @@
+"""The worker pool under faults, with real processes: a leader killed while a
+DataLoader worker waits for a slot.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: A leader whose only worker filled every slot of its partition (the
+#: SlotRefs are kept, so nothing is ever freed) and now waits in claim(),
+#: with a pool timeout far longer than the test.
+WAITING_LEADER = r"""
+import time
+from torch.utils.data import DataLoader
+from shmloader.pool import WorkerPool
+from shmloader.ring import RingWriter, new_token
+from shmloader.worker import install
+from tests.test_worker_writer import Sized
+
+loader = DataLoader(Sized(64, grow=False), batch_size=2, num_workers=1,
+                    multiprocessing_context="fork")
+ring = RingWriter(new_token(), frozenset(), {"test": True}, self_rank=0)
+pool = WorkerPool(ring, num_workers=1, prefetch_factor=2, ring_slots=2, timeout=300.0,
+                  allow_pickle=False)
+install(loader, pool.spec)
+it = iter(loader)
+held = [next(it) for _ in range(pool.spec.per_worker)]
+time.sleep(0.5)  # the worker collates the next batch: no FREE slot
+states = {pool.state(i) for i in range(pool.spec.total)}
+assert states == {"FILLED"}, states
+print(ring.token, it._workers[0].pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return True
+    return raw[raw.rindex(b")") + 2 :].split()[0] in (b"Z", b"X")
+
+
+def _unlink_job(token: str) -> None:
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(f"shml-{token}"):
+            os.unlink(os.path.join("/dev/shm", name))
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_waiting_for_a_slot_exits_within_a_second_of_its_leaders_death():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    leader = subprocess.Popen(
+        [sys.executable, "-c", WAITING_LEADER], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
+    )
+    token = None
+    try:
+        line = leader.stdout.readline().split()
+        assert len(line) == 2, f"the leader did not start: rc {leader.poll()}"
+        token, worker = line[0], int(line[1])
+        assert not _gone(worker)
+        leader.send_signal(signal.SIGKILL)
+        leader.wait()
+        t0 = time.monotonic()
+        while not _gone(worker) and time.monotonic() - t0 < 20:
+            time.sleep(0.02)
+        waited = time.monotonic() - t0
+        still = not _gone(worker)
+        if still:
+            os.kill(worker, signal.SIGKILL)
+        assert not still, "the worker outlived its leader by 20 s (its pool timeout is 300 s)"
+        assert waited < 1.5, f"the worker took {waited:.2f} s to notice its leader died"
+    finally:
+        if leader.poll() is None:
+            leader.kill()
+            leader.wait()
+        leader.stdout.close()
+        if token is not None:
+            _unlink_job(token)

@@ -114,6 +114,7 @@ import mmap
 import os
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -280,6 +281,7 @@ class WorkerPool:
         self._finalizer = weakref.finalize(
             self, _unlink_all, self.control, ring.token, self.words, os.getpid()
         )
+        self._on_close: list[Callable[[], None]] = []
         try:
             for i in range(self.spec.total):
                 slot = ring.add_pooled(self._new_segment(i, GRANULE))
@@ -411,7 +413,15 @@ class WorkerPool:
             return
         self._closed = True
         _POOLS.pop(self.ring.token, None)
-        self._finalizer()
+        try:
+            for callback in self._on_close:
+                callback()
+        finally:
+            self._finalizer()
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when the pool closes (``worker.uninstall`` of its DataLoader)."""
+        self._on_close.append(callback)
 
 
 def _unlink_all(control: Segment, token: str, words: np.ndarray, creator: int) -> None:

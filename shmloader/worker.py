@@ -77,8 +77,8 @@ import torch
 from torch.utils.data import get_worker_info
 
 from . import codec
-from .errors import ShmLoaderError
-from .pool import PoolSpec, SlotRef, WorkerSlots, estimate_bytes
+from .errors import LoaderStateError, ShmLoaderError
+from .pool import PoolSpec, SlotRef, WorkerPool, WorkerSlots, estimate_bytes
 
 
 class WorkerFailure:
@@ -312,10 +312,49 @@ class WorkerWriter:
         )
 
 
-def install(loader: Any, spec: PoolSpec) -> bool:
-    """Wrap ``loader.collate_fn`` (a DataLoader with workers); False when it cannot be."""
+def check_installable(loader: Any) -> None:
+    """Raise :class:`LoaderStateError` if another open pool's wrapper is on ``loader``.
+
+    Two ShmLoaders over one DataLoader at once would have one DataLoader's
+    workers write two rings: refused, naming the fix.
+    """
     collate = getattr(loader, "collate_fn", None)
-    if collate is None or isinstance(collate, WorkerWriter):
+    if isinstance(collate, WorkerWriter):
+        raise LoaderStateError(
+            f"the DataLoader that make_loader returned ({type(loader).__name__} at "
+            f"{id(loader):#x}) is already published by another open ShmLoader (its "
+            f"collate_fn is wrapped for pool {collate.spec.token}); have make_loader build a "
+            "new DataLoader for each ShmLoader (lambda: DataLoader(...)), or close() the "
+            "other ShmLoader first"
+        )
+
+
+def install(loader: Any, pool: WorkerPool) -> bool:
+    """Wrap ``loader.collate_fn`` for ``pool``; False when it cannot be wrapped.
+
+    The wrapper is removed again when ``pool`` closes (``uninstall``), so the
+    same DataLoader can be given to a later ShmLoader; while it is in place,
+    another ``install`` raises (``check_installable``).
+    """
+    check_installable(loader)
+    collate = getattr(loader, "collate_fn", None)
+    if collate is None:
         return False
-    loader.collate_fn = WorkerWriter(collate, spec)
+    loader.collate_fn = WorkerWriter(collate, pool.spec)
+    pool.on_close(functools.partial(uninstall, loader, pool.spec))
     return True
+
+
+def uninstall(loader: Any, spec: PoolSpec) -> None:
+    """Undo ``install``: the user's collate back, and persistent workers (which carry
+    the wrapper for ``spec``'s closed pool) shut down so that the next ``iter()``
+    starts workers with the collate the loader has then."""
+    writer = getattr(loader, "collate_fn", None)
+    if not isinstance(writer, WorkerWriter) or writer.spec is not spec:
+        return
+    loader.collate_fn = writer.collate_fn
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None:
+        with contextlib.suppress(Exception):
+            iterator._shutdown_workers()
+        loader._iterator = None

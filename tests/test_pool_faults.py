@@ -30,7 +30,7 @@ loader = DataLoader(Sized(64, grow=False), batch_size=2, num_workers=1,
 ring = RingWriter(new_token(), frozenset(), {"test": True}, self_rank=0)
 pool = WorkerPool(ring, num_workers=1, prefetch_factor=2, ring_slots=2, timeout=300.0,
                   allow_pickle=False)
-install(loader, pool.spec)
+install(loader, pool)
 it = iter(loader)
 held = [next(it) for _ in range(pool.spec.per_worker)]
 time.sleep(0.5)  # the worker collates the next batch: no FREE slot
@@ -86,3 +86,55 @@ def test_a_worker_waiting_for_a_slot_exits_within_a_second_of_its_leaders_death(
         leader.stdout.close()
         if token is not None:
             _unlink_job(token)
+
+
+def one_dataloader_two_shmloaders(rank: int, world: int) -> dict:
+    """Two ShmLoaders over one DataLoader: at once (refused), then one after the other."""
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from shmloader import Config, ShmLoader
+    from tests.faults.scenarios import outcome
+    from tests.test_worker_writer import Sized
+
+    dl = DataLoader(
+        Sized(8, grow=False),
+        batch_size=2,
+        num_workers=1,
+        persistent_workers=True,
+        multiprocessing_context="fork",
+    )
+    config = Config.from_env(enabled=True)
+
+    def build() -> ShmLoader:
+        return ShmLoader(lambda: dl, dist.group.WORLD, config=config)
+
+    def ids(loader: ShmLoader) -> list[int]:
+        return [int(i) for batch in loader for i in batch["i"]]
+
+    first = build()
+    got = {"first": ids(first)}
+    got["at_once"] = outcome(lambda: str(build()))
+    got["first_again"] = ids(first)  # the refused one changed nothing
+    first.close()
+    second = build()
+    got["second"] = ids(second)
+    second.close()
+    return got
+
+
+@pytest.mark.timeout(180)
+def test_one_dataloader_for_two_shmloaders_at_once_is_refused_and_after_close_works():
+    from tests.harness import run_ranks
+
+    for rank, got in enumerate(run_ranks(one_dataloader_two_shmloaders, 2, timeout=150)):
+        assert got["first"] == got["first_again"] == got["second"] == list(range(8)), got
+        refused = got["at_once"]
+        assert not refused["ok"], refused
+        if rank == 0:
+            assert refused["type"] == "LoaderStateError", refused
+            assert "already published by another open ShmLoader" in refused["message"]
+            assert "close() the other ShmLoader" in refused["message"]
+        else:
+            assert refused["type"] == "LeaderError", refused
+            assert refused["attrs"]["original_type"] == "LoaderStateError", refused

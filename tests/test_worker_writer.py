@@ -94,7 +94,7 @@ class Leader:
             allow_pickle=False,
             collate_in_slot=collate_in_slot,
         )
-        assert install(loader, self.pool.spec)
+        assert install(loader, self.pool)
         self.seq = 0
 
     def deliver(self, ref) -> object:
@@ -318,7 +318,7 @@ def test_pool_names_cannot_be_predicted_or_squatted():
             timeout=20.0,
             allow_pickle=False,
         )
-        assert install(loader, pool.spec)
+        assert install(loader, pool)
         assert re.fullmatch(rf"/shml-{token}-pool\.[0-9a-f]{{16}}", pool.control.name)
         gens = set()
         for seq, ref in enumerate(loader):

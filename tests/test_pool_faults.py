@@ -138,3 +138,58 @@ def test_one_dataloader_for_two_shmloaders_at_once_is_refused_and_after_close_wo
         else:
             assert refused["type"] == "LeaderError", refused
             assert refused["attrs"]["original_type"] == "LoaderStateError", refused
+
+
+def break_early_every_epoch(rank: int, world: int, epochs: int) -> dict:
+    """Each epoch takes one batch and breaks: the workers' prefetched batches are
+    FILLED in slots whose SlotRefs never reach the main process, and the workers
+    are shut down with the iterator. The next iter() must reclaim those slots."""
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from shmloader import Config, ShmLoader
+    from tests.faults.scenarios import outcome
+    from tests.test_worker_writer import Sized
+
+    config = Config.from_env(enabled=True, timeout=6.0)
+
+    def make() -> DataLoader:
+        return DataLoader(
+            Sized(64, grow=False), batch_size=2, num_workers=1, multiprocessing_context="fork"
+        )
+
+    loader = ShmLoader(make, dist.group.WORLD, config=config)
+
+    def run() -> list[int]:
+        firsts = []
+        for epoch in range(epochs):
+            loader.set_epoch(epoch)
+            for batch in loader:
+                firsts.append(int(batch["i"][0]))
+                del batch
+                break
+        return firsts
+
+    try:
+        got = outcome(run)
+        if loader.is_leader:
+            pool = loader._pool
+            got["stuck"] = [pool.state(i) for i in range(pool.spec.total)].count("FILLED")
+            got["per_worker"] = pool.spec.per_worker
+        return got
+    finally:
+        loader.close()
+
+
+@pytest.mark.timeout(180)
+def test_slots_filled_by_workers_of_an_abandoned_iterator_are_reclaimed_at_iter():
+    from tests.harness import run_ranks
+
+    epochs = 8
+    out = run_ranks(break_early_every_epoch, 2, kwargs={"epochs": epochs}, timeout=150)
+    for got in out:
+        assert got["ok"], got
+        assert got["value"] == [0] * epochs
+    lead = out[0]
+    # what the last epoch's worker left behind, never more: the rest came back
+    assert lead["stuck"] < lead["per_worker"] - 1, lead

@@ -522,3 +522,79 @@ def test_leader_killed_while_workers_hold_slots_leaves_nothing_after_gc():
     assert out[0] is None or isinstance(out[0], str), "the leader must have died"
     assert not out[1]["ok"] and out[1]["type"] == "PeerLostError", out[1]
     # no_leaks then checks that gc left no shml- segment of the job in /dev/shm
+
+
+def _bare_pool(num_workers: int, per_worker_ring_slots: int = 2) -> tuple[RingWriter, WorkerPool]:
+    ring = RingWriter(new_token(), frozenset(), {}, self_rank=0)
+    pool = WorkerPool(
+        ring,
+        num_workers=num_workers,
+        prefetch_factor=2,
+        ring_slots=per_worker_ring_slots,
+        timeout=5,
+        allow_pickle=False,
+    )
+    return ring, pool
+
+
+def test_a_claim_takes_the_smallest_free_slot_that_fits_else_grows_the_largest():
+    from shmloader.pool import CAPACITY, STATE, WRITING, WorkerSlots
+
+    ring, pool = _bare_pool(1)
+    try:
+        slots = WorkerSlots(pool.spec, 0)
+        caps = [8192, 65536, 4096, 32768, 16384, 4096, 12288]
+        assert len(caps) == pool.spec.per_worker
+        for i, cap in enumerate(caps):
+            slots._record(i)[CAPACITY] = cap
+        slots._record(4)[STATE] = WRITING  # not FREE: never taken
+        assert slots._try_claim(10_000)[0] == 6  # 12288: the smallest that fits (16384 is busy)
+        assert slots._try_claim(10_000)[0] == 3  # then 32768
+        assert slots._try_claim(5000)[0] == 0  # 8192
+        assert slots._try_claim(100_000)[0] == 1  # none fits: the largest FREE one grows
+        assert slots._try_claim(1)[0] in (2, 5)  # 4096, either of the two
+        del slots
+    finally:
+        ring.close()
+        pool.close()
+
+
+def test_worker_partitions_never_overlap():
+    from shmloader.pool import WorkerSlots
+
+    ring, pool = _bare_pool(3)
+    try:
+        per = pool.spec.per_worker
+        taken: dict[int, list[int]] = {}
+        for w in (1, 0, 2):  # a worker claims until its partition is empty
+            slots = WorkerSlots(pool.spec, w)
+            got = []
+            while (claim := slots._try_claim(1)) is not None:
+                got.append(claim[0])
+            taken[w] = sorted(got)
+            del slots
+        for w in range(3):
+            assert taken[w] == list(range(w * per, (w + 1) * per)), taken
+    finally:
+        ring.close()
+        pool.close()
+
+
+def test_a_slot_filled_by_a_worker_that_died_is_reclaimed_and_a_live_ones_is_not():
+    import subprocess
+
+    from shmloader.pool import FILLED, PID, STATE, WRITING
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    ring, pool = _bare_pool(1)
+    try:
+        for i, (state, pid) in enumerate(
+            [(FILLED, dead.pid), (WRITING, dead.pid), (FILLED, os.getpid()), (WRITING, os.getpid())]
+        ):
+            pool._record(i)[[STATE, PID]] = (state, pid)
+        assert pool.reclaim() == [0, 1]
+        assert [pool.state(i) for i in range(4)] == ["FREE", "FREE", "FILLED", "WRITING"]
+    finally:
+        ring.close()
+        pool.close()

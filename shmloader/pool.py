@@ -70,7 +70,8 @@ NOTE [pool names]
     workers, any multiprocessing context) opens its slots by name. Their
     headers name the leader's main process as owner, so a killed leader's
     segments are reaped by ``shmloader gc`` or the daemon like the rest of
-    its ring. ``close`` unlinks every generation it knows of.
+    its ring. ``close`` unlinks every generation left in ``/dev/shm``, found by
+    name and header token (``_unlink_all``), never by the control words.
 
     The names are still unpredictable (NOTE [unpredictable names] in
     ``segment``): ``<stem>.<random>``. The control segment's name travels to
@@ -122,13 +123,23 @@ import numpy as np
 
 from . import segment as _segment
 from .errors import PeerLostError, ProtocolError, ShmCapacityError, ShmLoaderError
-from .ring import GRANULE, RingWriter, Slot, SlotState, slot_capacity_for, slot_stem
+from .ring import (
+    GRANULE,
+    RingWriter,
+    Slot,
+    SlotState,
+    parse_slot_name,
+    slot_capacity_for,
+    slot_stem,
+)
 from .segment import (
     HEADER_SIZE,
     KIND_DATA,
     PREFIX,
     Segment,
+    list_segments,
     process_alive,
+    read_header,
     shm_free_bytes,
     touch,
     unlink_name,
@@ -279,7 +290,7 @@ class WorkerPool:
         self.last_write_ns = 0  # the adopted batch's write into its slot, in its worker
         self.last_placed = 0  # bytes of it that its collate made in place
         self._finalizer = weakref.finalize(
-            self, _unlink_all, self.control, ring.token, self.words, os.getpid()
+            self, _unlink_all, self.control, ring.token, num_workers * per_worker, os.getpid()
         )
         self._on_close: list[Callable[[], None]] = []
         try:
@@ -424,18 +435,26 @@ class WorkerPool:
         self._on_close.append(callback)
 
 
-def _unlink_all(control: Segment, token: str, words: np.ndarray, creator: int) -> None:
-    """Unlink generations workers created that the ring never installed, and the control.
+def _unlink_all(control: Segment, token: str, total: int, creator: int) -> None:
+    """Unlink every generation of the pool's slots left in ``/dev/shm``, and the control.
 
-    Only in the process that made the pool: a forked child never unlinks it.
+    Found by what was made, not by what the control segment says (its words
+    are writable by every worker, and garbage there must not hide a name):
+    every segment whose name is a slot ``0 .. total-1`` of this ring and whose
+    header carries this ring's token (random per job, written only by this
+    job's processes) is unlinked, whichever process created it. Only in the
+    process that made the pool: a forked child never unlinks it.
     """
     if os.getpid() != creator:
         return
-    with contextlib.suppress(Exception):
-        total = int(words[1]) * int(words[2])
-        for i in range(total):
-            at = _RECORDS_AT + i * _RECORD_WORDS
-            unlink_name(pool_slot_name(token, i, int(words[at + GEN]), int(words[at + NAME])))
+    prefix = pool_stem(token)[: -len("pool")]  # "/shml-<token>-"
+    for name in list_segments():
+        if not name.startswith(prefix):
+            continue
+        with contextlib.suppress(ProtocolError, OSError):
+            index, _gen = parse_slot_name(token, name)
+            if index < total and read_header(name).token == token:
+                unlink_name(name)
     control.unlink()
     control.close()
 

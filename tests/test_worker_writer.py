@@ -598,3 +598,28 @@ def test_a_slot_filled_by_a_worker_that_died_is_reclaimed_and_a_live_ones_is_not
     finally:
         ring.close()
         pool.close()
+
+
+def test_garbage_in_the_control_segment_leaves_no_name_after_close():
+    """close() unlinks what was made for the pool, whatever its control words say."""
+    from shmloader.pool import GEN, NAME, WorkerSlots
+
+    ring, pool = _bare_pool(2)
+    token = ring.token
+    try:
+        slots = WorkerSlots(pool.spec, 1)
+        grown = []
+        for _ in range(3):  # a worker grows three of its slots (names only it knows of)
+            index, _ticket = slots._try_claim(1 << 20)
+            slots.payload(index, 1 << 20)
+            grown.append(index)
+        slots._forget(grown[0])
+        del slots
+        rng = np.random.default_rng(5)
+        for i in range(pool.spec.total):  # then every record's gen and name turn to garbage
+            pool._record(i)[[GEN, NAME]] = rng.integers(0, 2**63, 2, dtype=np.uint64)
+    finally:
+        ring.close()
+        pool.close()
+    left = [n for n in os.listdir("/dev/shm") if n.startswith(f"shml-{token}")]
+    assert not left, left

@@ -21,6 +21,7 @@ Control segment (``/shml-<token>-pool``, one page of header, then)::
     0           version          POOL_VERSION
     8           num_workers
     16          per_worker
+    24          in use: the slots per worker that workers claim (NOTE [pool size])
     64 + 128*i  slot i: state, gen, capacity, writer pid, ticket, write ns,
                 name (random part), bytes collated in place, keeper pid
 
@@ -52,6 +53,28 @@ Each transition has exactly one writer process, every word is one aligned
 partition's byte of the control file (released by the kernel if the worker
 dies), so two live workers with the same id (two DataLoader iterators alive
 at once) never take the same slot.
+
+NOTE [pool size]
+    ``per_worker`` slots per worker let every worker run ``prefetch_factor``
+    batches ahead while ranks hold theirs; but the fewest a worker can run
+    with is ``MIN_PER_WORKER`` = 2: one the ranks hold (the batch the user is
+    on), one it writes next. A rank that lags behind holds more, yet it only
+    moves forward through batches already announced, releasing them, so the
+    worker's wait always ends. When a worker first learns the batch size
+    (``check_capacity``) and the whole pool at that size does not fit
+    ``/dev/shm``, the pool shrinks to the most slots per worker that fit,
+    down to 2, for every worker (the *in use* word; slots past it are never
+    claimed nor grown), and the leader's main process warns once with what
+    it costs (fewer batches prepared ahead). Only when 2 per worker do not fit
+    is it a :class:`ShmCapacityError`. Base PyTorch holds up to
+    ``num_workers x prefetch_factor`` batches in shared memory (plus the one
+    the loop holds); the pool's least, ``2 x num_workers`` slots (each
+    ``slot_capacity_for`` a batch: 1/8 headroom, 64 KiB granules), is within
+    that for ``prefetch_factor >= 2`` up to the headroom; with
+    ``prefetch_factor=1`` it can be up to twice as much. The one-copy path
+    (the leader's main process copies each batch into the ring) needs torch's
+    in-flight batches *plus* ring slots, never less than this minimum, so it
+    is not a fallback for space.
 
 Growth: a batch larger than every FREE slot of the partition makes the worker
 create generation ``gen + 1`` of a FREE slot (bigger, touched once, its header
@@ -122,7 +145,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import segment as _segment
-from .errors import PeerLostError, ProtocolError, ShmCapacityError, ShmLoaderError
+from .errors import (
+    PeerLostError,
+    ProtocolError,
+    ShmCapacityError,
+    ShmLoaderError,
+    human_bytes,
+)
 from .ring import (
     GRANULE,
     RingWriter,
@@ -165,6 +194,9 @@ _RECORDS_AT = 8  # in words: slot records start at payload offset 64
 POLL_FIRST_S, POLL_MAX_S = 50e-6, 2e-3
 #: ... and checks this often that the leader's main process is alive (seconds).
 OWNER_CHECK_S = 0.2
+#: The fewest slots a worker runs with (NOTE [pool size]); word 3 holds how many are in use.
+MIN_PER_WORKER = 2
+USE = 3
 
 #: Pools of this process by ring token, for SlotRef.__del__ (abandon).
 _POOLS: weakref.WeakValueDictionary[str, WorkerPool] = weakref.WeakValueDictionary()
@@ -285,7 +317,8 @@ class WorkerPool:
         self._closed = False
         self._mm = self.control.map_shared()
         self.words = np.frombuffer(self._mm, np.uint64, count=words, offset=HEADER_SIZE)
-        self.words[:3] = (POOL_VERSION, num_workers, per_worker)
+        self.words[:4] = (POOL_VERSION, num_workers, per_worker, per_worker)
+        self._warned_size = False
         self._largest = 0  # largest slot capacity admitted by the daemon so far
         self.last_write_ns = 0  # the adopted batch's write into its slot, in its worker
         self.last_placed = 0  # bytes of it that its collate made in place
@@ -342,9 +375,31 @@ class WorkerPool:
             raise ProtocolError(f"{ref!r} overruns slot {i} of {slot.capacity} bytes")
         rec[STATE] = HELD
         ref.adopted = True
+        if not self._warned_size and int(self.words[USE]) < self.spec.per_worker:
+            self._warn_size(slot.capacity)
         self.last_write_ns = int(rec[WRITE_NS])
         self.last_placed = int(rec[PLACED])
         return slot
+
+    def _warn_size(self, capacity: int) -> None:
+        """Once: the workers shrank the pool to fit /dev/shm (NOTE [pool size])."""
+        self._warned_size = True
+        spec, use = self.spec, int(self.words[USE])
+        log.warning(
+            "shmloader: /dev/shm cannot hold the DataLoader workers' full slot pool "
+            "(%d workers x %d slots of %s = %s); each worker uses %d slots instead (%s in "
+            "all), so it prepares at most %d batch(es) ahead of the slowest rank instead of "
+            "prefetch_factor=%d: data loading can stall when it is the bottleneck. Give "
+            "/dev/shm more space (docker run --shm-size=...) to get the full pool back",
+            spec.num_workers,
+            spec.per_worker,
+            human_bytes(capacity),
+            human_bytes(spec.total * capacity),
+            use,
+            human_bytes(spec.num_workers * use * capacity),
+            use - 1,
+            spec.prefetch_factor,
+        )
 
     def _install(self, i: int, gen: int) -> Slot:
         """Generation ``gen`` of slot ``i``, grown by a worker, replaces the ring's older one."""
@@ -478,7 +533,6 @@ class WorkerSlots:
         self.spec = spec
         self.worker_id = worker_id
         self.pid = os.getpid()
-        self.first = range(worker_id * spec.per_worker, (worker_id + 1) * spec.per_worker)
         self.control = Segment.attach(spec.control, kind=KIND_DATA, token=spec.token)
         mm = self.control.map_shared()
         self.words = np.frombuffer(mm, np.uint64, offset=HEADER_SIZE)
@@ -495,6 +549,16 @@ class WorkerSlots:
     def _record(self, i: int) -> np.ndarray:
         at = _RECORDS_AT + i * _RECORD_WORDS
         return self.words[at : at + _RECORD_WORDS]
+
+    def _in_use(self) -> int:
+        """Slots per worker in use (NOTE [pool size])."""
+        return max(MIN_PER_WORKER, min(int(self.words[USE]), self.spec.per_worker))
+
+    @property
+    def partition(self) -> range:
+        """The slots this worker claims: the first ``_in_use()`` of its own."""
+        start = self.worker_id * self.spec.per_worker
+        return range(start, start + self._in_use())
 
     def claim(self, nbytes: int) -> tuple[int, int]:
         """A slot of this partition for ``nbytes``: (index, ticket), state WRITING.
@@ -524,10 +588,10 @@ class WorkerSlots:
                         "pool slot",
                     )
             if now > deadline:
-                states = [STATE_NAMES.get(int(self._record(i)[STATE])) for i in self.first]
+                states = [STATE_NAMES.get(int(self._record(i)[STATE])) for i in self.partition]
                 raise ShmLoaderError(
                     f"DataLoader worker {self.worker_id} waited {self.spec.timeout:.0f} s for a "
-                    f"free slot of its {self.spec.per_worker} pool slots (states {states}): ranks "
+                    f"free slot of its {len(states)} pool slots (states {states}): ranks "
                     "still hold every batch written there. Keep fewer delivered batches alive, "
                     "or raise SHMLOADER_TIMEOUT if a rank is just slow"
                 )
@@ -539,7 +603,7 @@ class WorkerSlots:
         fcntl.lockf(self.control.fd, fcntl.LOCK_EX, 1, offset)
         try:
             best = None
-            for i in self.first:
+            for i in self.partition:
                 rec = self._record(i)
                 if int(rec[STATE]) != FREE or self._kept_elsewhere(int(rec[KEPT])):
                     continue
@@ -591,25 +655,47 @@ class WorkerSlots:
         return held[3], gen
 
     def check_capacity(self, nbytes: int, what: str) -> None:
-        """Raise ShmCapacityError unless the whole pool at ``nbytes`` per slot fits /dev/shm."""
+        """Fit the pool at ``nbytes`` per slot into /dev/shm: shrink it, or raise.
+
+        The most slots per worker (down to ``MIN_PER_WORKER``) whose growth to
+        this size fits the free space become the pool's *in use* count, for
+        every worker (NOTE [pool size]); :class:`ShmCapacityError` when not
+        even that fits. Decided under a pool-wide lock (the control file's
+        byte past the partitions' bytes).
+        """
         capacity = slot_capacity_for(nbytes)
-        need = 0
-        for i in range(self.spec.total):
-            have = int(self._record(i)[CAPACITY])
-            if have < capacity:
-                need += capacity - have
-        free = shm_free_bytes()
-        if need and free is not None and free < need:
-            spec = self.spec
-            raise ShmCapacityError(
-                need,
-                free,
-                f"the DataLoader workers' slot pool for {what} ({spec.total} slots = "
-                f"{spec.num_workers} workers x {spec.per_worker}: prefetch_factor "
-                f"{spec.prefetch_factor} + the batches ranks hold + 1)",
-                fix="lower the DataLoader's num_workers or prefetch_factor, lower "
-                "SHMLOADER_SLOTS, or give /dev/shm more space (docker run --shm-size=...)",
+        spec = self.spec
+
+        def need(k: int) -> int:
+            have = (
+                int(self._record(w * spec.per_worker + j)[CAPACITY])
+                for w in range(spec.num_workers)
+                for j in range(k)
             )
+            return sum(max(0, capacity - cap) for cap in have)
+
+        free = shm_free_bytes()
+        if free is None or need(self._in_use()) <= free:
+            return
+        offset = spec.num_workers
+        fcntl.lockf(self.control.fd, fcntl.LOCK_EX, 1, offset)
+        try:
+            use = self._in_use()
+            while use > MIN_PER_WORKER and need(use) > free:
+                use -= 1
+            if need(use) > free:
+                raise ShmCapacityError(
+                    need(use),
+                    free,
+                    f"the DataLoader workers' slot pool for {what} ({spec.num_workers} workers "
+                    f"x {MIN_PER_WORKER} slots of {human_bytes(capacity)}, the fewest it runs "
+                    f"with: one a rank holds, one the worker writes)",
+                    fix="lower the DataLoader's num_workers, make the batches smaller, or give "
+                    "/dev/shm more space (docker run --shm-size=..., or a larger tmpfs)",
+                )
+            self.words[USE] = min(use, int(self.words[USE]))
+        finally:
+            fcntl.lockf(self.control.fd, fcntl.LOCK_UN, 1, offset)
 
     def _grow(self, i: int, gen: int, cap: int, nbytes: int) -> int:
         """Make generation ``gen + 1`` of slot ``i``, big enough for ``nbytes``."""

@@ -71,10 +71,20 @@ NOTE [pool size]
     the loop holds); the pool's least, ``2 x num_workers`` slots (each
     ``slot_capacity_for`` a batch: 1/8 headroom, 64 KiB granules), is within
     that for ``prefetch_factor >= 2`` up to the headroom; with
-    ``prefetch_factor=1`` it can be up to twice as much. The one-copy path
+    ``prefetch_factor=1`` it can be up to 2.25 times as much. The one-copy path
     (the leader's main process copies each batch into the ring) needs torch's
     in-flight batches *plus* ring slots, never less than this minimum, so it
     is not a fallback for space.
+
+NOTE [pool admission]
+    With the node daemon, every byte of the pool goes through its admission
+    before it exists: the leader's main process asks for generation 0 of
+    each slot (``WorkerPool._new_segment``), and a worker asks for each
+    generation it grows (``WorkerSlots._grow``) through the ``admit`` of its
+    ``PoolSpec`` (``daemon_client.Admitter``: the daemon's socket path,
+    connected once per worker process). A refusal is a
+    :class:`ShmCapacityError` in the worker, re-raised on the leader
+    (``WorkerFailure``) before the segment is made.
 
 Growth: a batch larger than every FREE slot of the partition makes the worker
 create generation ``gen + 1`` of a FREE slot (bigger, touched once, its header
@@ -236,6 +246,8 @@ class PoolSpec:
     timeout: float
     allow_pickle: bool
     collate_in_slot: bool = True  # NOTE [collate into the slot] in ``worker``
+    # the daemon's admission for bytes a worker adds, or None (NOTE [pool admission])
+    admit: Callable[[str, int], None] | None = None
 
     @property
     def total(self) -> int:
@@ -310,6 +322,7 @@ class WorkerPool:
             timeout,
             allow_pickle,
             collate_in_slot,
+            daemon.admitter() if daemon is not None else None,
         )
         self.base = len(ring.slots)  # pool slot i is ring slot base + i
         if self.base != 0:
@@ -319,7 +332,6 @@ class WorkerPool:
         self.words = np.frombuffer(self._mm, np.uint64, count=words, offset=HEADER_SIZE)
         self.words[:4] = (POOL_VERSION, num_workers, per_worker, per_worker)
         self._warned_size = False
-        self._largest = 0  # largest slot capacity admitted by the daemon so far
         self.last_write_ns = 0  # the adopted batch's write into its slot, in its worker
         self.last_placed = 0  # bytes of it that its collate made in place
         self._finalizer = weakref.finalize(
@@ -405,11 +417,7 @@ class WorkerPool:
         """Generation ``gen`` of slot ``i``, grown by a worker, replaces the ring's older one."""
         name = pool_slot_name(self.ring.token, i, gen, int(self._record(i)[NAME]))
         segment = Segment.attach(name, kind=KIND_DATA, token=self.ring.token)
-        try:
-            if self.daemon is not None and segment.capacity > self._largest:
-                # the pool at this size, asked once per size step (NOTE: before publishing)
-                self.daemon.admit(self.ring.token, self.spec.total * segment.capacity)
-                self._largest = segment.capacity
+        try:  # admitted by the worker before it made the segment (NOTE [pool admission])
             slot = self.ring.replace_pooled(self.base + i, segment)
         except BaseException:
             segment.close()
@@ -712,6 +720,8 @@ class WorkerSlots:
         stale = (
             pool_slot_name(self.spec.token, i, gen, old_name) if self.unsent.get(i) == gen else None
         )
+        if self.spec.admit is not None:  # NOTE [pool admission]: before a byte exists
+            self.spec.admit(self.spec.token, HEADER_SIZE + capacity)
         stem = slot_stem(self.spec.token, i, new)
         segment = Segment.create_unique(stem, KIND_DATA, self.spec.token, capacity)
         # Recorded at once, while the header still names this worker: if it dies

@@ -4,6 +4,7 @@ DataLoader worker waits for a slot.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -11,6 +12,9 @@ import sys
 import time
 
 import pytest
+import torch
+
+from shmloader.worker import WorkerFailure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -193,3 +197,80 @@ def test_slots_filled_by_workers_of_an_abandoned_iterator_are_reclaimed_at_iter(
     lead = out[0]
     # what the last epoch's worker left behind, never more: the rest came back
     assert lead["stuck"] < lead["per_worker"] - 1, lead
+
+
+@pytest.fixture
+def daemons():
+    from tests.test_daemon import Daemons
+
+    running = Daemons()
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+def _job_bytes(token: str) -> int:
+    total = 0
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(f"shml-{token}"):
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(os.path.join("/dev/shm", name)).st_size
+    return total
+
+
+@pytest.mark.timeout(120)
+def test_workers_ask_the_daemon_before_they_grow_a_slot(daemons):
+    """A 20 MiB daemon budget, 3 workers, 8 MiB batches (9 MiB slots): /dev/shm
+    never holds more of the job than the budget, and the refusal reaches the
+    leader as ShmCapacityError from the daemon."""
+    import threading
+
+    from torch.utils.data import DataLoader
+
+    from shmloader.errors import ShmCapacityError
+    from shmloader.pool import WorkerPool
+    from shmloader.ring import RingWriter, new_token
+    from shmloader.worker import install
+    from tests.test_daemon import description
+
+    budget = 20 << 20
+    d = daemons.start("--budget", str(budget))
+    client = d.client()
+    token = new_token()
+    client.register(description(token))
+    data = [torch.full((1 << 20,), float(i)) for i in range(12)]  # 4 MiB samples
+    loader = DataLoader(data, batch_size=2, num_workers=3, multiprocessing_context="fork")
+    ring = RingWriter(token, frozenset(), {"test": True}, self_rank=0, daemon=client)
+    pool = WorkerPool(
+        ring, num_workers=3, prefetch_factor=2, ring_slots=2, timeout=30.0,
+        allow_pickle=False, daemon=client,
+    )  # fmt: skip
+    assert install(loader, pool)
+    peak, stop = [0], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _job_bytes(token))
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=sample)
+    watcher.start()
+    try:
+        it = iter(loader)
+        with pytest.raises(ShmCapacityError) as info:
+            for seq, ref in enumerate(it):
+                if isinstance(ref, WorkerFailure):
+                    raise ref.exception()
+                # published and never released: each batch grows another slot
+                ring.publish(pool.adopt(ref), seq, ref.nbytes, 0)
+        time.sleep(0.3)  # what the other workers do meanwhile counts too
+        del it
+    finally:
+        stop.set()
+        watcher.join()
+        ring.close()
+        pool.close()
+        client.close()
+    assert "shmloaderd" in str(info.value) and "--budget" in str(info.value), info.value
+    assert peak[0] <= budget, f"/dev/shm held {peak[0] / 2**20:.1f} MiB of a 20 MiB budget"

@@ -771,7 +771,7 @@ class WorkerSlots:
             return
         del self.live[(i, gen)]
         rec = self._record(i)
-        if int(rec[KEPT]) == self.pid:
+        if int(rec[KEPT]) == self.pid and not any(slot == i for slot, _gen in self.live):
             rec[KEPT] = 0
 
     def _detach(self, i: int, gen: int) -> None:
@@ -780,7 +780,8 @@ class WorkerSlots:
         _privatise(pieces.values())
         self.detached += len(pieces)
         self._forget(i)  # the old mapping now holds private pages: map the slot afresh
-        self._record(i)[KEPT] = 0
+        if not any(slot == i for slot, _gen in self.live):
+            self._record(i)[KEPT] = 0
         log.debug("pool slot %d.%d: %d kept collate outputs copied out", i, gen, len(pieces))
 
     def filled(self, i: int, write_ns: int, placed: int = 0) -> None:

@@ -666,3 +666,32 @@ def test_garbage_in_the_control_segment_leaves_no_name_after_close():
         pool.close()
     left = [n for n in os.listdir("/dev/shm") if n.startswith(f"shml-{token}")]
     assert not left, left
+
+
+def test_a_slot_another_live_worker_still_references_is_never_claimed():
+    """NOTE [kept collate outputs]: the KEPT word keeps a second process with the
+    same worker id (two iterators alive at once) off memory a collate still holds."""
+    import subprocess
+
+    from shmloader.pool import CAPACITY, KEPT, WorkerSlots
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    ring, pool = _bare_pool(1)
+    live = subprocess.Popen(["sleep", "30"])
+    try:
+        slots = WorkerSlots(pool.spec, 0)
+        for i in range(pool.spec.per_worker):
+            slots._record(i)[CAPACITY] = 4096 * (i + 1)  # slot 0 is the smallest, then 1, ...
+        slots._record(0)[KEPT] = live.pid  # another worker still holds memory in it
+        slots._record(1)[KEPT] = dead.pid  # a dead one does not count
+        slots._record(2)[KEPT] = os.getpid()  # this worker's own: it copies them out itself
+        assert slots._try_claim(1)[0] == 1
+        assert slots._try_claim(1)[0] == 2
+        assert slots._try_claim(1)[0] == 3
+        del slots
+    finally:
+        live.kill()
+        live.wait()
+        ring.close()
+        pool.close()

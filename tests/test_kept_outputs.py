@@ -103,10 +103,8 @@ def test_a_kept_view_of_one_leaf_stays_intact(keep):
     workers=st.sampled_from([1, 2]),
     size=st.sampled_from([1, 3]),
 )
-def test_any_collate_that_keeps_references_equals_no_sharing(
-    depth, keep, give, workers, batch_size
-):
-    _compare(Keeping(depth, keep, give), workers, n=6 * batch_size * workers, batch_size=batch_size)
+def test_any_collate_that_keeps_references_equals_no_sharing(depth, keep, give, workers, size):
+    _compare(Keeping(depth, keep, give), workers, n=6 * size * workers, batch_size=size)
 
 
 def test_detached_pieces_keep_their_bytes_at_their_addresses_while_the_slot_is_rewritten():

@@ -695,3 +695,37 @@ def test_a_slot_another_live_worker_still_references_is_never_claimed():
         live.wait()
         ring.close()
         pool.close()
+
+
+def _pool_owner_start(conn) -> None:
+    from shmloader.segment import proc_start_time
+
+    ring, pool = _bare_pool(1)
+    try:
+        conn.send(
+            (
+                pool.spec.owner_pid == os.getpid(),
+                pool.spec.owner_start,
+                proc_start_time(os.getpid()),
+            )
+        )
+    finally:
+        ring.close()
+        pool.close()
+
+
+def test_a_forked_leader_names_its_own_start_time_as_the_pools_owner():
+    """Workers judge the leader by pid and start time (a waiting worker ends when
+    it is gone): a leader forked from a process that imported shmloader must
+    name its own start time, not its parent's."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    child = ctx.Process(target=_pool_owner_start, args=(theirs,))
+    child.start()
+    try:
+        same_pid, owner_start, real_start = ours.recv()
+    finally:
+        child.join(30)
+    assert same_pid and owner_start == real_start

@@ -360,6 +360,10 @@ class DaemonClient:
             fix=str(reply.get("reason") or "raise the daemon's --budget"),
         )
 
+    def admitter(self) -> Admitter:
+        """A picklable ``admit`` of this daemon for another process (a DataLoader worker)."""
+        return Admitter(self.path, self.timeout)
+
     def adopt(self, token: str, name: str, nbytes: int) -> int | None:
         """Take a pre-touched segment of the daemon's warm pool as ``name``.
 
@@ -450,6 +454,30 @@ class DaemonClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Admitter:
+    """``DaemonClient.admit`` for a process of the job other than the one that
+    registered it: a DataLoader worker growing a pool slot asks the same
+    daemon, before it creates the segment (NOTE [pool admission] in ``pool``).
+
+    Pickled as the socket path and timeout; connects lazily, once per process.
+    """
+
+    def __init__(self, path: str, timeout: float) -> None:
+        self.path, self.timeout = path, float(timeout)
+        self._client: DaemonClient | None = None
+        self._pid = 0
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "timeout": self.timeout, "_client": None, "_pid": 0}
+
+    def __call__(self, token: str, nbytes: int) -> None:
+        if self._client is None or self._pid != os.getpid():
+            self._client = DaemonClient(self.path, self.timeout)
+            self._pid = os.getpid()
+            self._client.connect()
+        self._client.admit(token, nbytes)
 
 
 def _listening(path: str) -> bool:

@@ -58,10 +58,24 @@ class _Leader(_Local, _Writer):
             collate_in_slot=self.config.collate_in_slot,
             daemon=self._daemon,
         )
-        if not worker_writer.install(loader, pool.spec):
+        try:
+            installed = worker_writer.install(loader, pool)
+        except BaseException:
+            pool.close()
+            raise
+        if not installed:
             pool.close()
             return None
         return pool
+
+    def _check_loader_free(self) -> None:
+        """Refuse, at set-up, a DataLoader another open ShmLoader's pool wraps.
+
+        Called right after ``make_loader`` on the leader, so that every rank
+        gets the error (``worker.check_installable``) instead of a pool that
+        could not be installed.
+        """
+        worker_writer.check_installable(self._loader)
 
     def _leader_iteration(self, it: int, skip: int) -> Iterator[Any]:
         try:

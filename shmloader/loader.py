@@ -356,6 +356,7 @@ class ShmLoader(_Leader, _Relay, _Follower):
         if topo.is_leader:
             try:
                 self._loader = make_loader()
+                self._check_loader_free()  # one DataLoader, one open ShmLoader (leader.py)
                 with contextlib.suppress(TypeError):
                     report["length"] = len(self._loader)  # type: ignore[arg-type]
             except BaseException as exc:

@@ -21,8 +21,9 @@ Control segment (``/shml-<token>-pool``, one page of header, then)::
     0           version          POOL_VERSION
     8           num_workers
     16          per_worker
-    64 + 64*i   slot i: state, gen, capacity, writer pid, ticket, write ns,
-                name (random part), bytes collated in place
+    24          in use: the slots per worker that workers claim (NOTE [pool size])
+    64 + 128*i  slot i: state, gen, capacity, writer pid, ticket, write ns,
+                name (random part), bytes collated in place, keeper pid
 
 Pool slot state machine (the ``state`` word; the ring's own FREE/HELD runs
 beside it, see ``ring.py``)::
@@ -53,6 +54,38 @@ partition's byte of the control file (released by the kernel if the worker
 dies), so two live workers with the same id (two DataLoader iterators alive
 at once) never take the same slot.
 
+NOTE [pool size]
+    ``per_worker`` slots per worker let every worker run ``prefetch_factor``
+    batches ahead while ranks hold theirs; but the fewest a worker can run
+    with is ``MIN_PER_WORKER`` = 2: one the ranks hold (the batch the user is
+    on), one it writes next. A rank that lags behind holds more, yet it only
+    moves forward through batches already announced, releasing them, so the
+    worker's wait always ends. When a worker first learns the batch size
+    (``check_capacity``) and the whole pool at that size does not fit
+    ``/dev/shm``, the pool shrinks to the most slots per worker that fit,
+    down to 2, for every worker (the *in use* word; slots past it are never
+    claimed nor grown), and the leader's main process warns once with what
+    it costs (fewer batches prepared ahead). Only when 2 per worker do not fit
+    is it a :class:`ShmCapacityError`. Base PyTorch holds up to
+    ``num_workers x prefetch_factor`` batches in shared memory (plus the one
+    the loop holds); the pool's least, ``2 x num_workers`` slots (each
+    ``slot_capacity_for`` a batch: 1/8 headroom, 64 KiB granules), is within
+    that for ``prefetch_factor >= 2`` up to the headroom; with
+    ``prefetch_factor=1`` it can be up to 2.25 times as much. The one-copy path
+    (the leader's main process copies each batch into the ring) needs torch's
+    in-flight batches *plus* ring slots, never less than this minimum, so it
+    is not a fallback for space.
+
+NOTE [pool admission]
+    With the node daemon, every byte of the pool goes through its admission
+    before it exists: the leader's main process asks for generation 0 of
+    each slot (``WorkerPool._new_segment``), and a worker asks for each
+    generation it grows (``WorkerSlots._grow``) through the ``admit`` of its
+    ``PoolSpec`` (``daemon_client.Admitter``: the daemon's socket path,
+    connected once per worker process). A refusal is a
+    :class:`ShmCapacityError` in the worker, re-raised on the leader
+    (``WorkerFailure``) before the segment is made.
+
 Growth: a batch larger than every FREE slot of the partition makes the worker
 create generation ``gen + 1`` of a FREE slot (bigger, touched once, its header
 naming the leader's main process as owner so that ``gc`` and the daemon reap
@@ -70,7 +103,8 @@ NOTE [pool names]
     workers, any multiprocessing context) opens its slots by name. Their
     headers name the leader's main process as owner, so a killed leader's
     segments are reaped by ``shmloader gc`` or the daemon like the rest of
-    its ring. ``close`` unlinks every generation it knows of.
+    its ring. ``close`` unlinks every generation left in ``/dev/shm``, found by
+    name and header token (``_unlink_all``), never by the control words.
 
     The names are still unpredictable (NOTE [unpredictable names] in
     ``segment``): ``<stem>.<random>``. The control segment's name travels to
@@ -78,33 +112,73 @@ NOTE [pool names]
     its record (``NAME``), written by whoever creates that generation (the
     main process for generation 0, the growing worker after), so every
     process derives the current name from the control segment.
+
+NOTE [kept collate outputs]
+    A collate's shared-memory outputs are made in the worker's claimed slot
+    (NOTE [collate into the slot] in ``worker``), and a collate may keep them
+    past the call: a memory bank that returns its output from K calls back, a
+    packing carry, a view of one leaf. Plain PyTorch keeps such outputs
+    intact (each is fresh shared memory), so a slot must never be rewritten
+    under them. The worker tracks every piece of a slot it hands to a
+    collate (``WorkerSlots.track``: a finalizer on the array a storage was
+    made from, which lives exactly as long as that storage) and records
+    itself in the slot's ``KEPT`` word while any is alive. Before it writes
+    into a generation that still has live pieces (the next claim of that
+    slot), it *detaches* them (``_detach``): the pages under each piece are
+    copied into private anonymous memory mapped at the very same addresses
+    (``mremap`` over them, one atomic step per range), so every tensor that
+    references them keeps its bytes, and the slot is mapped afresh for the
+    new batch. The cost is one copy of what is kept, when it is kept; a
+    collate that keeps nothing pays a finalizer per storage. Another process
+    (a second worker with the same id: two DataLoader iterators alive at
+    once) never claims a slot whose ``KEPT`` names a live worker other than
+    itself.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import fcntl
+import itertools
 import logging
 import math
 import mmap
 import os
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import ProtocolError, ShmCapacityError, ShmLoaderError
-from .ring import GRANULE, RingWriter, Slot, SlotState, slot_capacity_for, slot_stem
+from . import segment as _segment
+from .errors import (
+    PeerLostError,
+    ProtocolError,
+    ShmCapacityError,
+    ShmLoaderError,
+    human_bytes,
+)
+from .ring import (
+    GRANULE,
+    RingWriter,
+    Slot,
+    SlotState,
+    parse_slot_name,
+    slot_capacity_for,
+    slot_stem,
+)
 from .segment import (
     HEADER_SIZE,
     KIND_DATA,
-    MY_START,
     PREFIX,
     Segment,
+    list_segments,
     process_alive,
+    read_header,
     shm_free_bytes,
     touch,
     unlink_name,
@@ -115,17 +189,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-POOL_VERSION = 1
+POOL_VERSION = 2
 FREE, WRITING, FILLED, HELD = 1, 2, 3, 4
 STATE_NAMES = {0: "INVALID", FREE: "FREE", WRITING: "WRITING", FILLED: "FILLED", HELD: "HELD"}
 # Word indices of a slot record (WRITE_NS: the worker's last encode + write, for stats).
 #: NAME: the random part of the current generation's segment name (NOTE [pool names])
 #: PLACED: bytes of the batch its collate made in the slot (NOTE [collate into the slot])
-STATE, GEN, CAPACITY, PID, TICKET, WRITE_NS, NAME, PLACED = range(8)
-_RECORD_WORDS = 8  # 64 bytes per slot: one cache line
+#: KEPT: the worker whose collate still references memory in this generation, or 0
+#: (NOTE [kept collate outputs])
+STATE, GEN, CAPACITY, PID, TICKET, WRITE_NS, NAME, PLACED, KEPT = range(9)
+_RECORD_WORDS = 16  # 128 bytes per slot: two cache lines
 _RECORDS_AT = 8  # in words: slot records start at payload offset 64
 #: A worker's wait for a FREE slot polls with this backoff (seconds).
 POLL_FIRST_S, POLL_MAX_S = 50e-6, 2e-3
+#: ... and checks this often that the leader's main process is alive (seconds).
+OWNER_CHECK_S = 0.2
+#: The fewest slots a worker runs with (NOTE [pool size]); word 3 holds how many are in use.
+MIN_PER_WORKER = 2
+USE = 3
 
 #: Pools of this process by ring token, for SlotRef.__del__ (abandon).
 _POOLS: weakref.WeakValueDictionary[str, WorkerPool] = weakref.WeakValueDictionary()
@@ -165,6 +246,8 @@ class PoolSpec:
     timeout: float
     allow_pickle: bool
     collate_in_slot: bool = True  # NOTE [collate into the slot] in ``worker``
+    # the daemon's admission for bytes a worker adds, or None (NOTE [pool admission])
+    admit: Callable[[str, int], None] | None = None
 
     @property
     def total(self) -> int:
@@ -235,10 +318,11 @@ class WorkerPool:
             per_worker,
             prefetch_factor,
             os.getpid(),
-            MY_START,
+            _segment.MY_START,  # read now: a forked leader's own (refreshed at fork)
             timeout,
             allow_pickle,
             collate_in_slot,
+            daemon.admitter() if daemon is not None else None,
         )
         self.base = len(ring.slots)  # pool slot i is ring slot base + i
         if self.base != 0:
@@ -246,13 +330,14 @@ class WorkerPool:
         self._closed = False
         self._mm = self.control.map_shared()
         self.words = np.frombuffer(self._mm, np.uint64, count=words, offset=HEADER_SIZE)
-        self.words[:3] = (POOL_VERSION, num_workers, per_worker)
-        self._largest = 0  # largest slot capacity admitted by the daemon so far
+        self.words[:4] = (POOL_VERSION, num_workers, per_worker, per_worker)
+        self._warned_size = False
         self.last_write_ns = 0  # the adopted batch's write into its slot, in its worker
         self.last_placed = 0  # bytes of it that its collate made in place
         self._finalizer = weakref.finalize(
-            self, _unlink_all, self.control, ring.token, self.words, os.getpid()
+            self, _unlink_all, self.control, ring.token, num_workers * per_worker, os.getpid()
         )
+        self._on_close: list[Callable[[], None]] = []
         try:
             for i in range(self.spec.total):
                 slot = ring.add_pooled(self._new_segment(i, GRANULE))
@@ -302,19 +387,37 @@ class WorkerPool:
             raise ProtocolError(f"{ref!r} overruns slot {i} of {slot.capacity} bytes")
         rec[STATE] = HELD
         ref.adopted = True
+        if not self._warned_size and int(self.words[USE]) < self.spec.per_worker:
+            self._warn_size(slot.capacity)
         self.last_write_ns = int(rec[WRITE_NS])
         self.last_placed = int(rec[PLACED])
         return slot
+
+    def _warn_size(self, capacity: int) -> None:
+        """Once: the workers shrank the pool to fit /dev/shm (NOTE [pool size])."""
+        self._warned_size = True
+        spec, use = self.spec, int(self.words[USE])
+        log.warning(
+            "shmloader: /dev/shm cannot hold the DataLoader workers' full slot pool "
+            "(%d workers x %d slots of %s = %s); each worker uses %d slots instead (%s in "
+            "all), so it prepares at most %d batch(es) ahead of the slowest rank instead of "
+            "prefetch_factor=%d: data loading can stall when it is the bottleneck. Give "
+            "/dev/shm more space (docker run --shm-size=...) to get the full pool back",
+            spec.num_workers,
+            spec.per_worker,
+            human_bytes(capacity),
+            human_bytes(spec.total * capacity),
+            use,
+            human_bytes(spec.num_workers * use * capacity),
+            use - 1,
+            spec.prefetch_factor,
+        )
 
     def _install(self, i: int, gen: int) -> Slot:
         """Generation ``gen`` of slot ``i``, grown by a worker, replaces the ring's older one."""
         name = pool_slot_name(self.ring.token, i, gen, int(self._record(i)[NAME]))
         segment = Segment.attach(name, kind=KIND_DATA, token=self.ring.token)
-        try:
-            if self.daemon is not None and segment.capacity > self._largest:
-                # the pool at this size, asked once per size step (NOTE: before publishing)
-                self.daemon.admit(self.ring.token, self.spec.total * segment.capacity)
-                self._largest = segment.capacity
+        try:  # admitted by the worker before it made the segment (NOTE [pool admission])
             slot = self.ring.replace_pooled(self.base + i, segment)
         except BaseException:
             segment.close()
@@ -384,21 +487,37 @@ class WorkerPool:
             return
         self._closed = True
         _POOLS.pop(self.ring.token, None)
-        self._finalizer()
+        try:
+            for callback in self._on_close:
+                callback()
+        finally:
+            self._finalizer()
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when the pool closes (``worker.uninstall`` of its DataLoader)."""
+        self._on_close.append(callback)
 
 
-def _unlink_all(control: Segment, token: str, words: np.ndarray, creator: int) -> None:
-    """Unlink generations workers created that the ring never installed, and the control.
+def _unlink_all(control: Segment, token: str, total: int, creator: int) -> None:
+    """Unlink every generation of the pool's slots left in ``/dev/shm``, and the control.
 
-    Only in the process that made the pool: a forked child never unlinks it.
+    Found by what was made, not by what the control segment says (its words
+    are writable by every worker, and garbage there must not hide a name):
+    every segment whose name is a slot ``0 .. total-1`` of this ring and whose
+    header carries this ring's token (random per job, written only by this
+    job's processes) is unlinked, whichever process created it. Only in the
+    process that made the pool: a forked child never unlinks it.
     """
     if os.getpid() != creator:
         return
-    with contextlib.suppress(Exception):
-        total = int(words[1]) * int(words[2])
-        for i in range(total):
-            at = _RECORDS_AT + i * _RECORD_WORDS
-            unlink_name(pool_slot_name(token, i, int(words[at + GEN]), int(words[at + NAME])))
+    prefix = pool_stem(token)[: -len("pool")]  # "/shml-<token>-"
+    for name in list_segments():
+        if not name.startswith(prefix):
+            continue
+        with contextlib.suppress(ProtocolError, OSError):
+            index, _gen = parse_slot_name(token, name)
+            if index < total and read_header(name).token == token:
+                unlink_name(name)
     control.unlink()
     control.close()
 
@@ -422,7 +541,6 @@ class WorkerSlots:
         self.spec = spec
         self.worker_id = worker_id
         self.pid = os.getpid()
-        self.first = range(worker_id * spec.per_worker, (worker_id + 1) * spec.per_worker)
         self.control = Segment.attach(spec.control, kind=KIND_DATA, token=spec.token)
         mm = self.control.map_shared()
         self.words = np.frombuffer(mm, np.uint64, offset=HEADER_SIZE)
@@ -430,28 +548,58 @@ class WorkerSlots:
         self.grown = False  # has this worker checked /dev/shm for the pool's size yet
         self.last_nbytes = 0  # this worker's last batch: the size to claim for the next
         self.unsent: dict[int, int] = {}  # slot -> a generation grown since its claim
+        # (slot, gen) -> {key: (address, nbytes)} of pieces a collate still references
+        # (NOTE [kept collate outputs])
+        self.live: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
+        self._keys = itertools.count()
+        self.detached = 0  # pieces copied out of a slot before it was rewritten
 
     def _record(self, i: int) -> np.ndarray:
         at = _RECORDS_AT + i * _RECORD_WORDS
         return self.words[at : at + _RECORD_WORDS]
 
+    def _in_use(self) -> int:
+        """Slots per worker in use (NOTE [pool size])."""
+        return max(MIN_PER_WORKER, min(int(self.words[USE]), self.spec.per_worker))
+
+    @property
+    def partition(self) -> range:
+        """The slots this worker claims: the first ``_in_use()`` of its own."""
+        start = self.worker_id * self.spec.per_worker
+        return range(start, start + self._in_use())
+
     def claim(self, nbytes: int) -> tuple[int, int]:
         """A slot of this partition for ``nbytes``: (index, ticket), state WRITING.
 
         Waits, polling with backoff, at most ``spec.timeout`` seconds for a
-        FREE slot (NOTE [bounded waits] in ``channel``).
+        FREE slot (NOTE [bounded waits] in ``channel``), and raises
+        :class:`PeerLostError` within ``OWNER_CHECK_S`` of the leader's main
+        process dying (it alone frees slots): the DataLoader worker then ends
+        as its own parent watchdog sees the parent gone, instead of holding
+        the pool's memory for the rest of the timeout.
         """
-        deadline = time.monotonic() + self.spec.timeout
+        now = time.monotonic()
+        deadline, check = now + self.spec.timeout, now + OWNER_CHECK_S
         delay = POLL_FIRST_S
         while True:
             got = self._try_claim(nbytes)
             if got is not None:
                 return got
-            if time.monotonic() > deadline:
-                states = [STATE_NAMES.get(int(self._record(i)[STATE])) for i in self.first]
+            now = time.monotonic()
+            if now >= check:
+                check = now + OWNER_CHECK_S
+                if not process_alive(self.spec.owner_pid, self.spec.owner_start):
+                    raise PeerLostError(
+                        None,
+                        f"leader's main process (pid {self.spec.owner_pid})",
+                        f"it died while DataLoader worker {self.worker_id} waited for a free "
+                        "pool slot",
+                    )
+            if now > deadline:
+                states = [STATE_NAMES.get(int(self._record(i)[STATE])) for i in self.partition]
                 raise ShmLoaderError(
                     f"DataLoader worker {self.worker_id} waited {self.spec.timeout:.0f} s for a "
-                    f"free slot of its {self.spec.per_worker} pool slots (states {states}): ranks "
+                    f"free slot of its {len(states)} pool slots (states {states}): ranks "
                     "still hold every batch written there. Keep fewer delivered batches alive, "
                     "or raise SHMLOADER_TIMEOUT if a rank is just slow"
                 )
@@ -463,9 +611,9 @@ class WorkerSlots:
         fcntl.lockf(self.control.fd, fcntl.LOCK_EX, 1, offset)
         try:
             best = None
-            for i in self.first:
+            for i in self.partition:
                 rec = self._record(i)
-                if int(rec[STATE]) != FREE:
+                if int(rec[STATE]) != FREE or self._kept_elsewhere(int(rec[KEPT])):
                     continue
                 cap = int(rec[CAPACITY])
                 if best is None:
@@ -487,12 +635,22 @@ class WorkerSlots:
         finally:
             fcntl.lockf(self.control.fd, fcntl.LOCK_UN, 1, offset)
 
+    def _kept_elsewhere(self, keeper: int) -> bool:
+        """A live worker other than this one still references the slot's memory."""
+        return keeper not in (0, self.pid) and process_alive(keeper, 0)
+
     def payload(self, i: int, nbytes: int) -> tuple[np.ndarray, int]:
-        """Slot ``i`` (claimed) as a writable uint8 array of at least ``nbytes``; and its gen."""
+        """Slot ``i`` (claimed) as a writable uint8 array of at least ``nbytes``; and its gen.
+
+        Pieces of this generation a collate still references are copied out
+        first (NOTE [kept collate outputs]): the array returned is safe to write.
+        """
         rec = self._record(i)
         gen, cap = int(rec[GEN]), int(rec[CAPACITY])
         if cap < nbytes:
             gen = self._grow(i, gen, cap, nbytes)
+        elif self.live.get((i, gen)):
+            self._detach(i, gen)
         held = self.maps.get(i)
         if held is None or held[0] != gen:
             self._forget(i)
@@ -505,25 +663,47 @@ class WorkerSlots:
         return held[3], gen
 
     def check_capacity(self, nbytes: int, what: str) -> None:
-        """Raise ShmCapacityError unless the whole pool at ``nbytes`` per slot fits /dev/shm."""
+        """Fit the pool at ``nbytes`` per slot into /dev/shm: shrink it, or raise.
+
+        The most slots per worker (down to ``MIN_PER_WORKER``) whose growth to
+        this size fits the free space become the pool's *in use* count, for
+        every worker (NOTE [pool size]); :class:`ShmCapacityError` when not
+        even that fits. Decided under a pool-wide lock (the control file's
+        byte past the partitions' bytes).
+        """
         capacity = slot_capacity_for(nbytes)
-        need = 0
-        for i in range(self.spec.total):
-            have = int(self._record(i)[CAPACITY])
-            if have < capacity:
-                need += capacity - have
-        free = shm_free_bytes()
-        if need and free is not None and free < need:
-            spec = self.spec
-            raise ShmCapacityError(
-                need,
-                free,
-                f"the DataLoader workers' slot pool for {what} ({spec.total} slots = "
-                f"{spec.num_workers} workers x {spec.per_worker}: prefetch_factor "
-                f"{spec.prefetch_factor} + the batches ranks hold + 1)",
-                fix="lower the DataLoader's num_workers or prefetch_factor, lower "
-                "SHMLOADER_SLOTS, or give /dev/shm more space (docker run --shm-size=...)",
+        spec = self.spec
+
+        def need(k: int) -> int:
+            have = (
+                int(self._record(w * spec.per_worker + j)[CAPACITY])
+                for w in range(spec.num_workers)
+                for j in range(k)
             )
+            return sum(max(0, capacity - cap) for cap in have)
+
+        free = shm_free_bytes()
+        if free is None or need(self._in_use()) <= free:
+            return
+        offset = spec.num_workers
+        fcntl.lockf(self.control.fd, fcntl.LOCK_EX, 1, offset)
+        try:
+            use = self._in_use()
+            while use > MIN_PER_WORKER and need(use) > free:
+                use -= 1
+            if need(use) > free:
+                raise ShmCapacityError(
+                    need(use),
+                    free,
+                    f"the DataLoader workers' slot pool for {what} ({spec.num_workers} workers "
+                    f"x {MIN_PER_WORKER} slots of {human_bytes(capacity)}, the fewest it runs "
+                    f"with: one a rank holds, one the worker writes)",
+                    fix="lower the DataLoader's num_workers, make the batches smaller, or give "
+                    "/dev/shm more space (docker run --shm-size=..., or a larger tmpfs)",
+                )
+            self.words[USE] = min(use, int(self.words[USE]))
+        finally:
+            fcntl.lockf(self.control.fd, fcntl.LOCK_UN, 1, offset)
 
     def _grow(self, i: int, gen: int, cap: int, nbytes: int) -> int:
         """Make generation ``gen + 1`` of slot ``i``, big enough for ``nbytes``."""
@@ -540,6 +720,8 @@ class WorkerSlots:
         stale = (
             pool_slot_name(self.spec.token, i, gen, old_name) if self.unsent.get(i) == gen else None
         )
+        if self.spec.admit is not None:  # NOTE [pool admission]: before a byte exists
+            self.spec.admit(self.spec.token, HEADER_SIZE + capacity)
         stem = slot_stem(self.spec.token, i, new)
         segment = Segment.create_unique(stem, KIND_DATA, self.spec.token, capacity)
         # Recorded at once, while the header still names this worker: if it dies
@@ -570,6 +752,38 @@ class WorkerSlots:
         self.unsent[i] = new
         return new
 
+    def track(self, i: int, gen: int, piece: np.ndarray) -> None:
+        """Count ``piece`` (of slot ``i``, handed to a collate) as live until it dies.
+
+        ``piece`` must be the object a storage was made from (``torch.frombuffer``
+        holds it for exactly the storage's life). NOTE [kept collate outputs].
+        """
+        key = next(self._keys)
+        self.live.setdefault((i, gen), {})[key] = (piece.ctypes.data, piece.nbytes)
+        self._record(i)[KEPT] = self.pid
+        weakref.finalize(piece, self._untrack, i, gen, key)
+
+    def _untrack(self, i: int, gen: int, key: int) -> None:
+        if os.getpid() != self.pid:  # a forked child's copy of the tracking: not ours
+            return
+        live = self.live.get((i, gen))
+        if live is None or live.pop(key, None) is None or live:
+            return
+        del self.live[(i, gen)]
+        rec = self._record(i)
+        if int(rec[KEPT]) == self.pid and not any(slot == i for slot, _gen in self.live):
+            rec[KEPT] = 0
+
+    def _detach(self, i: int, gen: int) -> None:
+        """Copy the live pieces of slot ``i`` out of it, at their addresses; remap the slot."""
+        pieces = self.live.pop((i, gen))
+        _privatise(pieces.values())
+        self.detached += len(pieces)
+        self._forget(i)  # the old mapping now holds private pages: map the slot afresh
+        if not any(slot == i for slot, _gen in self.live):
+            self._record(i)[KEPT] = 0
+        log.debug("pool slot %d.%d: %d kept collate outputs copied out", i, gen, len(pieces))
+
     def filled(self, i: int, write_ns: int, placed: int = 0) -> None:
         self.unsent.pop(i, None)
         rec = self._record(i)
@@ -590,6 +804,72 @@ class WorkerSlots:
             with contextlib.suppress(BufferError):
                 mm.close()
             segment.close()
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mmap.restype = ctypes.c_void_p
+_LIBC.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_LIBC.mremap.restype = ctypes.c_void_p
+_LIBC.mremap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_void_p,
+]
+_LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _page_ranges(pieces: Any) -> list[tuple[int, int]]:
+    """The page-aligned, merged ``(start, end)`` address ranges under ``pieces``."""
+    page = mmap.PAGESIZE
+    spans = sorted(
+        (addr // page * page, -(-(addr + n) // page) * page) for addr, n in pieces if n > 0
+    )
+    merged: list[tuple[int, int]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _privatise(pieces: Any) -> None:
+    """Replace the pages under ``pieces`` by private anonymous copies, at the same addresses.
+
+    For each range: a fresh anonymous mapping gets a copy of the bytes, then
+    ``mremap(MREMAP_FIXED)`` moves it over the range in one step, so whoever
+    holds a pointer into it reads the same bytes before and after, and the
+    shared pages behind it are no longer referenced (NOTE [kept collate outputs]).
+    """
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    for start, end in _page_ranges(pieces):
+        n = end - start
+        new = _LIBC.mmap(None, n, prot, flags, -1, 0)
+        if new in (None, _MAP_FAILED):
+            err = ctypes.get_errno()
+            raise OSError(
+                err, f"mmap of {n} bytes to copy a kept collate output: {os.strerror(err)}"
+            )
+        ctypes.memmove(new, start, n)
+        moved = _LIBC.mremap(
+            ctypes.c_void_p(new), n, n, _MREMAP_MAYMOVE | _MREMAP_FIXED, ctypes.c_void_p(start)
+        )
+        if moved != start:
+            err = ctypes.get_errno()
+            _LIBC.munmap(ctypes.c_void_p(new), n)
+            raise OSError(err, f"mremap of a kept collate output: {os.strerror(err)}")
 
 
 def estimate_bytes(obj: Any, depth: int = 0) -> int:

@@ -39,9 +39,11 @@ NOTE [collate into the slot]
     is copied after them. Any allocation that does not fit, any other
     thread, any other device gets torch's own ``_new_shared``. If the
     finished batch outgrows the slot, the worker grows the slot and copies
-    the whole batch, as without the allocator. A collate that keeps a
-    reference to its output past the call would see it rewritten by a later
-    batch: collates do not, and the DataLoader gives the batch away.
+    the whole batch, as without the allocator. A collate may keep references
+    to its outputs past the call (a memory bank, a view of one leaf): the
+    pieces it keeps are copied out of the slot, at their addresses, before
+    the slot is written again (NOTE [kept collate outputs] in ``pool``), so
+    they keep their bytes as with plain PyTorch.
     ``SHMLOADER_COLLATE_IN_SLOT=0`` (``Config.collate_in_slot``, carried to
     the workers in the ``PoolSpec``) turns the allocator off: every batch is
     then written by one copy after the collate.
@@ -60,6 +62,7 @@ user's collate unchanged.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 import os
@@ -74,8 +77,8 @@ import torch
 from torch.utils.data import get_worker_info
 
 from . import codec
-from .errors import ShmLoaderError
-from .pool import PoolSpec, SlotRef, WorkerSlots, estimate_bytes
+from .errors import LoaderStateError, ShmLoaderError
+from .pool import PoolSpec, SlotRef, WorkerPool, WorkerSlots, estimate_bytes
 
 
 class WorkerFailure:
@@ -126,12 +129,16 @@ def _rebuild_failure(
 
 
 class _Arena:
-    """Bump allocator over a claimed slot's payload: the collate's shared-memory outputs."""
+    """Bump allocator over a claimed slot's payload: the collate's shared-memory outputs.
 
-    def __init__(self, dest: np.ndarray) -> None:
+    ``track`` is told of every piece handed out (NOTE [kept collate outputs] in ``pool``).
+    """
+
+    def __init__(self, dest: np.ndarray, track: Callable[[np.ndarray], None] | None = None) -> None:
         self.dest = dest
         self.base = dest.ctypes.data
         self.top = 0  # bytes handed out so far (the next leaf to copy goes after)
+        self.track = track
 
     def storage(self, nbytes: int) -> torch.UntypedStorage | None:
         """``nbytes`` of the slot as a storage, or None when they do not fit."""
@@ -139,7 +146,10 @@ class _Arena:
         if nbytes <= 0 or at + nbytes > self.dest.nbytes:
             return None
         self.top = at + nbytes
-        return torch.frombuffer(self.dest[at : at + nbytes], dtype=torch.uint8).untyped_storage()
+        piece = self.dest[at : at + nbytes]  # the storage holds it for exactly its own life
+        if self.track is not None:
+            self.track(piece)
+        return torch.frombuffer(piece, dtype=torch.uint8).untyped_storage()
 
     def offset_of(self, obj: Any, nbytes: int) -> int | None:
         """Where ``obj``'s bytes lie in the slot, if they were made here."""
@@ -216,7 +226,7 @@ class WorkerWriter:
         if claimed is None:  # no allocator: collate as usual, then one copy
             batch = self.collate_fn(samples)  # the user's errors travel the DataLoader's way
             return self.write(batch, info.id)
-        arena = _Arena(dest)
+        arena = _Arena(dest, functools.partial(slots.track, index, gen))
         try:
             with _allocating_from(arena):
                 batch = self.collate_fn(samples)
@@ -302,10 +312,49 @@ class WorkerWriter:
         )
 
 
-def install(loader: Any, spec: PoolSpec) -> bool:
-    """Wrap ``loader.collate_fn`` (a DataLoader with workers); False when it cannot be."""
+def check_installable(loader: Any) -> None:
+    """Raise :class:`LoaderStateError` if another open pool's wrapper is on ``loader``.
+
+    Two ShmLoaders over one DataLoader at once would have one DataLoader's
+    workers write two rings: refused, naming the fix.
+    """
     collate = getattr(loader, "collate_fn", None)
-    if collate is None or isinstance(collate, WorkerWriter):
+    if isinstance(collate, WorkerWriter):
+        raise LoaderStateError(
+            f"the DataLoader that make_loader returned ({type(loader).__name__} at "
+            f"{id(loader):#x}) is already published by another open ShmLoader (its "
+            f"collate_fn is wrapped for pool {collate.spec.token}); have make_loader build a "
+            "new DataLoader for each ShmLoader (lambda: DataLoader(...)), or close() the "
+            "other ShmLoader first"
+        )
+
+
+def install(loader: Any, pool: WorkerPool) -> bool:
+    """Wrap ``loader.collate_fn`` for ``pool``; False when it cannot be wrapped.
+
+    The wrapper is removed again when ``pool`` closes (``uninstall``), so the
+    same DataLoader can be given to a later ShmLoader; while it is in place,
+    another ``install`` raises (``check_installable``).
+    """
+    check_installable(loader)
+    collate = getattr(loader, "collate_fn", None)
+    if collate is None:
         return False
-    loader.collate_fn = WorkerWriter(collate, spec)
+    loader.collate_fn = WorkerWriter(collate, pool.spec)
+    pool.on_close(functools.partial(uninstall, loader, pool.spec))
     return True
+
+
+def uninstall(loader: Any, spec: PoolSpec) -> None:
+    """Undo ``install``: the user's collate back, and persistent workers (which carry
+    the wrapper for ``spec``'s closed pool) shut down so that the next ``iter()``
+    starts workers with the collate the loader has then."""
+    writer = getattr(loader, "collate_fn", None)
+    if not isinstance(writer, WorkerWriter) or writer.spec is not spec:
+        return
+    loader.collate_fn = writer.collate_fn
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None:
+        with contextlib.suppress(Exception):
+            iterator._shutdown_workers()
+        loader._iterator = None

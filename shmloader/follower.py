@@ -104,8 +104,14 @@ class _Releaser:
         if self.holder == threading.get_ident():
             self._flush()
 
+    def close(self) -> None:
+        """Close the socket; batches that die later release nothing (NOTE [held past close])."""
+        self.closed = True
+        self.pending.clear()
+        self.spoke.close()
+
     def _flush(self) -> None:
-        while True:
+        while self.pending and not self.closed:
             try:
                 index, gen, seq = self.pending.popleft()
             except IndexError:

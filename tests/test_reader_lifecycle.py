@@ -48,9 +48,7 @@ class EpochRange(Sampler):
 
 def _loader(workers: int, n: int = 4, n_of: dict[int, int] | None = None) -> ShmLoader:
     def make() -> DataLoader:
-        return DataLoader(
-            Filled(), batch_size=1, sampler=EpochRange(n, n_of), num_workers=workers
-        )
+        return DataLoader(Filled(), batch_size=1, sampler=EpochRange(n, n_of), num_workers=workers)
 
     return ShmLoader(make, dist.group.WORLD, config=Config.from_env(enabled=True))
 
@@ -120,3 +118,169 @@ def dropped_with_its_batch(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(60)
 def test_a_release_after_the_loader_is_gone_is_silent():
     assert run_ranks(dropped_with_its_batch, 2) == [[], []]
+
+
+# ------------------------------------------------- what a follower owes the writer
+
+
+class Raises(Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 1:
+            raise ValueError("sample 1 is corrupt")
+        return torch.full((4,), float(i))
+
+
+def error_acked_on_receipt(rank: int, world: int) -> dict:
+    """The follower keeps its loader open for a while after the leader's error."""
+    loader = ShmLoader(
+        lambda: DataLoader(Raises(), batch_size=1),
+        dist.group.WORLD,
+        config=Config.from_env(enabled=True),
+    )
+    it = iter(loader)
+    next(it)
+    t0 = time.monotonic()
+    try:
+        next(it)
+    except Exception as exc:  # the leader: its ValueError; the follower: LeaderError
+        raised = type(exc).__name__
+    took = time.monotonic() - t0
+    if rank == 1:
+        time.sleep(6.0)  # an ACK that waits for close() would hold the leader this long
+    loader.close()
+    return {"raised": raised, "took": took}
+
+
+@pytest.mark.timeout(90)
+def test_the_leaders_error_is_acked_on_receipt_not_at_close():
+    leader, follower = run_ranks(error_acked_on_receipt, 2)
+    assert (leader["raised"], follower["raised"]) == ("ValueError", "LeaderError")
+    assert leader["took"] < 4.0, "the leader waited for the follower's close, not its ACK"
+
+
+def breaks_early(rank: int, world: int) -> list[int]:
+    """The follower breaks out of every epoch after one batch; the leader goes on to the end.
+
+    The batches the follower left behind must be released when its next
+    iteration meets them, or they stay HELD and the leader's ring grows.
+    """
+    loader = _loader(0, n=8)
+    slots = []
+    for epoch in range(4):
+        loader.set_epoch(epoch)
+        for step, _ in enumerate(loader):
+            if rank == 1 and step == 0:
+                break
+        if rank == 0:
+            slots.append(loader.stats()["ring_slots"])
+    loader.close()
+    return slots
+
+
+@pytest.mark.timeout(90)
+def test_batches_a_follower_left_behind_are_released():
+    slots, _ = run_ranks(breaks_early, 2)
+    cfg = Config.from_env()
+    assert max(slots) <= cfg.slots + 2, f"the leader's ring grew: {slots}"
+
+
+def epochs_disagree(rank: int, world: int) -> str:
+    """The leader's epoch 1 is empty; the follower never called set_epoch(1)."""
+    loader = _loader(0, n=3, n_of={1: 0})
+    if rank == 0:
+        loader.set_epoch(1)
+    try:
+        got = len(list(loader))
+        outcome = f"{got} batches"
+    except DivergenceError as exc:
+        outcome = f"DivergenceError: {exc}"
+    loader.close()
+    return outcome
+
+
+@pytest.mark.timeout(60)
+def test_an_end_of_another_epoch_is_a_divergence_not_an_empty_epoch():
+    leader, follower = run_ranks(epochs_disagree, 2)
+    assert leader == "0 batches"
+    assert follower.startswith("DivergenceError") and "ended" in follower, follower
+
+
+# ------------------------------------------------------------------ SIGTERM
+
+
+def test_a_forked_child_stopped_by_sigterm_leaves_its_parents_runtime_directory(tmp_path):
+    import os
+    import signal
+
+    from shmloader import reap
+
+    rundir = tmp_path / "shml-rundir"
+    rundir.mkdir()
+    reap.own(directory=str(rundir))
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: inherits the parent's registry, then SIGTERM
+            try:
+                time.sleep(30)
+            finally:
+                os._exit(0)
+        time.sleep(0.2)
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) or os.WIFEXITED(status)
+        assert rundir.exists(), "the child removed its parent's runtime directory"
+        assert str(rundir) in reap.owned()[1]
+    finally:
+        reap.disown(directory=str(rundir))
+
+
+# --------------------------------------------- a failed send behind a queued BYE
+
+
+class _Hub:
+    """A hub whose send to rank 1 fails (it disconnected) after rank 1's BYE arrived."""
+
+    def __init__(self) -> None:
+        from shmloader import wire
+
+        self.queued = [(wire.parse(wire.frames(wire.Kind.BYE, rank=1)), 1)]
+        self.sent: list[int] = []
+
+    def send(self, rank: int, parts: list) -> None:
+        from shmloader.errors import PeerLostError
+
+        if rank == 1:
+            raise PeerLostError(1, "follower", "EHOSTUNREACH")
+        self.sent.append(rank)
+
+    def receive(self, timeout: float):
+        return self.queued.pop(0) if self.queued else None
+
+
+class _Ring:
+    def __init__(self) -> None:
+        self.dropped: list[int] = []
+
+    def drop_reader(self, rank: int) -> None:
+        self.dropped.append(rank)
+
+
+def test_a_failed_send_to_a_reader_whose_bye_is_queued_is_not_a_lost_reader():
+    import collections
+    import types
+
+    from shmloader import wire
+    from shmloader.writer import _Writer
+
+    writer = _Writer()
+    writer._hub, writer._ring = _Hub(), _Ring()
+    writer._topo = types.SimpleNamespace(readers=[1, 2])
+    writer._gone, writer._hello = set(), {1, 2}
+    writer._acked = {1: 0, 2: 0}
+    writer._self_releases = collections.deque()
+    writer._tell_readers(wire.frames(wire.Kind.END, it=1, epoch=0, pos=3, draws=0))  # no raise
+    assert writer._gone == {1} and writer._ring.dropped == [1]
+    assert writer._hub.sent == [2], "the other readers are still told"

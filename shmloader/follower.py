@@ -4,7 +4,7 @@ One batch, on a follower (``_follower_iteration``)::
 
     writer                          follower
     ------                          --------
-    hub.send(BATCH) --ZeroMQ------> _next_event: spoke receives BATCH
+    hub.publish(BATCH) --ZeroMQ---> _next_event: spoke receives BATCH
                                     (stamp checked: NOTE [iteration numbers])
                     <----ACK------- took batch seq
                     <--ATTACHED---- _attach: first map of the segment

@@ -24,7 +24,7 @@ One batch, leader to a follower on another node::
     xnode.send(meta, slot) =======> xnode.receive_header()
                                     slot' = ring.acquire(n)
                                     xnode.receive_payload(slot')
-    hub.send(BATCH) -> local        hub.send(BATCH) --ZeroMQ--->  spoke receives BATCH
+    hub.publish(BATCH) -> local     hub.publish(BATCH) --ZeroMQ->  spoke receives BATCH
     followers                                                     mmap slot' MAP_PRIVATE
     yield decode(private view)      yield decode(private view)    yield codec.decode(view)
                                                                   ... batch garbage ->

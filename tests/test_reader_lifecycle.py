@@ -237,26 +237,25 @@ def test_a_forked_child_stopped_by_sigterm_leaves_its_parents_runtime_directory(
         reap.disown(directory=str(rundir))
 
 
-# --------------------------------------------- a failed send behind a queued BYE
+# ------------------------------------------ a reader gone, with or without BYE
 
 
 class _Hub:
-    """A hub whose send to rank 1 fails (it disconnected) after rank 1's BYE arrived."""
+    """A hub that saw rank 1's socket close; its BYE (if any) arrives a moment later."""
 
-    def __init__(self) -> None:
+    def __init__(self, bye: bool) -> None:
         from shmloader import wire
 
-        self.queued = [(wire.parse(wire.frames(wire.Kind.BYE, rank=1)), 1)]
-        self.sent: list[int] = []
+        self.left, self.subscribed = {1}, {2}
+        self.published = 0
+        bye_msg = (wire.parse(wire.frames(wire.Kind.BYE, rank=1)), 1)
+        self.queued = [None, None, bye_msg] if bye else []  # trails the unsubscription
 
-    def send(self, rank: int, parts: list) -> None:
-        from shmloader.errors import PeerLostError
-
-        if rank == 1:
-            raise PeerLostError(1, "follower", "EHOSTUNREACH")
-        self.sent.append(rank)
+    def publish(self, parts: list) -> None:
+        self.published += 1
 
     def receive(self, timeout: float):
+        time.sleep(timeout)
         return self.queued.pop(0) if self.queued else None
 
 
@@ -268,19 +267,40 @@ class _Ring:
         self.dropped.append(rank)
 
 
-def test_a_failed_send_to_a_reader_whose_bye_is_queued_is_not_a_lost_reader():
+def _writer(bye: bool):
     import collections
     import types
 
-    from shmloader import wire
     from shmloader.writer import _Writer
 
     writer = _Writer()
-    writer._hub, writer._ring = _Hub(), _Ring()
-    writer._topo = types.SimpleNamespace(readers=[1, 2])
+    writer._hub, writer._ring = _Hub(bye), _Ring()
+    writer._topo = types.SimpleNamespace(readers=[1, 2], role=lambda rank: "follower")
     writer._gone, writer._hello = set(), {1, 2}
     writer._acked = {1: 0, 2: 0}
     writer._self_releases = collections.deque()
-    writer._tell_readers(wire.frames(wire.Kind.END, it=1, epoch=0, pos=3, draws=0))  # no raise
+    return writer
+
+
+def _end() -> list:
+    from shmloader import wire
+
+    return wire.frames(wire.Kind.END, it=1, epoch=0, pos=3, draws=0)
+
+
+def test_a_reader_that_left_with_a_trailing_bye_is_not_lost():
+    writer = _writer(bye=True)
+    writer._tell_readers(_end())  # no raise: its BYE came within the grace
     assert writer._gone == {1} and writer._ring.dropped == [1]
-    assert writer._hub.sent == [2], "the other readers are still told"
+    assert writer._hub.published == 1, "one publication for every reader"
+
+
+def test_a_reader_whose_socket_closed_without_bye_is_lost():
+    from shmloader.errors import PeerLostError
+
+    writer = _writer(bye=False)
+    with pytest.raises(PeerLostError, match="follower rank 1"):
+        writer._tell_readers(_end())
+    assert writer._gone == {1}
+    writer._hub.left = {1}
+    writer._tell_readers(_end())  # told once: a reader already dropped is not lost again

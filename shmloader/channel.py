@@ -357,6 +357,8 @@ class Hub(_Endpoint):
 
     def receive(self, timeout: float) -> tuple[Message | None, int | None] | None:
         """The next reader message, or ``(None, None)`` when a reader arrived or left."""
+        if self.sock.closed:  # as a closed socket's own poll would (zmq's poller would hang)
+            raise zmq.ZMQError(zmq.ENOTSOCK)
         while True:
             ready = dict(self._poller.poll(int(timeout * 1000)))
             timeout = 0

@@ -1,8 +1,35 @@
 """ZeroMQ signalling inside one node: the writer's ``Hub``, each reader's ``Spoke``.
 
-The writer binds a ROUTER socket at ``ipc://<private dir>/s``; each
-reader connects a DEALER whose routing id is ``r<rank>``. Messages are the
-``wire`` module's frames; payload never travels here.
+The writer binds a ROUTER socket at ``ipc://<private dir>/s`` and an XPUB
+socket at ``ipc://<private dir>/p``; each reader connects a DEALER whose
+routing id is ``r<rank>`` and a SUB. Messages are the ``wire`` module's
+frames; payload never travels here::
+
+    writer (Hub)                               reader (Spoke)
+    ------------                               --------------
+    XPUB  ----BATCH/END/ERROR/STOP, once------>  SUB   (every reader of the node)
+          <---subscribe "" and "\xffr<rank>"--        (at connect; unsubscribe at close)
+    ROUTER <--HELLO/ACK/RELEASE/ATTACHED/BYE--  DEALER (routing id r<rank>)
+
+NOTE [one announcement]
+    A writer's messages are the same for every reader, so they are published
+    once on the XPUB instead of sent once per reader: the writer's cost per
+    batch does not grow with the group. What is per reader (its HELLO, ACKs,
+    releases, BYE) stays on the ROUTER. Two rules keep the guarantees a
+    per-reader send gave:
+
+    - *Nobody misses a message.* A publication reaches only subscriptions
+      the XPUB has already processed. Each reader subscribes to everything
+      and to its own marker topic ``\xffr<rank>`` (no message starts with
+      ``\xff``); the XPUB hands each marker up when it took it, and the
+      writer counts a reader as arrived only once it has both the reader's
+      HELLO and its marker (``Hub.subscribed``). The writer publishes only
+      after every live reader arrived (``_await_readers``).
+    - *A reader that went away is noticed at once.* A reader's socket closing
+      unsubscribes its marker (``Hub.left``); the writer checks after every
+      publication, and a reader gone without BYE is lost (PeerLostError),
+      as a failed send to it was (its BYE may trail on the other socket: the
+      writer waits ``BYE_GRACE_S`` for it first).
 
 NOTE [private runtime directory]
     Every rank makes its own directory with ``mkdtemp`` under the runtime base
@@ -61,6 +88,12 @@ DRAIN_S = 0.05
 RUNDIR_PREFIX = "shml-"
 #: File name of the writer's socket inside its private directory.
 SOCKET_NAME = "s"
+#: File name of the writer's announcement socket beside it (NOTE [one announcement]).
+ANNOUNCE_NAME = "p"
+#: Marker topics start with this byte; wire frames never do (they start with the magic).
+MARKER = b"\xff"
+#: How long a writer waits for the BYE of a reader whose socket closed.
+BYE_GRACE_S = 0.2
 #: sun_path holds 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH = 107
 
@@ -127,10 +160,11 @@ def remove_private_dir(path: str, creator: int) -> None:
     """Remove our socket and ``path`` itself, only in process ``creator``."""
     if os.getpid() != creator:
         return
-    with contextlib.suppress(OSError):
-        sock = os.path.join(path, SOCKET_NAME)
-        if stat.S_ISSOCK(os.lstat(sock).st_mode):
-            os.unlink(sock)
+    for name in (SOCKET_NAME, ANNOUNCE_NAME):
+        with contextlib.suppress(OSError):
+            sock = os.path.join(path, name)
+            if stat.S_ISSOCK(os.lstat(sock).st_mode):
+                os.unlink(sock)
     with contextlib.suppress(OSError):
         os.rmdir(path)
     reap.disown(directory=path)
@@ -139,6 +173,16 @@ def remove_private_dir(path: str, creator: int) -> None:
 def socket_path(directory: str) -> str:
     """The writer's socket in its private directory."""
     return os.path.join(directory, SOCKET_NAME)
+
+
+def announce_path(path: str) -> str:
+    """The writer's announcement socket beside its socket ``path``."""
+    return os.path.join(os.path.dirname(path), ANNOUNCE_NAME)
+
+
+def marker(rank: int) -> bytes:
+    """The topic a reader subscribes to so that the writer sees it arrive and leave."""
+    return MARKER + b"r%d" % rank
 
 
 _context: zmq.Context | None = None
@@ -261,32 +305,71 @@ class _Endpoint:
 
 
 class Hub(_Endpoint):
-    """The writer's ROUTER socket."""
+    """The writer's sockets: the ROUTER readers talk to, the XPUB it announces on."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.creator = os.getpid()  # NOTE [creator-only cleanup]
+        #: Readers whose marker subscription the XPUB took, and those whose socket
+        #: closed since (NOTE [one announcement]).
+        self.subscribed: set[int] = set()
+        self.left: set[int] = set()
+        check_private_dir(os.path.dirname(path))
         self.sock = context().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDTIMEO, 1000)
-        check_private_dir(os.path.dirname(path))
         self.sock.bind(f"ipc://{path}")
         os.chmod(path, 0o600)
+        self.pub = context().socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.SNDHWM, 0)  # never drop: the window rule bounds the queue
+        self.pub.setsockopt(zmq.LINGER, 0)
+        pub = announce_path(path)
+        self.pub.bind(f"ipc://{pub}")
+        os.chmod(pub, 0o600)
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._poller.register(self.pub, zmq.POLLIN)
 
-    def send(self, rank: int, parts: list) -> None:
-        try:
-            self.sock.send_multipart([b"r%d" % rank, *parts])
-        except (zmq.Again, zmq.ZMQError) as exc:
-            raise PeerLostError(rank, "follower", f"cannot deliver to it ({exc})") from None
+    def publish(self, parts: list) -> None:
+        """Send ``parts`` to every subscribed reader at once (NOTE [one announcement])."""
+        self.pub.send_multipart(parts)
+        self.events()
 
-    def receive(self, timeout: float) -> tuple[Message, int | None] | None:
-        while (raw := self._receive(timeout)) is not None:
+    def events(self) -> bool:
+        """Take the XPUB's (un)subscriptions now; whether any reader arrived or left."""
+        changed = False
+        while True:
+            try:
+                raw = self.pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return changed
+            rank = _marker_rank(raw[1:])
+            if rank is None or raw[:1] not in (b"\x00", b"\x01"):
+                continue  # the everything subscription, or a stranger's topic: no one to track
+            changed = True
+            if raw[:1] == b"\x01":
+                self.subscribed.add(rank)
+                self.left.discard(rank)
+            else:
+                self.subscribed.discard(rank)
+                self.left.add(rank)
+
+    def receive(self, timeout: float) -> tuple[Message | None, int | None] | None:
+        """The next reader message, or ``(None, None)`` when a reader arrived or left."""
+        if self.sock.closed:  # as a closed socket's own poll would (zmq's poller would hang)
+            raise zmq.ZMQError(zmq.ENOTSOCK)
+        while True:
+            ready = dict(self._poller.poll(int(timeout * 1000)))
             timeout = 0
-            got = self._parse(raw)
-            if got is not None:
-                return got
-        return None
+            if not ready:
+                return None
+            if self.pub in ready and self.events():
+                return None, None
+            if self.sock in ready:
+                got = self._parse(self.sock.recv_multipart(copy=True))
+                if got is not None:
+                    return got
 
     def _parse(self, raw: list[bytes]) -> tuple[Message, int | None] | None:
         ident, parts = raw[0], raw[1:]
@@ -303,15 +386,22 @@ class Hub(_Endpoint):
         return msg, rank
 
     def close(self) -> None:
-        """Close the socket and remove it and its directory; a no-op in a forked child."""
+        """Close the sockets and remove them and their directory; a no-op in a forked child."""
         if os.getpid() != self.creator:
             return  # the parent's socket and files are not ours to touch
-        self.sock.close(linger=100)  # let a last END/STOP leave; bounded
+        self.pub.close(linger=100)  # let a last END/STOP leave; bounded
+        self.sock.close(linger=100)
         remove_private_dir(os.path.dirname(self.path), self.creator)
 
 
+def _marker_rank(topic: bytes) -> int | None:
+    if not topic.startswith(MARKER + b"r") or not topic[2:].isdigit() or len(topic) > 12:
+        return None
+    return int(topic[2:])
+
+
 class Spoke(_Endpoint):
-    """A reader's DEALER socket."""
+    """A reader's sockets: the DEALER it talks to the writer on, the SUB it hears it on."""
 
     def __init__(self, path: str, rank: int) -> None:
         # Gone already (a writer that failed and closed first) is not an error
@@ -324,6 +414,17 @@ class Spoke(_Endpoint):
         self.sock.setsockopt(zmq.LINGER, 500)
         self.sock.setsockopt(zmq.SNDTIMEO, 1000)
         self.sock.connect(f"ipc://{path}")
+        self.sub = context().socket(zmq.SUB)
+        self.sub.setsockopt(zmq.RCVHWM, 0)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.setsockopt(zmq.SUBSCRIBE, marker(rank))  # NOTE [one announcement]
+        self.sub.connect(f"ipc://{announce_path(path)}")
+
+    def _receive(self, timeout: float) -> list[bytes] | None:
+        if self.sub.poll(int(timeout * 1000), zmq.POLLIN):
+            return self.sub.recv_multipart(copy=True)
+        return None
 
     def send(self, parts: list) -> None:
         try:
@@ -343,3 +444,4 @@ class Spoke(_Endpoint):
     def close(self) -> None:
         if os.getpid() == self.creator:  # NOTE [creator-only cleanup]
             self.sock.close()
+            self.sub.close()

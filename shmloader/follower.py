@@ -4,7 +4,7 @@ One batch, on a follower (``_follower_iteration``)::
 
     writer                          follower
     ------                          --------
-    hub.send(BATCH) --ZeroMQ------> _next_event: spoke receives BATCH
+    hub.publish(BATCH) --ZeroMQ---> _next_event: spoke receives BATCH
                                     (stamp checked: NOTE [iteration numbers])
                     <----ACK------- took batch seq
                     <--ATTACHED---- _attach: first map of the segment
@@ -104,8 +104,14 @@ class _Releaser:
         if self.holder == threading.get_ident():
             self._flush()
 
+    def close(self) -> None:
+        """Close the socket; batches that die later release nothing (NOTE [held past close])."""
+        self.closed = True
+        self.pending.clear()
+        self.spoke.close()
+
     def _flush(self) -> None:
-        while True:
+        while self.pending and not self.closed:
             try:
                 index, gen, seq = self.pending.popleft()
             except IndexError:

@@ -8,7 +8,7 @@ One batch, on the leader (``_leader_iteration``)::
     slot = ring.acquire(n)                    (_publish_ref: pool.adopt(ref))
     codec.write_payload(enc, slot)
     xnode.send(meta, slot) =================> each node leader (``relay``)
-    _announce: hub.send(BATCH) -------------> this node's followers (``follower``)
+    _announce: hub.publish(BATCH) ----------> this node's followers (``follower``)
     yield decode(private view of the slot)    (the leader's own copy-on-write view)
 
     end of the loader:  _end: xnode END, END to readers

@@ -24,7 +24,7 @@ One batch, leader to a follower on another node::
     xnode.send(meta, slot) =======> xnode.receive_header()
                                     slot' = ring.acquire(n)
                                     xnode.receive_payload(slot')
-    hub.send(BATCH) -> local        hub.send(BATCH) --ZeroMQ--->  spoke receives BATCH
+    hub.publish(BATCH) -> local     hub.publish(BATCH) --ZeroMQ->  spoke receives BATCH
     followers                                                     mmap slot' MAP_PRIVATE
     yield decode(private view)      yield decode(private view)    yield codec.decode(view)
                                                                   ... batch garbage ->
@@ -406,7 +406,10 @@ class ShmLoader(_Leader, _Relay, _Follower):
         }
 
     def _closers(self) -> list[Callable[[], None]]:
-        parts = (self._stage, self._spoke, self._reader, self._hub, self._ring, self._pool)
+        # A reader's socket closes through its _Releaser, so that a batch dying after
+        # the close (even in the finalizer's order at exit) releases nothing.
+        out = self._out if self._spoke is not None else None
+        parts = (self._stage, out, self._reader, self._hub, self._ring, self._pool)
         closers = [c.close for c in parts if c is not None]
         if self._daemon is not None and self._topo is not None:
             if self._topo.is_writer:
@@ -638,6 +641,7 @@ class ShmLoader(_Leader, _Relay, _Follower):
         if self._stage is not None:
             self._stage.close()  # copies in flight finish; unregister before unmap
         if self._spoke is not None:
+            self._reader.own_views()  # NOTE [held past close] (ring): before BYE drops the holds
             with contextlib.suppress(Exception):
                 self._out.send(wire.frames(Kind.BYE, rank=self._me))
             self._out.closed = True

@@ -98,7 +98,6 @@ def owned() -> tuple[set[str], set[str]]:
 
 def remove_owned() -> None:
     """Remove every registered name now. Never raises."""
-    from .channel import SOCKET_NAME
     from .segment import unlink_name
 
     with _lock:
@@ -115,9 +114,7 @@ def remove_owned() -> None:
             unlink_name(name)
     for path in dirs:
         with contextlib.suppress(OSError):
-            os.unlink(os.path.join(path, SOCKET_NAME))
-        with contextlib.suppress(OSError):
-            os.rmdir(path)
+            remove_runtime_dir(path)  # our sockets, then the directory
 
 
 def _names_us(name: str) -> bool:

@@ -10,7 +10,7 @@ One batch, on a node leader (``_relay``); it is a reader of the leader
                                     _await_readers()
                                     slot' = ring.acquire(n)
                                     xnode.receive_payload(slot')
-                                    _announce: hub.send(BATCH) -> spoke receives BATCH
+                                    _announce: hub.publish(BATCH) -> spoke receives BATCH
                                     yield decode(private view)
 
 END, ERROR and STOP from the leader are forwarded to this node's readers.

@@ -600,6 +600,7 @@ class RingReader:
     def __init__(self, token: str) -> None:
         self.token = token
         self.segments: dict[str, Segment] = {}
+        self._mappings: list[weakref.ref] = []  # of every view handed out: own_views()
 
     def open(self, name: str) -> bool:
         """Open and validate ``name`` if not yet open; True when newly opened.
@@ -627,7 +628,36 @@ class RingReader:
         segment = self.segments.get(name)
         if segment is None:
             raise ProtocolError(f"segment {name} was never opened")
-        return private_view(segment, nbytes, on_release)
+        view = private_view(segment, nbytes, on_release)
+        mm = getattr(view.base, "obj", view.base)  # frombuffer's base: a memoryview of mm
+        if isinstance(mm, mmap.mmap):
+            self._mappings = [r for r in self._mappings if r() is not None]
+            self._mappings.append(weakref.ref(mm))
+        return view
+
+    def own_views(self) -> int:
+        """Give every view still alive its own copy of its pages; how many there were.
+
+        NOTE [held past close]
+            A reader's batch is a private (copy-on-write) mapping of a slot,
+            and its unwritten pages show whatever the slot holds now: the
+            reader's hold (NOTE [slot lifetime]) is what keeps the writer from
+            rewriting it. A reader that closes gives up its holds (BYE), and
+            the writer may go on without it (other ranks, another epoch), so
+            before it says BYE it makes each page of every batch the user
+            still holds its own copy (a write fault per page, ``touch``):
+            held batches keep their bytes for as long as the user keeps them,
+            at the cost of one copy of what is held. The releases of those
+            batches are dropped quietly from then on.
+        """
+        owned = 0
+        for ref in self._mappings:
+            mm = ref()
+            if mm is not None and not mm.closed:
+                touch(mm)  # on a MAP_PRIVATE mapping each write fault copies the page
+                owned += 1
+        self._mappings = []
+        return owned
 
     def forget(self, name: str) -> None:
         """Close the descriptor of a replaced segment (live mappings stay valid)."""

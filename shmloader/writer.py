@@ -8,7 +8,7 @@ the readers' HELLO / ACK / RELEASE / ATTACHED / BYE come back on the hub::
     _await_readers: every reader said  <--HELLO-------  set-up
       HELLO, none lags SLOTS behind    <--ACK---------  took batch seq
     ring.publish(slot, seq)
-    _announce: hub.send(BATCH) ---------BATCH-------->  maps it
+    _announce: hub.publish(BATCH) ------BATCH-------->  maps it (one send for all)
     _pump / _handle                    <--ATTACHED----  first map of a segment
                                        <--RELEASE-----  the batch died
                                        <--BYE---------  closed
@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from . import wire
+from .channel import BYE_GRACE_S
 from .errors import PeerLostError, ProtocolError, human_bytes
 from .ring import Slot, SlotState, private_view
 from .roles import CLOSE_WAIT_S, _error_body, log
@@ -200,21 +201,28 @@ class _Writer:
         )
 
     def _tell_readers(self, parts: list, *, best_effort: bool = False) -> None:
-        """Send to every live reader; a lost one raises after all others were told."""
-        assert self._hub is not None and self._topo is not None
+        """Publish to every reader at once; a reader gone without BYE raises after.
+
+        NOTE [one announcement] (``channel``): one send whatever the group's
+        size; a reader whose socket closed shows in ``hub.left``.
+        """
+        hub = self._hub
+        assert hub is not None and self._topo is not None
+        hub.publish(parts)
         lost: PeerLostError | None = None
-        for rank in self._topo.readers:
-            if rank in self._gone:
-                continue
-            try:
-                self._hub.send(rank, parts)
-            except PeerLostError as exc:
-                # A reader that said BYE and left is not lost: its BYE may still
-                # be queued here, behind the disconnect that failed this send.
-                self._pump()
-                if rank not in self._gone:
-                    self._drop_reader(rank)
-                    lost = lost or exc
+        for rank in sorted(hub.left - self._gone):
+            # A reader that said BYE and left is not lost: its BYE travels on the
+            # other socket and may trail the unsubscription that shows it left.
+            deadline = time.monotonic() + BYE_GRACE_S
+            self._pump()
+            while rank not in self._gone and time.monotonic() < deadline:
+                if (got := hub.receive(0.02)) is not None:
+                    self._handle(*got)
+            if rank not in self._gone:
+                self._drop_reader(rank)
+                lost = lost or PeerLostError(
+                    rank, self._topo.role(rank), "its socket closed without a BYE"
+                )
         if lost is not None and not best_effort:
             raise lost
 
@@ -224,10 +232,12 @@ class _Writer:
         assert self._ring is not None
         self._ring.drop_reader(rank)
 
-    def _handle(self, msg: wire.Message, rank: int | None) -> bool:
+    def _handle(self, msg: wire.Message | None, rank: int | None) -> bool:
         """Apply one reader message to the writer's state; never raises on bad input."""
         ring = self._ring
         assert ring is not None
+        if msg is None:  # a reader's subscription came or went: the hub tracks it
+            return False
         if rank not in self._acked:
             log.warning("shmloader: message from rank %s, which is not a reader here", rank)
             return False
@@ -282,7 +292,8 @@ class _Writer:
 
         def waiting() -> list[int]:
             live = [r for r in topo.readers if r not in self._gone]
-            late = [r for r in live if r not in self._hello]
+            # NOTE [one announcement] (channel): arrived = HELLO and subscribed
+            late = [r for r in live if r not in self._hello or r not in self._hub.subscribed]
             if late or not window:
                 return late
             return [r for r in live if self._seq - self._acked[r] >= slots]

@@ -1,0 +1,306 @@
+"""A reader's side of the protocol, pinned in real ranks: what a follower owes the writer
+(ACKs, releases, stamps) and what a batch it holds owes the user after close().
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from shmloader import Config, ShmLoader
+from shmloader.errors import DivergenceError
+from tests.harness import run_ranks
+
+LEAF = 1 << 16  # float32 elements: 256 KiB, far above SHMLOADER_SMALL_COPY (a view)
+
+
+class Filled(Dataset):
+    """Sample ``i`` is a vector of ``i`` everywhere: a changed byte shows."""
+
+    def __len__(self) -> int:
+        return 1 << 20
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((LEAF,), float(i))
+
+
+class EpochRange(Sampler):
+    """``n`` indices per epoch, from ``100 * epoch``; ``n_of`` may change the count per epoch."""
+
+    def __init__(self, n: int, n_of: dict[int, int] | None = None) -> None:
+        self.n, self.n_of, self.epoch = n, n_of or {}, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        return iter(range(100 * self.epoch, 100 * self.epoch + len(self)))
+
+    def __len__(self) -> int:
+        return self.n_of.get(self.epoch, self.n)
+
+
+def _loader(workers: int, n: int = 4, n_of: dict[int, int] | None = None) -> ShmLoader:
+    def make() -> DataLoader:
+        return DataLoader(Filled(), batch_size=1, sampler=EpochRange(n, n_of), num_workers=workers)
+
+    return ShmLoader(make, dist.group.WORLD, config=Config.from_env(enabled=True))
+
+
+# ------------------------------------------------------------ held past close()
+
+
+def kept_past_close(rank: int, world: int, *, workers: int) -> list[str]:
+    """The follower keeps every batch of epoch 0 and closes; the leader runs epoch 1."""
+    loader = _loader(workers, n_of={1: 12, 2: 12})  # enough later batches to cycle any pool
+    loader.set_epoch(0)
+    kept = list(loader) if rank == 1 else []  # the leader keeps nothing: its holds go
+    for _ in loader if rank == 0 else ():
+        pass
+    expected = [b.clone() for b in kept]
+    if rank == 1:
+        loader.close()  # its BYE drops its holds: the leader may rewrite those slots
+    dist.barrier()
+    if rank == 0:
+        for epoch in (1, 2):
+            loader.set_epoch(epoch)
+            for _ in loader:
+                pass
+        loader.close()
+    dist.barrier()
+    changed = [
+        f"batch {i}: {float(b[0, 0])} (was {float(e[0, 0])})"
+        for i, (b, e) in enumerate(zip(kept, expected, strict=True))
+        if not torch.equal(b, e)
+    ]
+    if rank == 1:
+        loader.close()
+    return changed
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_held_past_close_never_changes(workers):
+    assert run_ranks(kept_past_close, 2, kwargs={"workers": workers}) == [[], []]
+
+
+# ------------------------------------------------------------- quiet at exit
+
+
+def _hold_and_return(rank: int) -> None:
+    loader = _loader(0)
+    batch = next(iter(loader))
+    assert batch.shape == (1, LEAF)
+    # returns holding both: the frame drops the loader (its finalizer closes the
+    # socket) and the batch (its release) in whichever order it likes
+
+
+def dropped_with_its_batch(rank: int, world: int) -> list[str]:
+    raised: list[str] = []
+    previous, sys.unraisablehook = sys.unraisablehook, lambda u: raised.append(repr(u.exc_value))
+    try:
+        _hold_and_return(rank)
+        gc.collect()
+        time.sleep(0.2)  # a release racing the close would have failed by now
+        gc.collect()
+    finally:
+        sys.unraisablehook = previous
+    dist.barrier()
+    return raised
+
+
+@pytest.mark.timeout(60)
+def test_a_release_after_the_loader_is_gone_is_silent():
+    assert run_ranks(dropped_with_its_batch, 2) == [[], []]
+
+
+# ------------------------------------------------- what a follower owes the writer
+
+
+class Raises(Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 1:
+            raise ValueError("sample 1 is corrupt")
+        return torch.full((4,), float(i))
+
+
+def error_acked_on_receipt(rank: int, world: int) -> dict:
+    """The follower keeps its loader open for a while after the leader's error."""
+    loader = ShmLoader(
+        lambda: DataLoader(Raises(), batch_size=1),
+        dist.group.WORLD,
+        config=Config.from_env(enabled=True),
+    )
+    it = iter(loader)
+    next(it)
+    t0 = time.monotonic()
+    try:
+        next(it)
+    except Exception as exc:  # the leader: its ValueError; the follower: LeaderError
+        raised = type(exc).__name__
+    took = time.monotonic() - t0
+    if rank == 1:
+        time.sleep(6.0)  # an ACK that waits for close() would hold the leader this long
+    loader.close()
+    return {"raised": raised, "took": took}
+
+
+@pytest.mark.timeout(90)
+def test_the_leaders_error_is_acked_on_receipt_not_at_close():
+    leader, follower = run_ranks(error_acked_on_receipt, 2)
+    assert (leader["raised"], follower["raised"]) == ("ValueError", "LeaderError")
+    assert leader["took"] < 4.0, "the leader waited for the follower's close, not its ACK"
+
+
+def breaks_early(rank: int, world: int) -> list[int]:
+    """The follower breaks out of every epoch after one batch; the leader goes on to the end.
+
+    The batches the follower left behind must be released when its next
+    iteration meets them, or they stay HELD and the leader's ring grows.
+    """
+    loader = _loader(0, n=8)
+    slots = []
+    for epoch in range(4):
+        loader.set_epoch(epoch)
+        for step, _ in enumerate(loader):
+            if rank == 1 and step == 0:
+                break
+        if rank == 0:
+            slots.append(loader.stats()["ring_slots"])
+    loader.close()
+    return slots
+
+
+@pytest.mark.timeout(90)
+def test_batches_a_follower_left_behind_are_released():
+    slots, _ = run_ranks(breaks_early, 2)
+    cfg = Config.from_env()
+    assert max(slots) <= cfg.slots + 2, f"the leader's ring grew: {slots}"
+
+
+def epochs_disagree(rank: int, world: int) -> str:
+    """The leader's epoch 1 is empty; the follower never called set_epoch(1)."""
+    loader = _loader(0, n=3, n_of={1: 0})
+    if rank == 0:
+        loader.set_epoch(1)
+    try:
+        got = len(list(loader))
+        outcome = f"{got} batches"
+    except DivergenceError as exc:
+        outcome = f"DivergenceError: {exc}"
+    loader.close()
+    return outcome
+
+
+@pytest.mark.timeout(60)
+def test_an_end_of_another_epoch_is_a_divergence_not_an_empty_epoch():
+    leader, follower = run_ranks(epochs_disagree, 2)
+    assert leader == "0 batches"
+    assert follower.startswith("DivergenceError") and "ended" in follower, follower
+
+
+# ------------------------------------------------------------------ SIGTERM
+
+
+def test_a_forked_child_stopped_by_sigterm_leaves_its_parents_runtime_directory(tmp_path):
+    import os
+    import signal
+
+    from shmloader import reap
+
+    rundir = tmp_path / "shml-rundir"
+    rundir.mkdir()
+    reap.own(directory=str(rundir))
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: inherits the parent's registry, then SIGTERM
+            try:
+                time.sleep(30)
+            finally:
+                os._exit(0)
+        time.sleep(0.2)
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) or os.WIFEXITED(status)
+        assert rundir.exists(), "the child removed its parent's runtime directory"
+        assert str(rundir) in reap.owned()[1]
+    finally:
+        reap.disown(directory=str(rundir))
+
+
+# ------------------------------------------ a reader gone, with or without BYE
+
+
+class _Hub:
+    """A hub that saw rank 1's socket close; its BYE (if any) arrives a moment later."""
+
+    def __init__(self, bye: bool) -> None:
+        from shmloader import wire
+
+        self.left, self.subscribed = {1}, {2}
+        self.published = 0
+        bye_msg = (wire.parse(wire.frames(wire.Kind.BYE, rank=1)), 1)
+        self.queued = [None, None, bye_msg] if bye else []  # trails the unsubscription
+
+    def publish(self, parts: list) -> None:
+        self.published += 1
+
+    def receive(self, timeout: float):
+        time.sleep(timeout)
+        return self.queued.pop(0) if self.queued else None
+
+
+class _Ring:
+    def __init__(self) -> None:
+        self.dropped: list[int] = []
+
+    def drop_reader(self, rank: int) -> None:
+        self.dropped.append(rank)
+
+
+def _writer(bye: bool):
+    import collections
+    import types
+
+    from shmloader.writer import _Writer
+
+    writer = _Writer()
+    writer._hub, writer._ring = _Hub(bye), _Ring()
+    writer._topo = types.SimpleNamespace(readers=[1, 2], role=lambda rank: "follower")
+    writer._gone, writer._hello = set(), {1, 2}
+    writer._acked = {1: 0, 2: 0}
+    writer._self_releases = collections.deque()
+    return writer
+
+
+def _end() -> list:
+    from shmloader import wire
+
+    return wire.frames(wire.Kind.END, it=1, epoch=0, pos=3, draws=0)
+
+
+def test_a_reader_that_left_with_a_trailing_bye_is_not_lost():
+    writer = _writer(bye=True)
+    writer._tell_readers(_end())  # no raise: its BYE came within the grace
+    assert writer._gone == {1} and writer._ring.dropped == [1]
+    assert writer._hub.published == 1, "one publication for every reader"
+
+
+def test_a_reader_whose_socket_closed_without_bye_is_lost():
+    from shmloader.errors import PeerLostError
+
+    writer = _writer(bye=False)
+    with pytest.raises(PeerLostError, match="follower rank 1"):
+        writer._tell_readers(_end())
+    assert writer._gone == {1}
+    writer._hub.left = {1}
+    writer._tell_readers(_end())  # told once: a reader already dropped is not lost again

@@ -32,6 +32,7 @@ from shmloader.ring import (
 )
 from shmloader.segment import (
     HEADER_SIZE,
+    HEADER_VERSION,
     KIND_CONTROL,
     KIND_DATA,
     KIND_PROBE,
@@ -193,7 +194,7 @@ def _header_bytes(token: str, **changes) -> bytes:
     return Header(**fields).pack()
 
 
-def _raw_header(token: str, magic=MAGIC, version=1, kind=KIND_DATA, tok=None) -> bytes:
+def _raw_header(token: str, magic=MAGIC, version=HEADER_VERSION, kind=KIND_DATA, tok=None) -> bytes:
     tok = token.encode() if tok is None else tok
     return struct.pack("<8sHHI16sQQQQ", magic, version, kind, os.geteuid(), tok, 1, 1, PAGE, 1)
 
@@ -204,7 +205,9 @@ def _raw_header(token: str, magic=MAGIC, version=1, kind=KIND_DATA, tok=None) ->
         ("garbage", "magic"),
         ("empty", "too short"),
         ("short", "too short"),
-        ("version", "version"),
+        ("version", "version 3; this build reads version 2"),
+        ("version 1", "version 1; this build reads version 2"),
+        ("payload offset", r"payload at byte \d+; this process maps payloads at \d+"),
         ("kind", "kind"),
         ("token bytes", "ASCII"),
         ("uid", "uid"),
@@ -217,7 +220,9 @@ def test_attach_refuses_forged_or_corrupt_segments(token, case, match) -> None:
         "garbage": os.urandom(HEADER_SIZE + PAGE),
         "empty": b"",
         "short": MAGIC + b"\x01\x00",
-        "version": _raw_header(token, version=2).ljust(len(pad), b"\0"),
+        "version": _raw_header(token, version=3).ljust(len(pad), b"\0"),
+        "version 1": _raw_header(token, version=1).ljust(len(pad), b"\0"),
+        "payload offset": _header_bytes(token, payload_at=2 * HEADER_SIZE).ljust(len(pad), b"\0"),
         "kind": _raw_header(token, kind=9).ljust(len(pad), b"\0"),
         "token bytes": _raw_header(token, tok=b"\xff" * 16).ljust(len(pad), b"\0"),
         "uid": _header_bytes(token, uid=os.geteuid() + 1).ljust(len(pad), b"\0"),

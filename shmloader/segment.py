@@ -324,6 +324,7 @@ class Segment:
         self.header = header
         self.linked = True
         self.owner = os.getpid()  # NOTE [creator-only cleanup]
+        _OPEN.add(self)  # closed in a forked child: NOTE [no inherited descriptors]
 
     @property
     def capacity(self) -> int:

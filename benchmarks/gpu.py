@@ -237,6 +237,11 @@ class HostOps:
 
         return torch.empty(nbytes, dtype=torch.uint8)
 
+    def pinned(self, nbytes: int) -> Any:
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8)
+
     def copy(self, dst: Any, src: Any) -> None:
         dst.copy_(src)
 
@@ -258,11 +263,14 @@ class HostOps:
     def hand_over(self, tensor: Any) -> None:
         pass
 
+    def registration(self) -> str | None:
+        return None
+
     def register(self, address: int, nbytes: int) -> str | None:
         return None
 
-    def unregister(self, address: int) -> None:
-        pass
+    def unregister(self, address: int) -> str | None:
+        return None
 
 
 def run_rank(rank: int, cfg: dict[str, Any], port: int) -> dict[str, Any]:

@@ -650,8 +650,30 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "host": procstat.machine(),
     }
-    rows, skipped = [], []
+    rows: list[dict] = []
+    skipped: list[str] = []
     t_all = time.monotonic()
+    os.makedirs(args.out, exist_ok=True)
+
+    def result() -> dict[str, Any]:
+        return {
+            "machine": machine,
+            "sp": args.sp,
+            "workers": args.workers,
+            "gpu_ms": args.gpu_ms,
+            "rows": rows,
+            "targets": targets(rows),
+            "skipped": skipped,
+            "seconds": time.monotonic() - t_all,
+        }
+
+    def write() -> None:
+        """The results so far: a run cut short by a time cap keeps what it measured."""
+        with open(os.path.join(args.out, "gpu.json"), "w") as f:
+            json.dump(result(), f, indent=1)
+        with open(os.path.join(args.out, "gpu.md"), "w") as f:
+            f.write(markdown(result()))
+
     for mib in args.sizes:
         for way in args.ways:
             cfg = {
@@ -671,32 +693,20 @@ def main(argv: list[str] | None = None) -> int:
             if ranks is None:
                 skipped.append(f"{way} {mib} MiB: {why}")
                 print(f"[gpu] {way} {mib} MiB: FAILED {why}", file=sys.stderr)
+                write()
                 continue
             row = aggregate(cfg, ranks)
             rows.append(row)
+            write()
             print(
                 f"[gpu] {way:>11} {mib:>4} MiB: usable p50 {row['usable_p50']:.2f} ms, "
                 f"step p50 {row['step_p50']:.1f} ms ({time.monotonic() - t0:.0f} s)",
                 file=sys.stderr,
             )
-    result = {
-        "machine": machine,
-        "sp": args.sp,
-        "workers": args.workers,
-        "gpu_ms": args.gpu_ms,
-        "rows": rows,
-        "targets": targets(rows),
-        "skipped": skipped,
-        "seconds": time.monotonic() - t_all,
-    }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "gpu.md"), "w") as f:
-        f.write(markdown(result))
+    write()
     if rows:
         plot(rows, os.path.join(args.out, "gpu.png"))
-    print(markdown(result))
+    print(markdown(result()))
     print(f"[gpu] results in {args.out}", file=sys.stderr)
     return 0 if rows and not skipped else 1
 

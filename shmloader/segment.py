@@ -70,10 +70,11 @@ NOTE [no inherited descriptors]
     that Python's ``mmap.mmap`` keeps of the descriptor it maps. So every
     ``Segment`` closes its descriptor in a forked child (``os.register_at_fork``:
     a child opens what it needs by name, as ``ring.open_slot_for_worker``
-    does), and every mapping made here gives up its duplicate at once
-    (``_map``: the ``mmap`` object is made anonymous, without a descriptor,
-    and libc's ``mmap`` puts the segment's pages over it at the same
-    address).
+    does), so does any other descriptor of a ``/dev/shm/shml-*`` file there
+    (one left open by an object dropped unclosed), and every mapping made
+    here gives up its duplicate at once (``_map``: the ``mmap`` object is
+    made anonymous, without a descriptor, and libc's ``mmap`` puts the
+    segment's pages over it at the same address).
 
 NOTE [creator-only cleanup]
     A forked child (a DataLoader worker) inherits every object of its parent,
@@ -508,6 +509,19 @@ def _close_inherited() -> None:
                 os.close(seg.fd)
             seg.fd = -1
     _OPEN.clear()
+    # Descriptors no object holds any more (a Segment dropped unclosed, a
+    # writer dropped without close) would pin their segments just the same.
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    shm = os.path.join(SHM_DIR, PREFIX)
+    for name in fds:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith(shm):
+                os.close(int(name))
+        except (OSError, ValueError):
+            continue
 
 
 os.register_at_fork(after_in_child=_close_inherited)

@@ -11,6 +11,7 @@ in the server so a worker starts about as fast as a fork.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 
@@ -93,19 +94,26 @@ def test_a_forked_child_holds_no_segment_descriptor_and_retired_slots_are_freed(
     """NOTE [no inherited descriptors] (segment): neither a ``Segment``'s own
     descriptor nor the duplicate a mapping would keep reaches a forked child,
     so a slot the parent retires while the child lives is held by nobody."""
+    from shmloader import segment
     from shmloader.ring import RingReader, RingWriter, new_token
+    from shmloader.segment import KIND_DATA, Segment
 
     token = new_token()
     w = RingWriter(token, frozenset({1}), {"job": "t"})
     r = RingReader(token)
     rfd, wfd = os.pipe()
     ready_r, ready_w = os.pipe()
-    pid = -1
+    pid = orphan_fd = -1
     try:
         slot = w.acquire(1 << 20)
         name = slot.segment.name
         r.open(name)
         view = r.view(name, 1 << 20, lambda: None)  # a reader's batch, alive at the fork
+        # a segment dropped without close(): its descriptor stays open, held by nobody
+        dropped = Segment.create_unique(f"/shml-{token}-dropped", KIND_DATA, token, 4096)
+        orphan_fd, orphan_name = dropped.fd, dropped.name
+        del dropped
+        gc.collect()
         assert _shml_descriptors("self"), "the parent holds its segments open"
         pid = os.fork()
         if pid == 0:  # pragma: no cover - child: lives on until told
@@ -130,5 +138,8 @@ def test_a_forked_child_holds_no_segment_descriptor_and_retired_slots_are_freed(
             os.close(fd)
         if pid > 0:
             os.waitpid(pid, 0)
+        if orphan_fd >= 0:
+            os.close(orphan_fd)
+            segment.unlink_name(orphan_name)
         r.close()
         w.close()

@@ -856,3 +856,17 @@ def test_pin_memory_warning_only_where_the_pin_thread_copies(caplog, monkeypatch
         assert device.warn_pin_memory(pinned, pool=object()) is False
         assert caplog.records == []
         assert device.warn_pin_memory(pinned, pool=None) is True
+
+
+def test_without_torchs_own_runtime_nothing_is_registered(monkeypatch):
+    """torch.cuda.cudart() cannot clear a refused registration's pending error
+    (torch's next kernel launch would raise it): without a ``libcudart`` of
+    torch's CUDA version mapped, nothing is registered at all."""
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(device, "_mapped_cudarts", lambda: ["/other/libcudart.so.99"])
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    rt = device._Cudart(torch.device("cuda", 0))
+    assert rt.lib is None
+    assert rt.unavailable is not None and "12.4" in rt.unavailable
+    assert "cannot clear" in rt.unavailable
+    assert rt.register(4096, 4096) == rt.unavailable  # never reaches a CUDA call

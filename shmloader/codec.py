@@ -294,6 +294,13 @@ class _Encoder:
         )
 
     def tensor(self, t: torch.Tensor, path: str) -> list:
+        if t.is_nested:  # before anything asks its sizes, which a nested tensor has none of
+            raise UnsupportedBatchError(
+                path,
+                t,
+                "nested tensors are not carried; return t.unbind() (a list of tensors) or "
+                "t.to_padded_tensor(0) from collate_fn",
+            )
         if type(t) is not torch.Tensor:
             raise UnsupportedBatchError(
                 path, t, "tensor subclasses are not carried; pass a plain tensor"

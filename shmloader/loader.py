@@ -281,7 +281,7 @@ class ShmLoader(_Leader, _Relay, _Follower):
         # (NOTE [creator-only cleanup] in segment).
         self._finalizer = weakref.finalize(self, _close_in, os.getpid(), self._closers())
         if self._role == "leader" and self._stage is not None and self._stage.on_device:
-            warn_pin_memory(self._loader)
+            warn_pin_memory(self._loader, self._pool)
 
     # ------------------------------------------------------------------ set-up
 

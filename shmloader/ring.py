@@ -569,12 +569,7 @@ def map_shared_readonly(segment: Segment) -> tuple[mmap.mmap, int]:
     its private view holds the slot. Needs the segment's descriptor: open
     (``segment.fd >= 0``), i.e. the slot is not retired.
     """
-    if segment.fd < 0:
-        raise ProtocolError(f"segment {segment.name} is closed; its slot was retired")
-    mm = mmap.mmap(
-        segment.fd, HEADER_SIZE + segment.capacity, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ
-    )
-    return mm, HEADER_SIZE
+    return segment.map_readonly(), HEADER_SIZE
 
 
 def open_slot_for_worker(name: str, token: str) -> tuple[Segment, mmap.mmap]:

@@ -1,7 +1,8 @@
 """One POSIX shared-memory segment with a validated header.
 
-Every segment shmloader creates starts with a fixed header page; the payload
-starts at ``HEADER_SIZE`` so it can be mapped on its own, page aligned::
+Every segment shmloader creates starts with a header of ``HEADER_SIZE``
+bytes, one allocation granule (NOTE [header granule]); the payload starts
+right after it, so it can be mapped on its own at a valid mmap offset::
 
     offset  size  field
     0       8     magic     b"SHMLDR\\x00\\x01"
@@ -15,8 +16,9 @@ starts at ``HEADER_SIZE`` so it can be mapped on its own, page aligned::
     56      8     created   unix time in ns
     64      64    kind-specific (control: counters)
     128     8     pidns     inode of the owner's pid namespace (0: unknown)
-    136     ...   unused (zero)
-    4096    capacity bytes of payload
+    136     8     payload   offset of the payload = HEADER_SIZE of the creator
+    144     ...   unused (zero)
+    HEADER_SIZE   capacity bytes of payload
 
 Names are ``/shml-<token>-<what>.<random>`` (NOTE [unpredictable names]);
 every attach re-checks magic, version, token, kind and owner uid before a byte
@@ -45,6 +47,35 @@ NOTE [segment trust]
     namespace (containers that share ``/dev/shm`` but not pids) cannot be
     judged by its pid, so ``owner_alive`` calls it alive (never reaped by pid).
 
+NOTE [header granule]
+    Every mapping of a payload (a reader's private view, a CUDA consumer's
+    registered one) starts at offset ``HEADER_SIZE``, and ``mmap`` takes only
+    offsets that are multiples of ``mmap.ALLOCATIONGRANULARITY``: 4 KiB on
+    x86, 64 KiB on aarch64 kernels built with 64 KiB pages (GH200 nodes). So
+    the header is one granule long, at least 4 KiB, and the header records
+    the payload offset its creator used; ``validate`` refuses a segment whose
+    offset is not this process's (a build or kernel that lays segments out
+    differently) with a ``ProtocolError`` naming both, before anything is
+    mapped. Version 2 of the header added that field; versions 1 and 2 refuse
+    each other by version. ``SHMLOADER_HEADER_SIZE`` (a multiple of the
+    granule) sets another length, so that the 64 KiB layout is tested on x86
+    too, where a 64 KiB offset is just as valid.
+
+NOTE [no inherited descriptors]
+    A forked child (a DataLoader worker made after the ring started, an eval
+    loader's persistent workers) inherits every descriptor of its parent;
+    a descriptor of a segment keeps the segment's memory alive after the
+    parent retired and unlinked it, for as long as the child lives. Two
+    kinds are held: each ``Segment``'s own descriptor, and the duplicate
+    that Python's ``mmap.mmap`` keeps of the descriptor it maps. So every
+    ``Segment`` closes its descriptor in a forked child (``os.register_at_fork``:
+    a child opens what it needs by name, as ``ring.open_slot_for_worker``
+    does), so does any other descriptor of a ``/dev/shm/shml-*`` file there
+    (one left open by an object dropped unclosed), and every mapping made
+    here gives up its duplicate at once (``_map``: the ``mmap`` object is
+    made anonymous, without a descriptor, and libc's ``mmap`` puts the
+    segment's pages over it at the same address).
+
 NOTE [creator-only cleanup]
     A forked child (a DataLoader worker) inherits every object of its parent,
     finalizers included: at its interpreter exit they would unlink the
@@ -57,6 +88,7 @@ NOTE [creator-only cleanup]
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -70,12 +102,13 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from . import reap
 from .errors import ProtocolError, ShmCapacityError
 
 MAGIC = b"SHMLDR\x00\x01"
-HEADER_VERSION = 1
-HEADER_SIZE = 4096
+HEADER_VERSION = 2
 PREFIX = "shml-"
 SHM_DIR = "/dev/shm"
 
@@ -86,9 +119,9 @@ _KINDS = {KIND_CONTROL: "control", KIND_DATA: "data", KIND_PROBE: "probe"}
 
 _HEADER = struct.Struct("<8sHHI16sQQQQ")
 assert _HEADER.size == 64
-_PIDNS = struct.Struct("<Q")
+_PIDNS = struct.Struct("<Qq")  # pid namespace, payload offset
 _PIDNS_AT = 128
-#: Bytes of a header read by ``validate`` (fixed fields up to the pid namespace).
+#: Bytes of a header read by ``validate`` (fixed fields up to the payload offset).
 _HEADER_READ = _PIDNS_AT + _PIDNS.size
 #: Attempts at a fresh random name before ``create_unique`` gives up.
 NAME_TRIES = 16
@@ -96,6 +129,36 @@ _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 PAGE = mmap.PAGESIZE
 log = logging.getLogger(__name__)
+
+
+def header_size(env: str | None = None) -> int:
+    """The header length of this process's segments (NOTE [header granule]).
+
+    One allocation granule, at least 4096 bytes; ``SHMLOADER_HEADER_SIZE``
+    (``env`` here, for tests) sets a multiple of the granule instead.
+    """
+    granule = max(4096, mmap.ALLOCATIONGRANULARITY)
+    raw = os.environ.get("SHMLOADER_HEADER_SIZE", "") if env is None else env
+    if not raw.strip():
+        return granule
+    try:
+        size = int(raw)
+    except ValueError:
+        size = -1
+    if size < granule or size % granule or size > 1 << 24:
+        from .errors import ConfigError
+
+        raise ConfigError(
+            "SHMLOADER_HEADER_SIZE",
+            raw,
+            f"a multiple of this kernel's mmap granule ({granule} bytes) up to 16 MiB, "
+            "or unset (one granule)",
+        )
+    return size
+
+
+#: Bytes before the payload of every segment: the payload's mmap offset.
+HEADER_SIZE = header_size()
 
 
 @dataclass(frozen=True)
@@ -108,13 +171,14 @@ class Header:
     capacity: int
     created_ns: int
     pidns: int = 0
+    payload_at: int = HEADER_SIZE
 
     @property
     def kind_name(self) -> str:
         return _KINDS.get(self.kind, f"kind{self.kind}")
 
     def pack(self) -> bytes:
-        """The header's bytes up to and including ``pidns`` (zero padded)."""
+        """The header's bytes up to and including ``payload_at`` (zero padded)."""
         fixed = _HEADER.pack(
             MAGIC,
             HEADER_VERSION,
@@ -126,7 +190,7 @@ class Header:
             self.capacity,
             self.created_ns,
         )
-        return fixed.ljust(_PIDNS_AT, b"\0") + _PIDNS.pack(self.pidns)
+        return fixed.ljust(_PIDNS_AT, b"\0") + _PIDNS.pack(self.pidns, self.payload_at)
 
     def write(self, fd: int) -> None:
         """Rewrite this header in place, leaving the bytes between its fields alone.
@@ -147,15 +211,21 @@ class Header:
         if magic != MAGIC:
             raise ProtocolError(f"bad magic {magic!r}: not a shmloader segment")
         if version != HEADER_VERSION:
-            raise ProtocolError(f"header version {version}; this build reads {HEADER_VERSION}")
+            raise ProtocolError(
+                f"segment header version {version}; this build reads version {HEADER_VERSION} "
+                "only: another shmloader version made it. Run one shmloader version per node "
+                "(`shmloader gc` removes stale segments)"
+            )
         if kind not in _KINDS:
             raise ProtocolError(f"unknown segment kind {kind}")
         try:
             token_text = token.rstrip(b"\0").decode("ascii")
         except UnicodeDecodeError:
             raise ProtocolError("segment token is not ASCII") from None
-        pidns = _PIDNS.unpack_from(raw, _PIDNS_AT)[0] if len(raw) >= _HEADER_READ else 0
-        return cls(kind, uid, token_text, pid, start, capacity, created, pidns)
+        if len(raw) < _HEADER_READ:
+            raise ProtocolError(f"segment too short for a header ({len(raw)} bytes)")
+        pidns, payload_at = _PIDNS.unpack_from(raw, _PIDNS_AT)
+        return cls(kind, uid, token_text, pid, start, capacity, created, pidns, payload_at)
 
 
 # ------------------------------------------------------------- process identity
@@ -255,6 +325,7 @@ class Segment:
         self.header = header
         self.linked = True
         self.owner = os.getpid()  # NOTE [creator-only cleanup]
+        _OPEN.add(self)  # closed in a forked child: NOTE [no inherited descriptors]
 
     @property
     def capacity(self) -> int:
@@ -346,7 +417,7 @@ class Segment:
         Not inherited by a forked child unless ``inherit`` (NOTE [creator-only
         cleanup]).
         """
-        mm = mmap.mmap(self.fd, HEADER_SIZE + self.capacity, flags=mmap.MAP_SHARED)
+        mm = _map(self.fd, HEADER_SIZE + self.capacity, mmap.MAP_SHARED)
         if not inherit:
             dont_fork(mm)
         return mm
@@ -361,13 +432,18 @@ class Segment:
         if nbytes > self.capacity:
             raise ProtocolError(f"{nbytes} bytes asked of {self.name}, which holds {self.capacity}")
         length = _round_up(max(nbytes, 1), PAGE)
-        mm = mmap.mmap(
-            self.fd,
-            length,
-            flags=mmap.MAP_PRIVATE,
-            prot=mmap.PROT_READ | mmap.PROT_WRITE,
-            offset=HEADER_SIZE,
-        )
+        mm = _map(self.fd, length, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE, HEADER_SIZE)
+        dont_fork(mm)
+        return mm
+
+    def map_readonly(self) -> mmap.mmap:
+        """The whole segment, read-only and MAP_SHARED: what a CUDA consumer registers.
+
+        Not inherited by a forked child (NOTE [creator-only cleanup]).
+        """
+        if self.fd < 0:
+            raise ProtocolError(f"segment {self.name} is closed; its slot was retired")
+        mm = _map(self.fd, HEADER_SIZE + self.capacity, mmap.MAP_SHARED, mmap.PROT_READ)
         dont_fork(mm)
         return mm
 
@@ -385,6 +461,70 @@ class Segment:
 
     def __repr__(self) -> str:
         return f"Segment({self.name!r}, {self.header.kind_name}, {self.capacity} bytes)"
+
+
+#: Every ``Segment`` of this process whose descriptor may be open.
+_OPEN: weakref.WeakSet[Segment] = weakref.WeakSet()
+
+
+def _map(fd: int, length: int, flags: int, prot: int | None = None, offset: int = 0) -> mmap.mmap:
+    """``mmap.mmap`` of ``fd`` that holds no duplicate of it (NOTE [no inherited descriptors]).
+
+    The object is made over an anonymous placeholder (no descriptor at all),
+    and libc's ``mmap`` with ``MAP_FIXED`` puts the segment's pages at the
+    same address: the object unmaps, advises and exports that range as
+    usual. Without a libc ``mmap`` it is a plain ``mmap.mmap`` (with its
+    duplicate).
+    """
+    if prot is None:
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+    if _MMAP is None:
+        return mmap.mmap(fd, length, flags=flags, prot=prot, offset=offset)
+    mm = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE, prot=prot)
+    addr = _address(mm)
+    got = _MMAP(addr, length, prot, flags | _MAP_FIXED, fd, offset)
+    if got != addr:
+        err = ctypes.get_errno()
+        mm.close()
+        raise OSError(err, f"mmap of a shared memory segment failed: {os.strerror(err)}")
+    return mm
+
+
+def _address(mm: mmap.mmap) -> int:
+    """Where ``mm`` is mapped (read-only mappings too)."""
+    view = np.frombuffer(mm, dtype=np.uint8)
+    addr = view.__array_interface__["data"][0]
+    del view  # the buffer export must not outlive this line, or mm cannot close
+    return addr
+
+
+def _close_inherited() -> None:
+    """In a forked child: close every inherited segment descriptor.
+
+    NOTE [no inherited descriptors].
+    """
+    for seg in list(_OPEN):
+        if seg.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(seg.fd)
+            seg.fd = -1
+    _OPEN.clear()
+    # Descriptors no object holds any more (a Segment dropped unclosed, a
+    # writer dropped without close) would pin their segments just the same.
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    shm = os.path.join(SHM_DIR, PREFIX)
+    for name in fds:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith(shm):
+                os.close(int(name))
+        except (OSError, ValueError):
+            continue
+
+
+os.register_at_fork(after_in_child=_close_inherited)
 
 
 #: ``validate(..., owner=ANY_UID)``: a segment of any uid (root's node-wide scan).
@@ -415,6 +555,12 @@ def validate(
         raise ProtocolError(f"{name} is a {header.kind_name} segment, expected {_KINDS[kind]}")
     if token is not None and header.token != token:
         raise ProtocolError(f"{name} carries job token {header.token!r}, expected {token!r}")
+    if header.payload_at != HEADER_SIZE:
+        raise ProtocolError(
+            f"{name} has its payload at byte {header.payload_at}; this process maps payloads at "
+            f"{HEADER_SIZE} (NOTE [header granule]): its maker ran with another page granule or "
+            "SHMLOADER_HEADER_SIZE; give every process of the node the same setting"
+        )
     if header.uid != st.st_uid:
         raise ProtocolError(f"{name} header names uid {header.uid} but the file is {st.st_uid}'s")
     if st.st_size < HEADER_SIZE + header.capacity:
@@ -497,9 +643,7 @@ def dont_fork(mm: mmap.mmap) -> bool:
         mm.madvise(advice)
     except OSError:
         return False
-    view = ctypes.c_char.from_buffer(mm)
-    addr = ctypes.addressof(view)
-    del view  # the buffer export must not outlive this line, or mm cannot close
+    addr = _address(mm)
     _NOT_FORKED[addr] = (weakref.ref(mm, lambda _, a=addr: _NOT_FORKED.pop(a, None)), len(mm))
     return True
 
@@ -507,6 +651,7 @@ def dont_fork(mm: mmap.mmap) -> bool:
 #: Live ``MADV_DONTFORK`` mappings: address -> (weak reference, length).
 _NOT_FORKED: dict[int, tuple[weakref.ref, int]] = {}
 _MAP_FIXED_NOREPLACE = 0x100000
+_MAP_FIXED = 0x10
 
 
 def _libc_mmap() -> Callable[..., int] | None:

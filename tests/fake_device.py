@@ -9,6 +9,7 @@ rules without a GPU. Importable by spawned ranks (``tests.harness``).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
@@ -25,11 +26,19 @@ class FakeOps:
     device = torch.device("cpu")
 
     def __init__(
-        self, *, refuse: str | None = None, auto: bool = False, device: str | None = None
+        self,
+        *,
+        refuse: str | Callable[[int, int], str | None] | None = None,
+        auto: bool = False,
+        device: str | None = None,
+        unavailable: str | None = None,
+        fail_unregister: bool = False,
     ) -> None:
         if device is not None:  # a name for stats and ``stat`` (e.g. "cuda:1"); memory stays host
             self.device = torch.device(device)
-        self.refuse = refuse
+        self.refuse = refuse  # every registration, or per (address, bytes)
+        self.unavailable = unavailable  # registration() says why nothing registers
+        self.fail_unregister = fail_unregister
         self.auto = auto  # every event completes at once
         self.events: list[FakeEvent] = []
         self.registered: dict[int, int] = {}
@@ -41,6 +50,10 @@ class FakeOps:
         self.synced = 0
         self.in_side = False
         self.mapped_at_unregister: list[bool] = []
+        self.pinned_buffers: list[torch.Tensor] = []
+        self.pageable_copies = 0  # copies from neither a registered nor a pinned source
+        #: every call in order: ("empty"|"pinned"|"copy"|"record"|"sync"|"register"|"unregister", n)
+        self.timeline: list[tuple[str, int]] = []
 
     @contextlib.contextmanager
     def side(self):
@@ -52,18 +65,30 @@ class FakeOps:
 
     def empty(self, nbytes: int) -> torch.Tensor:
         assert self.in_side, "device memory allocated off the side stream"
+        self.timeline.append(("empty", nbytes))
         return torch.empty(nbytes, dtype=torch.uint8)
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        self.timeline.append(("pinned", nbytes))
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self.pinned_buffers.append(buffer)
+        return buffer
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         assert self.in_side, "copy issued off the side stream"
         assert src.dtype == torch.uint8 and src.dim() == 1 and src.is_contiguous()
-        self.copies.append((src.data_ptr(), src.numel()))
+        address = src.data_ptr()
+        if not (self.from_registered(address) or self.from_pinned(address)):
+            self.pageable_copies += 1
+        self.timeline.append(("copy", src.numel()))
+        self.copies.append((address, src.numel()))
         dst.copy_(src)
 
     def record(self) -> FakeEvent:
         event = FakeEvent(len(self.events))
         event.done = self.auto
         self.events.append(event)
+        self.timeline.append(("record", event.n))
         return event
 
     def query(self, event: FakeEvent) -> bool:
@@ -74,6 +99,7 @@ class FakeOps:
 
     def synchronize(self, event: FakeEvent) -> None:
         self.synced += 1
+        self.timeline.append(("sync", event.n))
         event.done = True
 
     def elapsed_ms(self, start: FakeEvent, end: FakeEvent) -> float:
@@ -82,18 +108,29 @@ class FakeOps:
     def hand_over(self, tensor: torch.Tensor) -> None:
         self.handed.append(tensor)
 
+    def registration(self) -> str | None:
+        return self.unavailable
+
     def register(self, address: int, nbytes: int) -> str | None:
+        assert self.unavailable is None, "registering although registration() said no"
+        assert not self.from_registered(address), "registering a range registered already"
         self.register_calls.append((address, nbytes))
-        if self.refuse is not None:
-            return self.refuse
+        self.timeline.append(("register", nbytes))
+        error = self.refuse(address, nbytes) if callable(self.refuse) else self.refuse
+        if error is not None:
+            return error
         self.registered[address] = nbytes
         return None
 
-    def unregister(self, address: int) -> None:
+    def unregister(self, address: int) -> str | None:
         assert address in self.registered, "unregistering an address never registered"
         self.mapped_at_unregister.append(_mapped(address))
-        del self.registered[address]
         self.unregister_calls.append(address)
+        self.timeline.append(("unregister", address))
+        if self.fail_unregister:
+            return "cudaHostUnregister: error 1 (refused by a fake)"
+        del self.registered[address]
+        return None
 
     def complete(self) -> None:
         for event in self.events:
@@ -101,6 +138,9 @@ class FakeOps:
 
     def from_registered(self, address: int) -> bool:
         return any(a <= address < a + n for a, n in self.registered.items())
+
+    def from_pinned(self, address: int) -> bool:
+        return any(b.data_ptr() <= address < b.data_ptr() + b.numel() for b in self.pinned_buffers)
 
 
 def _mapped(address: int) -> bool:
@@ -110,3 +150,28 @@ def _mapped(address: int) -> bool:
             if lo <= address < hi:
                 return True
     return False
+
+
+class FakeCuda:
+    """Stands in for ``torch.cuda`` in ``device.resolve``: a node's GPUs as one rank sees them.
+
+    ``current`` is what ``torch.cuda.current_device()`` returns: 0 until the
+    script calls ``set_device`` (torch keeps no other trace of that call).
+    """
+
+    def __init__(self, count: int = 8, current: int = 0, available: bool = True) -> None:
+        self.count = count
+        self.current = current
+        self.available = available
+
+    def is_available(self) -> bool:
+        return self.available
+
+    def device_count(self) -> int:
+        return self.count if self.available else 0
+
+    def current_device(self) -> int:
+        return self.current
+
+    def set_device(self, index: int) -> None:
+        self.current = index

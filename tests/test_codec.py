@@ -997,3 +997,66 @@ def test_fuzz_structural_mutations_of_valid_metadata(path, value, size_delta) ->
     doc = _mutate_json(json.loads(valid), path, value)
     meta = json.dumps(doc).encode()
     _decode_only_protocol_errors(meta, np.zeros(max(size + size_delta, 0), np.uint8))
+
+
+# ------------------------------------------------------- refusals and boundaries
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+def test_a_nested_tensor_is_refused_by_path(layout) -> None:
+    nt = torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(4, 3)], layout=layout)
+    with pytest.raises(UnsupportedBatchError, match=r"batch\['x'\]\[1\] .*nested tensors") as info:
+        codec.encode({"x": [torch.zeros(1), nt]})
+    assert "unbind()" in str(info.value)
+
+
+def test_lazily_conjugated_or_negated_views_are_never_placed_as_raw_bits() -> None:
+    """NOTE [placed leaves]: a conj/neg view's memory holds the unconjugated
+    bits; placing it where it lies would deliver the wrong values."""
+    dest = np.zeros(4096, np.uint8)
+    base = torch.from_numpy(dest[:256]).view(torch.complex64)  # lies in dest at offset 0
+    base[:] = torch.arange(32, dtype=torch.float32) + 1j * torch.arange(32, dtype=torch.float32)
+    lazy = {
+        "plain": (base, False),  # the control: a plain view that lies there is placed
+        "conj": (base.conj(), True),
+        "neg": (torch._neg_view(torch.view_as_real(base)), True),  # what .conj().imag makes
+    }
+    for key, (view, is_lazy) in lazy.items():
+        assert (view.is_conj() or view.is_neg()) is is_lazy, key
+        offset = view.data_ptr() - dest.__array_interface__["data"][0]
+        enc = codec.encode({"z": view}, placed=lambda obj, n, at=offset: at, start=512)
+        assert (enc.sources[0] is not None) is is_lazy, f"{key}: placed as its raw bits"
+        want = view.resolve_conj().resolve_neg().clone()
+        codec.write_payload(enc, dest)
+        assert torch.equal(codec.decode(enc.meta, dest)["z"], want), key
+
+
+@pytest.mark.parametrize("limit", [64, 4096, 64 << 10])
+def test_a_leaf_of_exactly_the_small_copy_size_is_copied(limit) -> None:
+    """``own_below`` (``SHMLOADER_SMALL_COPY``) is inclusive: exactly that many
+    bytes is an owned copy, one element more is a view of the payload."""
+    at_limit = torch.ones(limit // 4, dtype=torch.int32)
+    over = torch.ones(limit // 4 + 1, dtype=torch.int32)
+    arr = np.ones(limit // 8, np.float64)
+    enc = codec.encode({"at": at_limit, "over": over, "arr": arr})
+    buf = np.zeros(enc.nbytes, np.uint8)
+    codec.write_payload(enc, buf)
+    out = codec.decode(enc.meta, buf, own_below=limit)
+    assert not np.shares_memory(out["at"].numpy(), buf)
+    assert not np.shares_memory(out["arr"], buf)
+    assert np.shares_memory(out["over"].numpy(), buf)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+def test_a_nested_tensor_fails_the_same_with_sharing_off() -> None:
+    """NOTE [same failure in both modes] (loader)."""
+    from shmloader import Config, ShmLoader
+
+    nt = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)
+    loader = ShmLoader(lambda: [{"x": nt}], None, config=Config(enabled=False))
+    try:
+        with pytest.raises(UnsupportedBatchError, match=r"batch\['x'\] .*nested tensors"):
+            next(iter(loader))
+    finally:
+        loader.close()

@@ -13,10 +13,12 @@ stage finds slots, maps and "registers" them exactly as on a GPU rank.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import logging
 import os
+import typing
 
 import numpy as np
 import pytest
@@ -26,7 +28,7 @@ from shmloader import Config, ShmLoader, codec, device
 from shmloader.config import DEFAULT_PREFETCH
 from shmloader.errors import ConfigError, ShmLoaderError
 from shmloader.ring import RingWriter, SlotState, new_token, private_view, view_source
-from tests.fake_device import FakeOps
+from tests.fake_device import FakeCuda, FakeOps
 from tests.harness import run_ranks
 
 # ----------------------------------------------------------------- sources
@@ -39,10 +41,11 @@ class RingSource:
     HOLDS its slot until it dies.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, own_below: int = 0) -> None:
         self.ring = RingWriter(new_token(), frozenset(), {"test": True}, self_rank=0)
         self.seq = 0
         self.released: list[int] = []
+        self.own_below = own_below  # SHMLOADER_SMALL_COPY as a reader decodes (NOTE [small leaves])
 
     def deliver(self, batch):
         enc = codec.encode(batch)
@@ -51,7 +54,8 @@ class RingSource:
         self.ring.publish(slot, self.seq, enc.nbytes, 0)
         release = functools.partial(self._release, slot.index, slot.gen, self.seq)
         self.seq += 1
-        return codec.decode(enc.meta, private_view(slot.segment, enc.nbytes, release))
+        view = private_view(slot.segment, enc.nbytes, release)
+        return codec.decode(enc.meta, view, own_below=self.own_below)
 
     def _release(self, index: int, gen: int, seq: int) -> None:
         self.released.append(seq)
@@ -304,11 +308,13 @@ def test_registration_refused_falls_back_and_logs_once(source, caplog):
         got = list(stage.wrap(numbered(source, 12)))
     assert [b["i"] for b in got] == list(range(12))
     assert all(torch.equal(b["x"], torch.full((1000,), b["i"])) for b in got)
-    assert len(ops.register_calls) == 1  # refused once: never asked again
-    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
-    assert "error 999" in caplog.records[0].message
+    # each slot asked once (one refusal costs that slot only), never again per batch
+    assert len(ops.register_calls) == len(source.ring.slots) < 12
+    assert len(caplog.records) == 1 and "error 999" in caplog.records[0].message
+    assert ops.pageable_copies == 0  # staged through pinned memory instead
     stats = stage.stats()
     assert stats["device_registered"] is False and "999" in stats["device_registration_refused"]
+    assert stats["device_registration_refusals"] == len(source.ring.slots)
     stage.close()
 
 
@@ -615,3 +621,252 @@ def test_a_copy_that_fails_midway_still_settles_and_unregisters(source):
     assert [m.users for m in stage._registrar._maps.values()] == [0]  # type: ignore[union-attr]
     stage.close()
     assert ops.registered == {} and all(ops.mapped_at_unregister)
+
+
+# ------------------------------------------------- registration: refusals, libraries
+
+
+def test_one_refused_slot_costs_that_slot_and_not_the_job(source):
+    """A refusal (ENOMEM on one large slot) is per slot: slots registered
+    before and after it keep their registered copies."""
+    refused: list[int] = []
+
+    def refuse_second(address: int, nbytes: int) -> str | None:
+        if len(refused) == 0 and len(ops.register_calls) == 2:
+            refused.append(address)
+            return "cudaHostRegister: error 2 (out of memory)"
+        return None
+
+    ops = FakeOps(refuse=refuse_second, auto=True)
+    stage = device.DeviceStage(ops, prefetch=2)
+    got = list(stage.wrap(numbered(source, 24)))
+    assert [b["i"] for b in got] == list(range(24))
+    assert all(torch.equal(b["x"], torch.full((1000,), b["i"])) for b in got)
+    assert refused and len(ops.register_calls) == len(source.ring.slots) >= 3
+    stats = stage.stats()
+    assert stats["device_registration_refusals"] == 1
+    assert stats["device_registered_slots"] == len(source.ring.slots) - 1
+    # most batches still read a registered slot; the refused slot's are staged
+    assert 0 < stats["device_copies_registered"] < 24
+    assert ops.pageable_copies == 0
+    stage.close()
+
+
+def test_where_registration_is_unavailable_nothing_is_registered_and_it_is_said_once(
+    source, caplog
+):
+    why = "cuda:0 cannot register read-only host memory (cudaDevAttrHostRegisterReadOnlySupported)"
+    ops = FakeOps(unavailable=why, auto=True)  # the fake asserts register() is never called
+    stage = device.DeviceStage(ops, prefetch=2)
+    with caplog.at_level(logging.WARNING, logger="shmloader.device"):
+        got = list(stage.wrap(numbered(source, 8)))
+    assert all(torch.equal(b["x"], torch.full((1000,), b["i"])) for b in got)
+    assert ops.register_calls == [] and ops.pageable_copies == 0
+    assert len(caplog.records) == 1 and "ReadOnlySupported" in caplog.records[0].message
+    assert stage.stats()["device_registration_refused"] == why
+    stage.close()
+
+
+def test_a_failed_unregister_is_never_unmapped(source, caplog):
+    """Unmapping a range whose unregister failed lets the address come back
+    in a later mapping, which CUDA then refuses as registered already (the
+    fake asserts that it never sees that)."""
+    ops = FakeOps(auto=True, fail_unregister=True)
+    stage = device.DeviceStage(ops, prefetch=1)
+    with caplog.at_level(logging.WARNING, logger="shmloader.device"):
+        list(stage.wrap(numbered(source, 6)))
+        first = dict(ops.registered)
+        for size in (50_000, 200_000, 800_000):  # every slot grows: retired, unregistered
+            list(stage.wrap(numbered(source, 4, size=size)))
+    assert ops.unregister_calls and set(first) <= set(ops.unregister_calls)
+    stuck = stage._registrar.stuck  # type: ignore[union-attr]
+    assert {m.address for m in stuck} >= set(first)
+    assert all(not m.mm.closed for m in stuck), "a still-registered range was unmapped"
+    assert stage.stats()["device_unregister_failures"] == len(stuck)
+    assert any("stay mapped" in r.message for r in caplog.records)
+    stage.close()
+
+
+@pytest.mark.parametrize(
+    "paths, version, want",
+    [
+        (["/x/libcudart.so.13", "/y/libcudart.so.12.4.127"], "12.4", "/y/libcudart.so.12.4.127"),
+        (["/y/libcudart.so.12", "/x/libcudart.so.13.0.48"], "13.0", "/x/libcudart.so.13.0.48"),
+        (["/x/libcudart.so.13"], "12.8", None),  # only another runtime: none of torch's
+        (["/x/libcudart.so"], "12.8", "/x/libcudart.so"),  # the one, unversioned
+        (["/x/libcudart.so", "/y/libcudart.so.11.0"], "12.1", None),
+        ([], "12.1", None),
+        (["/x/libcudart.so.12"], None, None),  # a CPU build of torch
+    ],
+)
+def test_the_runtime_of_torchs_own_cuda_version_is_picked(paths, version, want):
+    assert device.pick_cudart(paths, version) == want
+
+
+# ------------------------------------------------------------ no pageable copies
+
+
+def test_small_leaves_are_copied_from_pinned_memory_never_pageable(source):
+    """NOTE [no pageable copies]: leaves decoded as owned copies (at most
+    SHMLOADER_SMALL_COPY bytes), lazy conj views and leaves made in the
+    main process all reach the GPU through one pinned buffer per batch."""
+    source.own_below = 64 << 10
+    ops = FakeOps(auto=True)
+    stage = device.DeviceStage(ops, prefetch=2)
+    want = []
+    for i in range(4):
+        want.append(
+            {
+                "big": torch.full((100_000,), i, dtype=torch.int32),  # a view of the slot
+                "cu_seqlens": torch.tensor([0, 7, 19, i + 20], dtype=torch.int32),  # owned
+                "grid_thw": torch.full((3, 3), i, dtype=torch.int64),
+                "exactly": torch.full((16 << 10,), i, dtype=torch.int32),  # 64 KiB: owned
+            }
+        )
+    got = list(stage.wrap(iter([source.deliver(b) for b in want])))
+    for g, w in zip(got, want, strict=True):
+        _assert_same(g, w)
+    assert ops.pageable_copies == 0, "a pageable host-to-device copy on the step's path"
+    assert len(ops.pinned_buffers) == 4  # one staging buffer per batch, not per leaf
+    assert stage.stats()["device_copies_registered"] == 4  # "big" still from the slot
+    assert stage.stats()["device_staged_bytes"] == 4 * (16 + 72 + (64 << 10))
+    stage.close()
+
+
+def test_copy_start_is_recorded_right_before_the_first_copy(source):
+    """NOTE [copy timing]: registering, allocating and staging happen before
+    the start event, so the copy time is the copies' own."""
+    source.own_below = 1024
+    ops = FakeOps(auto=True)
+    stage = device.DeviceStage(ops, prefetch=1)
+    list(stage.wrap(source.deliver({"x": torch.ones(5000), "s": torch.ones(3)}) for _ in range(3)))
+    records = [k for k, (what, _) in enumerate(ops.timeline) if what == "record"]
+    assert len(records) == 6
+    for start, end in zip(records[::2], records[1::2], strict=True):
+        between = {what for what, _ in ops.timeline[start + 1 : end]}
+        assert between == {"copy"}, ops.timeline[start:end]
+        assert ops.timeline[start + 1][0] == "copy"
+    stage.close()
+
+
+def test_close_waits_for_copies_in_flight_before_it_unregisters(source):
+    ops = FakeOps()  # copies complete only when the stage synchronises
+    stage = device.DeviceStage(ops, prefetch=3)
+    it = stage.wrap(numbered(source, 10))
+    next(it)
+    stage.close()
+    kinds = [what for what, _ in ops.timeline]
+    assert "unregister" in kinds and "sync" in kinds
+    last_sync = max(k for k, what in enumerate(kinds) if what == "sync")
+    first_unregister = kinds.index("unregister")
+    assert last_sync < first_unregister, "unregistered while a copy could still read the slot"
+    assert all(ops.mapped_at_unregister)
+
+
+# ------------------------------------------------------------ host/device equality
+
+
+@dataclasses.dataclass(slots=True)
+class SlottedBatch:
+    """A slots dataclass with a ClassVar: ``__dataclass_fields__`` lists the ClassVar too."""
+
+    kind: typing.ClassVar[str] = "slotted"
+    x: torch.Tensor
+    z: torch.Tensor
+
+
+def conj_select(batch):
+    return {"z": batch.z.conj(), "neg": batch.z.conj().imag, "x": batch.x[:, ::2], "b": batch}
+
+
+def test_host_and_device_delivery_give_equal_values(source):
+    """Every batch the codec accepts arrives equal on the host and the device
+    path: slots dataclasses with a ClassVar, and a select returning lazily
+    conjugated or negated views (resolved, not copied as their raw bits)."""
+    batches = []
+    for i in range(3):
+        z = torch.complex(torch.arange(8.0) + i, torch.arange(8.0) - i)
+        batches.append(SlottedBatch(x=torch.arange(24.0).reshape(4, 6) * i, z=z))
+    host_stage = device.DeviceStage(None, select=conj_select)
+    host = list(host_stage.wrap(iter([source.deliver(b) for b in batches])))
+    ops = FakeOps(auto=True)
+    dev_stage = device.DeviceStage(ops, select=conj_select, prefetch=2)
+    on_device = list(dev_stage.wrap(iter([source.deliver(b) for b in batches])))
+    for h, d, b in zip(host, on_device, batches, strict=True):
+        assert type(d["b"]) is SlottedBatch
+        for key in ("z", "neg", "x"):
+            assert torch.equal(d[key], h[key].resolve_conj().resolve_neg()), key
+        assert torch.equal(d["z"], b.z.conj()) and torch.equal(d["neg"], -b.z.imag)
+        assert torch.equal(d["b"].x, b.x) and torch.equal(d["b"].z, b.z)
+    assert ops.pageable_copies == 0
+    dev_stage.close()
+    host_stage.close()
+
+
+# ------------------------------------------------------------ which GPU
+
+
+@pytest.mark.parametrize(
+    "count, current, local_rank, want",
+    [
+        (8, 0, None, 0),  # no launcher: the current device
+        (8, 3, None, 3),
+        (8, 0, "5", 5),  # torchrun, no set_device: this rank's GPU, not cuda:0
+        (8, 5, "5", 5),  # torchrun after set_device(LOCAL_RANK)
+        (8, 0, "0", 0),
+        (1, 0, "5", 0),  # one visible GPU per rank (CUDA_VISIBLE_DEVICES)
+        (8, 2, "9", 2),  # LOCAL_RANK cannot index; the script chose
+        (8, 0, "x", 0),  # not a number: no launcher's
+        (2, 1, "-1", 1),
+    ],
+)
+def test_cuda_is_this_ranks_gpu_under_torchrun(count, current, local_rank, want):
+    env = {} if local_rank is None else {"LOCAL_RANK": local_rank}
+    cuda = FakeCuda(count=count, current=current)
+    for spec in ("cuda", "auto", torch.device("cuda")):
+        assert device.resolve(spec, cuda=cuda, environ=env) == torch.device("cuda", want)
+    last = count - 1  # an explicit index is taken as it is
+    assert device.resolve(f"cuda:{last}", cuda=cuda, environ=env) == torch.device("cuda", last)
+
+
+def test_a_current_device_and_local_rank_that_contradict_are_refused():
+    cuda = FakeCuda(count=8)
+    cuda.set_device(3)
+    with pytest.raises(ConfigError, match=r"cuda:3 current while LOCAL_RANK=5") as info:
+        device.resolve("cuda", cuda=cuda, environ={"LOCAL_RANK": "5"})
+    assert "set_device(LOCAL_RANK)" in str(info.value) and "device='cuda:3'" in str(info.value)
+    # an explicit index is never second-guessed
+    assert device.resolve("cuda:3", cuda=cuda, environ={"LOCAL_RANK": "5"}).index == 3
+    with pytest.raises(ConfigError, match=r"LOCAL_RANK=9 and this rank sees only 8"):
+        device.resolve("cuda", cuda=FakeCuda(count=8), environ={"LOCAL_RANK": "9"})
+    with pytest.raises(ConfigError, match="index below 8"):
+        device.resolve("cuda:8", cuda=FakeCuda(count=8), environ={})
+    off = FakeCuda(available=False)
+    assert device.resolve("auto", cuda=off, environ={"LOCAL_RANK": "1"}) is None
+    with pytest.raises(ConfigError, match=r"is_available"):
+        device.resolve("cuda", cuda=off, environ={})
+
+
+def test_pin_memory_warning_only_where_the_pin_thread_copies(caplog, monkeypatch):
+    """With the worker pool the leader's DataLoader yields slot references,
+    which torch's pin thread passes through: nothing is pinned, nothing to say."""
+    monkeypatch.setattr(device, "_warned_pin", False)
+    pinned = torch.utils.data.DataLoader(list(range(4)), pin_memory=True)
+    with caplog.at_level(logging.WARNING, logger="shmloader.device"):
+        assert device.warn_pin_memory(pinned, pool=object()) is False
+        assert caplog.records == []
+        assert device.warn_pin_memory(pinned, pool=None) is True
+
+
+def test_without_torchs_own_runtime_nothing_is_registered(monkeypatch):
+    """torch.cuda.cudart() cannot clear a refused registration's pending error
+    (torch's next kernel launch would raise it): without a ``libcudart`` of
+    torch's CUDA version mapped, nothing is registered at all."""
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(device, "_mapped_cudarts", lambda: ["/other/libcudart.so.99"])
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    rt = device._Cudart(torch.device("cuda", 0))
+    assert rt.lib is None
+    assert rt.unavailable is not None and "12.4" in rt.unavailable
+    assert "cannot clear" in rt.unavailable
+    assert rt.register(4096, 4096) == rt.unavailable  # never reaches a CUDA call

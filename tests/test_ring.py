@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from shmloader import codec, ring, segment
-from shmloader.errors import ProtocolError, ShmCapacityError
+from shmloader.errors import ConfigError, ProtocolError, ShmCapacityError
 from shmloader.ring import (
     GRANULE,
     RingReader,
@@ -32,6 +32,7 @@ from shmloader.ring import (
 )
 from shmloader.segment import (
     HEADER_SIZE,
+    HEADER_VERSION,
     KIND_CONTROL,
     KIND_DATA,
     KIND_PROBE,
@@ -193,7 +194,7 @@ def _header_bytes(token: str, **changes) -> bytes:
     return Header(**fields).pack()
 
 
-def _raw_header(token: str, magic=MAGIC, version=1, kind=KIND_DATA, tok=None) -> bytes:
+def _raw_header(token: str, magic=MAGIC, version=HEADER_VERSION, kind=KIND_DATA, tok=None) -> bytes:
     tok = token.encode() if tok is None else tok
     return struct.pack("<8sHHI16sQQQQ", magic, version, kind, os.geteuid(), tok, 1, 1, PAGE, 1)
 
@@ -204,7 +205,9 @@ def _raw_header(token: str, magic=MAGIC, version=1, kind=KIND_DATA, tok=None) ->
         ("garbage", "magic"),
         ("empty", "too short"),
         ("short", "too short"),
-        ("version", "version"),
+        ("version", "version 3; this build reads version 2"),
+        ("version 1", "version 1; this build reads version 2"),
+        ("payload offset", r"payload at byte \d+; this process maps payloads at \d+"),
         ("kind", "kind"),
         ("token bytes", "ASCII"),
         ("uid", "uid"),
@@ -217,7 +220,9 @@ def test_attach_refuses_forged_or_corrupt_segments(token, case, match) -> None:
         "garbage": os.urandom(HEADER_SIZE + PAGE),
         "empty": b"",
         "short": MAGIC + b"\x01\x00",
-        "version": _raw_header(token, version=2).ljust(len(pad), b"\0"),
+        "version": _raw_header(token, version=3).ljust(len(pad), b"\0"),
+        "version 1": _raw_header(token, version=1).ljust(len(pad), b"\0"),
+        "payload offset": _header_bytes(token, payload_at=2 * HEADER_SIZE).ljust(len(pad), b"\0"),
         "kind": _raw_header(token, kind=9).ljust(len(pad), b"\0"),
         "token bytes": _raw_header(token, tok=b"\xff" * 16).ljust(len(pad), b"\0"),
         "uid": _header_bytes(token, uid=os.geteuid() + 1).ljust(len(pad), b"\0"),
@@ -819,3 +824,94 @@ def test_a_reader_that_dies_before_mapping_leaves_no_name_once_the_others_opened
         step()
     assert not slot.segment.linked
     assert name not in names(token)
+
+
+# ------------------------------------------------------- links and header size
+
+
+def test_read_header_and_attach_refuse_a_symlink_at_a_segment_name(made, token) -> None:
+    """O_NOFOLLOW: a link planted at a name is refused, even one that points
+    at a valid segment of ours (it could be swapped for anything)."""
+    real = made("real")
+    link = f"/shml-{token}-link"
+    os.symlink(segment.shm_path(real.name), segment.shm_path(link))
+    try:
+        with pytest.raises(ProtocolError, match="cannot open"):
+            segment.read_header(link)
+        with pytest.raises(ProtocolError, match="cannot open"):
+            Segment.attach(link, kind=KIND_DATA, token=token)
+        assert segment.read_header(real.name).token == token  # the target itself is fine
+    finally:
+        os.unlink(segment.shm_path(link))
+
+
+_GRANULE_SCRIPT = r"""
+import json, os, sys
+import numpy as np
+from shmloader import segment
+from shmloader.errors import ProtocolError
+from shmloader.ring import RingReader, RingWriter, map_shared_readonly, new_token
+
+out = {"header": segment.HEADER_SIZE}
+token = new_token()
+w = RingWriter(token, frozenset({1}), {"job": "t"})
+r = RingReader(token)
+try:
+    slot = w.acquire(100_000)
+    data = np.arange(100_000, dtype=np.uint8) * 7
+    slot.payload[:100_000] = data
+    r.open(slot.segment.name)
+    view = r.view(slot.segment.name, 100_000, lambda: None)
+    out["private"] = bool((view == data).all())
+    mm, at = map_shared_readonly(slot.segment)
+    shared = np.frombuffer(mm, dtype=np.uint8)
+    out["at"] = at
+    out["readonly"] = bool((shared[at : at + 100_000] == data).all())
+    out["recorded"] = segment.read_header(slot.segment.name).payload_at
+    del shared, view
+    mm.close()
+    try:
+        segment.read_header(sys.argv[1])
+        out["other"] = "accepted"
+    except ProtocolError as exc:
+        out["other"] = str(exc)
+finally:
+    r.close()
+    w.close()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_64k_header_maps_every_view_and_refuses_other_layouts(made) -> None:
+    """NOTE [header granule]: with a 64 KiB header (aarch64 with 64 KiB pages;
+    a valid mmap offset on x86 too) every view of a payload maps and reads
+    the right bytes, and a segment laid out for another header size is
+    refused by name before anything is mapped."""
+    import subprocess
+    import sys
+
+    other = made("4k")
+    env = dict(os.environ, SHMLOADER_HEADER_SIZE=str(64 << 10))
+    proc = subprocess.run(
+        [sys.executable, "-c", _GRANULE_SCRIPT, other.name],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["header"] == out["at"] == out["recorded"] == 64 << 10
+    assert out["private"] and out["readonly"]
+    assert f"payload at byte {HEADER_SIZE}" in out["other"]
+    assert "maps payloads at 65536" in out["other"]
+
+
+def test_header_size_setting() -> None:
+    granule = max(4096, mmap.ALLOCATIONGRANULARITY)
+    assert segment.header_size("") == granule == HEADER_SIZE
+    assert segment.header_size(str(16 * granule)) == 16 * granule
+    for bad in ("100", str(granule + 1), "-4096", "0", "lots", str(1 << 30)):
+        with pytest.raises(ConfigError, match="SHMLOADER_HEADER_SIZE"):
+            segment.header_size(bad)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from shmloader import Config, ShmLoader, device
+from shmloader.errors import ConfigError
 from tests.harness import run_ranks
 from tests.test_device import RingSource, _all_dtypes_batch, _assert_same, same
 
@@ -34,6 +35,16 @@ def source():
     yield src
     gc.collect()
     src.close()
+
+
+@pytest.fixture(autouse=True)
+def no_failed_unregister(caplog):
+    """A failed ``cudaHostUnregister`` only logs in the product (its range is
+    kept mapped); here it fails the test."""
+    with caplog.at_level(logging.WARNING, logger="shmloader.device"):
+        yield
+    failed = [r.getMessage() for r in caplog.records if "cudaHostUnregister" in r.getMessage()]
+    assert not failed, failed
 
 
 def _to_host(obj):
@@ -64,35 +75,92 @@ def test_values_bit_equal_to_host_delivery_for_every_dtype(source):
 
 def test_a_batch_held_across_many_steps_never_changes(source):
     stage = device.DeviceStage(torch.device("cuda"), prefetch=2)
+    # a pattern per step, never zero: a fresh slot's zeros cannot pass for batch 0
     it = stage.wrap(
-        source.deliver({"x": torch.full((1 << 16,), i, dtype=torch.int32)}) for i in range(300)
+        source.deliver({"x": torch.full((1 << 16,), i + 1, dtype=torch.int32)}) for i in range(300)
     )
     held = next(it)
-    expected = torch.zeros(1 << 16, dtype=torch.int32)
+    expected = torch.full((1 << 16,), 1, dtype=torch.int32)
     for _ in it:
         pass  # the slot of batch 0 is rewritten about 150 times meanwhile
     torch.cuda.synchronize()
     assert torch.equal(held["x"].cpu(), expected)
     assert len(source.ring.slots) <= 4
     stage.close()
+    assert stage.stats()["device_unregister_failures"] == 0
 
 
 def test_no_device_memory_growth_over_1000_steps(source):
+    """Reserved memory (what the caching allocator holds, not only what is
+    allocated) with the same three batches alive at both ends."""
+    import collections
+
     stage = device.DeviceStage(torch.device("cuda"), prefetch=2)
-    batches = (source.deliver({"x": torch.full((1 << 18,), i % 7)}) for i in range(1000))
-    it = stage.wrap(batches)
+    batches = (source.deliver({"x": torch.full((1 << 18,), i % 7 + 1)}) for i in range(1000))
+    alive: collections.deque = collections.deque(maxlen=3)
     after_warmup = None
-    for step, batch in enumerate(it):
+    for step, batch in enumerate(stage.wrap(batches)):
         y = (batch["x"] * 2).sum()  # consumer-stream work on the batch
+        alive.append(batch)
         if step == 50:
             torch.cuda.synchronize()
-            after_warmup = torch.cuda.memory_allocated()
+            gc.collect()
+            after_warmup = torch.cuda.memory_reserved()
         del batch, y
     torch.cuda.synchronize()
     gc.collect()
-    assert after_warmup is not None
-    assert torch.cuda.memory_allocated() <= after_warmup
+    assert after_warmup is not None and len(alive) == 3
+    one_batch = (1 << 18) * 8
+    assert torch.cuda.memory_reserved() <= after_warmup + one_batch
+    alive.clear()
     stage.close()
+
+
+def test_the_ring_grows_under_registered_copies(source):
+    """Growing batches retire slots: each retired slot is unregistered (never
+    a failure) and unmapped, and every value arrives."""
+    stage = device.DeviceStage(torch.device("cuda"), prefetch=2)
+    sizes = [1 << 12] * 10 + [1 << 16] * 10 + [1 << 20] * 10 + [1 << 22] * 5
+    got = list(
+        stage.wrap(
+            source.deliver({"x": torch.full((n,), i + 1, dtype=torch.int32)})
+            for i, n in enumerate(sizes)
+        )
+    )
+    torch.cuda.synchronize()
+    for i, (b, n) in enumerate(zip(got, sizes, strict=True)):
+        assert b["x"].shape == (n,) and int(b["x"].min()) == int(b["x"].max()) == i + 1
+    stats = stage.stats()
+    reg = stage._registrar
+    assert reg is not None and reg.unregistrations >= 3, "slots grew: old ones unregistered"
+    assert stats["device_unregister_failures"] == 0 and stats["device_registration_refusals"] == 0
+    stage.close()
+    assert reg.live == 0 and reg.stuck == []
+
+
+def test_cuda_means_this_ranks_gpu_by_local_rank(monkeypatch):
+    """Without set_device, device="cuda" is cuda:$LOCAL_RANK (NOTE [which GPU])."""
+    count = torch.cuda.device_count()
+    last = count - 1
+    assert torch.cuda.current_device() == 0
+    env = {"LOCAL_RANK": str(last)}
+    assert device.resolve("cuda", environ=env) == torch.device("cuda", last)
+    beyond = {"LOCAL_RANK": str(count + 2)}
+    if count == 1:  # one visible GPU per rank (CUDA_VISIBLE_DEVICES): that one
+        assert device.resolve("cuda", environ=beyond) == torch.device("cuda", 0)
+    else:
+        with pytest.raises(ConfigError, match="sees only"):
+            device.resolve("cuda", environ=beyond)
+    monkeypatch.setenv("LOCAL_RANK", str(last))
+    loader = ShmLoader(
+        lambda: [{"x": torch.arange(10)}], None, config=Config(enabled=False), device="cuda"
+    )
+    try:
+        (batch,) = list(loader)
+        assert batch["x"].device == torch.device("cuda", last)
+        assert torch.equal(batch["x"].cpu(), torch.arange(10))
+    finally:
+        loader.close()
 
 
 def test_refused_registration_falls_back_and_leaves_no_cuda_error(source, caplog, monkeypatch):

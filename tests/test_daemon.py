@@ -412,15 +412,16 @@ def test_register_admit_refuse_report_stats_metrics(daemons: Daemons, capsys) ->
     wait_until(lambda: lag_key in metrics(), 3, "the report reaches the metrics", step=0.1)
     values = metrics()
     assert values[lag_key] == 2
-    share_key = f'shmloaderd_rank_wait_share{{job="",rank="4",role="leader",token="{token}"}}'
+    uid = f'uid="{os.geteuid()}"'  # whose job: its control segment's owner
+    share_key = f'shmloaderd_rank_wait_share{{job="",rank="4",role="leader",token="{token}",{uid}}}'
     assert values[share_key] == 0.75
     # the rank's waits as a Prometheus histogram, labelled by job and rank
-    labels = f'job="",rank="4",role="leader",token="{token}"'
+    labels = f'job="",rank="4",role="leader",token="{token}",{uid}'
 
     def bucket(le: str) -> str:  # the exposition sorts the labels
         return (
             f'shmloaderd_rank_wait_seconds_bucket{{job="",le="{le}",rank="4",'
-            f'role="leader",token="{token}"}}'
+            f'role="leader",token="{token}",{uid}}}'
         )
 
     wait_until(lambda: bucket("+Inf") in metrics(), 3, "the histogram", step=0.1)

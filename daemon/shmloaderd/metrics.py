@@ -15,8 +15,8 @@ a scrape never touches /dev/shm or the daemon's loop::
     shmloaderd_follower_lag_batches{token,rank} gauge
     shmloaderd_follower_receive_seconds{token,rank} gauge
     shmloaderd_rank_wait_share{token,job,rank,role} gauge  share of wall time waiting for data
-    shmloaderd_rank_wait_seconds_p50{token,job,rank,role} gauge median wait for a batch
-    shmloaderd_rank_wait_seconds{token,job,rank,role} histogram  wait for each batch
+    shmloaderd_rank_wait_seconds_p50{token,job,uid,rank,role} gauge median wait for a batch
+    shmloaderd_rank_wait_seconds{token,job,uid,rank,role} histogram  wait for each batch
                                                 since the rank's first (buckets 2**k ms,
                                                 k = -7..17, from ``shmloader.waits``)
     shmloaderd_reaped_segments_total            counter
@@ -99,7 +99,7 @@ class _Collector:
         recv = GaugeMetricFamily(
             "shmloaderd_follower_receive_seconds", "receive time", labels=["token", "rank"]
         )
-        labels = ["token", "job", "rank", "role"]
+        labels = ["token", "job", "uid", "rank", "role"]
         share = GaugeMetricFamily(
             "shmloaderd_rank_wait_share", "time waiting for data", labels=labels
         )
@@ -107,7 +107,8 @@ class _Collector:
         for job in doc["jobs"]:
             token = job["token"]
             for rank, row in job.get("ranks", {}).items():
-                key = [token, job.get("job") or "", str(rank), row.get("role") or ""]
+                uid = "" if job.get("uid") is None else str(job["uid"])
+                key = [token, job.get("job") or "", uid, str(rank), row.get("role") or ""]
                 if row.get("wait_share") is not None:
                     share.add_metric(key, row["wait_share"])
                 if row.get("wait_ms_p50") is not None:
@@ -128,7 +129,7 @@ class _Collector:
         )
         for w in snap.get("waits", []):
             hist.add_metric(
-                [w["token"], w["job"], w["rank"], w["role"]],
+                [w["token"], w["job"], w["uid"], w["rank"], w["role"]],
                 wait_buckets(w["counts"]),
                 sum_value=w["sum_ms"] / 1e3,
             )

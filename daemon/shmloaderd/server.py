@@ -552,6 +552,7 @@ class Daemon:
                 if rep.get("wait_hist") is not None:
                     out.append({
                         "token": token, "job": job.name or "", "rank": str(rank),
+                        "uid": "" if job.uid is None else str(job.uid),
                         "role": rep.get("role") or "", "counts": list(rep["wait_hist"]),
                         "sum_ms": rep.get("wait_ms_sum") or 0.0,
                     })  # fmt: skip

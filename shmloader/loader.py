@@ -748,9 +748,10 @@ class ShmLoader(_Leader, _Relay, _Follower):
     def _open_state(self, cursor: int) -> dict[str, Any]:
         """``opened`` and ``reset_next`` of a leader's state (NOTE [RNG at the epoch's start])."""
         loaded = self._resume_open
-        if self._resume is not None and self._resume[0] == self._epoch and loaded is not None:
-            out = {"reset_next": loaded["reset_next"]}  # loaded, not iterated yet
-            if cursor and loaded.get("rng") is not None:
+        if loaded is not None:  # loaded, not iterated yet
+            out = {"reset_next": loaded["reset_next"]}
+            here = self._resume is not None and self._resume[0] == self._epoch
+            if cursor and here and loaded.get("rng") is not None:
                 out["opened"] = {"rng": loaded["rng"], "seeded": loaded["seeded"]}
             return out
         out = {"reset_next": rng.reuses_workers(self._loader)}

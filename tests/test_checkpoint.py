@@ -388,6 +388,12 @@ def test_format_2_states_load_with_a_warning_and_new_keys_are_validated(caplog):
     assert "carries no RNG of the epoch's start" in caplog.text
     assert [b["meta"].sample_ids for b in resumed] == batches[2:]  # a seeded sampler
     resumed.close()
+    again = _local()
+    again.load_state_dict(state)  # saved again before iterating: what was loaded
+    assert torch.equal(
+        again.state_dict()["opened"]["rng"]["torch"], state["opened"]["rng"]["torch"]
+    )
+    again.close()
     fresh = _local()
     bad = [
         ("opened", {"rng": state["rng"], "seeded": 1}, r"state\['opened'\]"),
@@ -429,5 +435,7 @@ def test_next_epoch_after_a_boundary_state_keeps_persistent_workers_reset():
     _seed_all(99)
     resumed = ShmLoader(_shuffled_persistent, None, config=config)
     resumed.load_state_dict(state)
+    resumed.set_epoch(1)
+    assert resumed.state_dict()["reset_next"] is True  # saved again before iterating
     assert _ids_per_epoch(resumed, range(1, 3)) == want
     resumed.close()

@@ -151,7 +151,7 @@ def matrix_phase(rank: int, world: int, *, phase: str, ckpt_dir: str) -> dict:
     return out
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)
 def test_resume_matrix_is_exact_per_batch():
     # Both ranks on one simulated node with its own tmpfs (tests.harness): the 72
     # loaders of this test never meet another run's segments or reaping.

@@ -84,7 +84,7 @@ def iter_without_base_seed(loader: torch.utils.data.DataLoader) -> Any:
     no base seed, so neither may the resumed ``iter()``, or the sampler's
     shuffle seed (the next draw) would shift. The base seed comes from a
     private generator instead, derived from the default generator's state
-    (deterministic, never the same value as the shuffle seed).
+    (deterministic: the draw after the one the shuffle seed takes).
     """
     private = torch.Generator()
     private.set_state(torch.get_rng_state())

@@ -194,7 +194,13 @@ def test_resume_matrix_is_exact_per_batch():
             if rank == 0:
                 assert on == off, f"{kind}-{workers}: sharing changed the leader's run"
             else:  # the follower sees the leader's data; its own step draws are its own
-                assert [r[3] for r in on] == [r[3] for r in off], f"{kind}-{workers}: RNG"
+                steps_on, steps_off = [r[3] for r in _batches(on)], [r[3] for r in _batches(off)]
+                assert steps_on == steps_off, f"{kind}-{workers}: the follower's RNG"
+                lens_on, lens_off = (
+                    [r for r in on if r[0] == "len"],
+                    [r for r in off if r[0] == "len"],
+                )
+                assert lens_on == lens_off, f"{kind}-{workers}: the follower's len()"
 
 
 def _length_failures(records: list, where: str) -> list[str]:

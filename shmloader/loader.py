@@ -130,9 +130,10 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-STATE_FORMAT = "shmloader.state/2"
-#: Earlier formats ``load_state_dict`` still accepts (no RNG, no saving rank).
-OLD_STATE_FORMATS = ("shmloader.state/1",)
+STATE_FORMAT = "shmloader.state/3"
+#: Earlier formats ``load_state_dict`` still accepts: 2 has no RNG of the epoch's start
+#: (``opened``), 1 no RNG and no saving rank.
+OLD_STATE_FORMATS = ("shmloader.state/2", "shmloader.state/1")
 #: Seconds between two progress reports to the daemon.
 REPORT_EVERY_S = 1.0
 #: Most per-rank rows a writer puts in its ring's description (for ``stat``).
@@ -225,11 +226,19 @@ class ShmLoader(_Leader, _Relay, _Follower):
         self._rng_pending: dict[str, Any] | None = None
         self._rng_undo: dict[str, Any] | None = None
         self._just_opened = False
+        # NOTE [RNG at the epoch's start] (rng.py): how the current iteration opened the
+        # loader ({"epoch", "rng", "seeded"}); what a loaded state says about it
+        self._iter_open: dict[str, Any] | None = None
+        self._resume_open: dict[str, Any] | None = None
         self._sampler_base = 0  # cursor at which the leader's sampler's current pass began
         self._closed = False
         self._writer_closed = False  # a reader was told its writer closed: fail fast
         self._loader: Iterable[Any] | None = None
-        self._length: int | None = None
+        self._length: int | None = None  # the leader's len() at set-up
+        # NOTE [length per epoch]: changes of the leader's length this rank has seen, and
+        # (change, length) last read from the store
+        self._len_changes = 0
+        self._len_read: tuple[int, int] | None = None
         self._topo: GroupTopology | None = None
         self._ring: RingWriter | None = None
         self._pool: WorkerPool | None = None  # the leader's DataLoader workers write the ring
@@ -534,14 +543,78 @@ class ShmLoader(_Leader, _Relay, _Follower):
         return self._topo
 
     def __len__(self) -> int:
+        """The leader's loader's ``len()`` for the current epoch, the same on every rank.
+
+        NOTE [length per epoch]
+            ``len(loader)`` is what ``len()`` of the leader's loader says now,
+            exactly what sharing off gives on every rank: a
+            ``BalancedBatchSampler``'s length changes with the epoch, and after
+            a resume a fast-forwarded loader's length is still the whole epoch
+            (the batches a resume skips count, as ``len(DataLoader)`` counts
+            them), while a ``ShardedSampler`` re-split under another DP size
+            says what is left. The leader broadcasts its length at set-up; it
+            can change only where every rank of the group calls the same
+            thing: ``set_epoch`` to another epoch and ``load_state_dict``. Each
+            rank counts those changes; after change ``n`` the leader writes its
+            length under key ``n`` of the loader in the process group's
+            key-value store (no collective), and another rank's ``len()``
+            reads key ``n``, waiting at most ``SHMLOADER_TIMEOUT`` for a
+            leader that has not made that change yet.
+        """
         self._check_open()
-        if self._role == "local":
+        if self._role in ("local", "leader"):
             return len(self._loader)  # type: ignore[arg-type]
-        if self._length is None:
+        length = self._length if self._len_changes == 0 else self._published_length()
+        if length is None:
             raise TypeError(
                 "the leader's loader has no len() (an IterableDataset without __len__?)"
             )
-        return self._length
+        return length
+
+    def _length_changed(self) -> None:
+        """Every rank: the leader's length may have changed (NOTE [length per epoch])."""
+        if self._topo is None:
+            return
+        self._len_changes += 1
+        if self._role != "leader":
+            return
+        try:
+            length = len(self._loader)  # type: ignore[arg-type]
+        except TypeError:
+            length = -1
+        store = _default_store()
+        if store is not None:  # unreachable: the other ranks' len() names the leader
+            with contextlib.suppress(RuntimeError, dist.DistError):
+                store.set(self._length_key(self._len_changes), str(length))
+
+    def _length_key(self, change: int) -> str:
+        assert self._topo is not None
+        return f"shmloader/len/{self._topo.fact(self._topo.leader).token}/{change}"
+
+    def _published_length(self) -> int | None:
+        """The length the leader wrote at this rank's latest change (waits for it)."""
+        change = self._len_changes
+        if self._len_read is not None and self._len_read[0] == change:
+            return self._len_read[1] if self._len_read[1] >= 0 else None
+        store = _default_store()
+        if store is None:  # no key-value store: the set-up length
+            return self._length
+        key = self._length_key(change)
+        timeout = self.config.timeout or DEFAULT_TIMEOUT_S
+        try:
+            store.wait([key], datetime.timedelta(seconds=timeout))
+            length = int(store.get(key))
+        except (RuntimeError, dist.DistError, ValueError) as exc:
+            leader = self._topo.leader if self._topo is not None else None
+            raise PeerLostError(
+                leader,
+                "leader",
+                f"it did not publish its loader's length for epoch {self._epoch} within "
+                f"{timeout:.0f} s ({exc}); len() waits until the leader has called the same "
+                "set_epoch()/load_state_dict() as this rank",
+            ) from None
+        self._len_read = (change, length)
+        return length if length >= 0 else None
 
     def _note_left(self) -> None:
         """Remember where this rank left an unfinished iteration (NOTE [iteration numbers]).
@@ -568,7 +641,8 @@ class ShmLoader(_Leader, _Relay, _Follower):
         """
         if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
             raise ConfigError("epoch", epoch, "an integer >= 0")
-        if epoch != self._epoch:  # a new epoch starts at its beginning
+        changed = epoch != self._epoch
+        if changed:  # a new epoch starts at its beginning
             self._note_left()
             self._delivered, self._exhausted, self._sampler_base = 0, False, 0
             if self._stage is not None:
@@ -578,6 +652,8 @@ class ShmLoader(_Leader, _Relay, _Follower):
             self._xnode.position = (epoch, self._pos)
         if self._loader is not None:
             _forward_set_epoch(self._loader, epoch)
+        if changed:
+            self._length_changed()
 
     def __iter__(self) -> Iterator[Any]:
         if self._closed:
@@ -712,7 +788,23 @@ class ShmLoader(_Leader, _Relay, _Follower):
                 state["sampler"] = sampler
             if _stateful(self._loader):
                 state["loader"] = boundary if partial else now
+            state.update(self._open_state(cursor))
         return state
+
+    def _open_state(self, cursor: int) -> dict[str, Any]:
+        """``opened`` and ``reset_next`` of a leader's state (NOTE [RNG at the epoch's start])."""
+        loaded = self._resume_open
+        if loaded is not None:  # loaded, not iterated yet
+            out = {"reset_next": loaded["reset_next"]}
+            here = self._resume is not None and self._resume[0] == self._epoch
+            if cursor and here and loaded.get("rng") is not None:
+                out["opened"] = {"rng": loaded["rng"], "seeded": loaded["seeded"]}
+            return out
+        out = {"reset_next": rng.reuses_workers(self._loader)}
+        opened = self._iter_open
+        if cursor and opened is not None and opened["epoch"] == self._epoch:
+            out["opened"] = {"rng": opened["rng"], "seeded": opened["seeded"]}
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from this rank's ``state_dict()``. Call before iterating; validates first.
@@ -737,6 +829,10 @@ class ShmLoader(_Leader, _Relay, _Follower):
                 "load_state_dict() must be called before the first iteration; "
                 "construct a new ShmLoader to resume"
             )
+        self._load_state(state)
+        self._length_changed()  # NOTE [length per epoch]
+
+    def _load_state(self, state: dict[str, Any]) -> None:
         epoch, batches, loader_state = _validate_state(state, self._topology_state())
         resized = state["topology"]["world"] != self._topology_state()["world"]
         sampler = _find_sharded(self._loader) if self._loader is not None else None
@@ -753,6 +849,7 @@ class ShmLoader(_Leader, _Relay, _Follower):
                 sampler.load_state_dict(state["sampler"])  # validates before it changes
             self.set_epoch(epoch)
             self._resume = (epoch, 0, True)
+            self._resume_open = None  # no rank's stream continues
             return
         restore = loader_state is not None and self._loader is not None
         if restore and not _stateful(self._loader):
@@ -766,6 +863,22 @@ class ShmLoader(_Leader, _Relay, _Follower):
             self._loader.load_state_dict(loader_state)  # type: ignore[union-attr]
         self._resume = (epoch, batches, not restore)
         self._rng_pending = state.get("rng")
+        self._resume_open = None
+        if self._loader is not None:  # NOTE [RNG at the epoch's start] (rng.py)
+            opened = state.get("opened") or {}
+            self._resume_open = {
+                "rng": opened.get("rng"),
+                "seeded": opened.get("seeded", True),
+                "reset_next": state.get("reset_next", False),
+            }
+            if state["format"] != STATE_FORMAT and batches and not _stateful(self._loader):
+                log.warning(
+                    "shmloader: this checkpoint (%s) carries no RNG of the epoch's start: a "
+                    "shuffled loader or random transforms in its workers resume differently "
+                    "than an uninterrupted run would; checkpoints saved now (%s) resume exactly",
+                    state["format"],
+                    STATE_FORMAT,
+                )
 
     def _position(self) -> tuple[int, bool, Any, Any]:
         """(delivered, exhausted, boundary state, loader state) of the iteration now."""
@@ -933,6 +1046,14 @@ def _log_role(
         log.info("shmloader: rank %d loads its own batches (no group to share with)", me)
 
 
+def _default_store() -> Any:
+    """The default process group's key-value store, or None (a world of one)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # not initialised, or internals changed
+        return None
+
+
 def _group_ranks(group: dist.ProcessGroup | None) -> list[int] | None:
     """The global ranks of ``group``; None without a group or torch.distributed."""
     if group is None or not (dist.is_available() and dist.is_initialized()):
@@ -1030,6 +1151,16 @@ def _validate_state(state: Any, topology: dict[str, Any]) -> tuple[int, int, Any
         raise ConfigError("state['topology']", saved, "a dict")
     if "rng" in state and (problem := rng.check(state["rng"])) is not None:
         raise ConfigError("state['rng']", type(state["rng"]).__name__, problem)
+    if "reset_next" in state and not isinstance(state["reset_next"], bool):
+        raise ConfigError("state['reset_next']", state["reset_next"], "True or False")
+    if "opened" in state:
+        opened = state["opened"]
+        if not isinstance(opened, dict) or not isinstance(opened.get("seeded"), bool):
+            raise ConfigError(
+                "state['opened']", type(opened).__name__, "a dict with 'rng' and 'seeded' (a bool)"
+            )
+        if (problem := rng.check(opened.get("rng"))) is not None:
+            raise ConfigError("state['opened']['rng']", type(opened.get("rng")).__name__, problem)
     if saved.get("sp") != topology["sp"]:
         raise TopologyMismatchError(
             f"this checkpoint was taken under another SP size (sp: checkpoint "
@@ -1047,7 +1178,7 @@ def _validate_state(state: Any, topology: dict[str, Any]) -> tuple[int, int, Any
                 "sampler is one: load the state rank 0 saved on every rank"
             )
         return state["epoch"], 0, None
-    if fmt == STATE_FORMAT and saved.get("rank") != topology["rank"]:
+    if fmt != "shmloader.state/1" and saved.get("rank") != topology["rank"]:
         raise TopologyMismatchError(
             f"this state was saved by rank {saved.get('rank')!r} and this is rank "
             f"{topology['rank']}: loader state is per rank (it carries the rank's RNG at the "

@@ -66,15 +66,33 @@ class _Local:
         self._capture_rng()  # the first request of this iteration
         self._just_opened = True
         before = rng.snapshot()
-        source = iter(self._loader)  # type: ignore[arg-type]
+        loader = self._loader
+        # NOTE [RNG at the epoch's start] (rng): a resume reopens the loader with the
+        # generators of the saved epoch's start, then puts the step boundary back.
+        resumed, self._resume_open = self._resume_open, None
+        undo, self._rng_undo = self._rng_undo, None
+        seeded = rng.will_consume_base_seed(loader)
+        unseeded = False
+        if resumed is not None and not _stateful(loader):
+            if skip and resumed.get("rng") is not None:
+                undo = undo or rng.capture()
+                rng.restore(resumed["rng"])
+                unseeded = seeded and not resumed["seeded"]
+            else:
+                unseeded = seeded and resumed["reset_next"]
+        self._iter_open = {"epoch": self._epoch, "rng": rng.capture(), "seeded": seeded}
+        if unseeded:
+            self._iter_open["seeded"] = False
+            source = rng.iter_without_base_seed(loader)  # type: ignore[arg-type]
+        else:
+            source = iter(loader)  # type: ignore[arg-type]
         for _ in range(skip):
             try:
                 next(source)
             except StopIteration:
                 break
-        if self._rng_undo is not None:  # NOTE [RNG at the step boundary] (rng)
-            rng.restore(self._rng_undo)
-            self._rng_undo = None
+        if undo is not None:  # NOTE [RNG at the step boundary] (rng)
+            rng.restore(undo)
         return source, self._count(before)
 
     def _mark_boundary(self) -> None:

@@ -62,6 +62,40 @@ def will_consume_base_seed(loader: object) -> bool:
     return True
 
 
+def reuses_workers(loader: object) -> bool:
+    """Whether the next ``iter(loader)`` resets persistent workers instead of drawing a seed.
+
+    True for a ``DataLoader`` drawing from the default generator whose
+    persistent workers already run: its next ``iter()`` draws no base seed
+    (``will_consume_base_seed`` is False) where a fresh one would.
+    """
+    return (
+        isinstance(loader, torch.utils.data.DataLoader)
+        and loader.generator is None
+        and not will_consume_base_seed(loader)
+    )
+
+
+def iter_without_base_seed(loader: torch.utils.data.DataLoader) -> Any:
+    """``iter(loader)`` whose workers' base seed does not come from the default generator.
+
+    NOTE [RNG at the epoch's start]: a resumed process makes its persistent
+    workers anew where the uninterrupted run only reset them; the reset drew
+    no base seed, so neither may the resumed ``iter()``, or the sampler's
+    shuffle seed (the next draw) would shift. The base seed comes from a
+    private generator instead, derived from the default generator's state
+    (deterministic: the draw after the one the shuffle seed takes).
+    """
+    private = torch.Generator()
+    private.set_state(torch.get_rng_state())
+    torch.empty((), dtype=torch.int64).random_(generator=private)  # the shuffle seed's value
+    loader.generator = private
+    try:
+        return iter(loader)
+    finally:
+        loader.generator = None
+
+
 def snapshot() -> torch.Tensor:
     return torch.get_rng_state()
 
@@ -122,6 +156,33 @@ def mirror_draws(n: int) -> None:
 #     legacy global generator and, when CUDA is initialised, the current
 #     device's CUDA generator. Stored as tensors, ints and floats only, so a
 #     checkpoint loads with ``torch.load(weights_only=True)``.
+
+
+# NOTE [RNG at the epoch's start]
+#     The step-boundary capture is not what the resumed loader must be opened
+#     with. ``iter()`` of a DataLoader draws from the default generator at the
+#     start of the epoch (the workers' base seed, a ``RandomSampler``'s shuffle
+#     seed) and the fast-forward replays the epoch's batches from there (with
+#     workers: the same samples in the same workers, so their own generators
+#     advance as they did). So the leader (every rank with sharing off)
+#     captures the generators just before each ``iter()`` of its loader
+#     (``_open_source``), with whether that ``iter()`` drew a base seed, and a
+#     mid-epoch ``state_dict()`` carries both (``opened``). A resume restores
+#     them in this order: the epoch's start, ``iter()`` (without the base seed
+#     when the uninterrupted run only reset persistent workers:
+#     ``iter_without_base_seed``), the fast-forward, then the step boundary
+#     for the user (or, when the state's ``rng`` was dropped, the generators
+#     as the user left them). The fast-forward's net draws are nil, so
+#     followers mirror none. ``reset_next`` says whether the uninterrupted
+#     run's *next* ``iter()`` would have reset persistent workers, for a resume
+#     that starts the next epoch instead of the saved one.
+#
+#     Not recoverable: the generators inside persistent workers carry their
+#     state from one epoch into the next and no checkpoint holds them, so
+#     after a resume in a later epoch their draws (random augmentation in
+#     ``__getitem__``) are those of fresh workers. Ids and the main process's
+#     draws are still exact. Draw per-sample randomness from a generator seeded
+#     by (epoch, index) to make it exact there too.
 
 
 def capture() -> dict[str, Any]:

@@ -461,6 +461,63 @@ def test_state_dict_consumed_and_stale_iterators():
     assert sampler.cursor == 1
 
 
+def test_plan_cache_is_keyed_on_the_seed():
+    # A sampler that planned under its own seed, then loads a state of another seed at
+    # the same epoch, history and size, must plan the state's seed, not reuse its cache.
+    lengths = _long_tail(120, seed=3)
+    planned = make(lengths, 2, 1, max_tokens=16384, window=2, seed=1)
+    assert len(planned) > 2  # the segment of seed 1 is now cached
+    other = make(lengths, 2, 0, max_tokens=16384, window=2, seed=2)
+    want = list(make(lengths, 2, 1, max_tokens=16384, window=2, seed=2))
+    assert want != list(planned)  # the seeds do plan differently
+    planned.load_state_dict(other.state_dict())
+    assert planned.seed == 2
+    assert list(planned) == want
+
+
+def test_state_dict_consumed_after_a_resume_keeps_the_resume_point():
+    lengths = _long_tail(160, seed=9)
+    kw = {"max_tokens": 16384, "window": 3, "seed": 4}
+    full = list(make(lengths, 2, 0, **kw))
+    saver = make(lengths, 2, 0, **kw)
+    take(saver, 3)
+    resumed = make(lengths, 2, 0, **kw)
+    resumed.load_state_dict(saver.state_dict())  # the pass starts at step 3
+    assert list(resumed) == full[3:]  # ran ahead to the end, like a prefetching DataLoader
+    state = resumed.state_dict(consumed=2)  # 2 lists of this pass were used
+    assert state["cursor"] == 5
+    again = make(lengths, 2, 0, **kw)
+    again.load_state_dict(state)
+    assert list(again) == full[5:]
+    assert resumed.state_dict(consumed=len(resumed))["cursor"] == len(full)
+    with pytest.raises(ValueError, match="consumed"):
+        resumed.state_dict(consumed=len(full) - 2)  # more than the pass holds
+
+
+@pytest.mark.parametrize("seed", [13, 14, 15, 16])
+def test_elastic_resume_never_plans_consumed_samples_again(seed):
+    # Three topologies, each stopped inside a window: every later segment is planned
+    # from what no earlier topology delivered (padding aside, which repeats the later
+    # segment's own samples), and all samples are delivered.
+    lengths = [60, 50, 40, 30, 20, 10, 5, 5, 5, 5, 90, 80, 70, 1, 2, 3, 44, 33] * 4
+    kw = {"window": 4, "seed": seed}
+    delivered, state = [], None
+    for n, k in ((4, 5), (3, 2), (2, None)):
+        runs = [make(lengths, n, r, **kw) for r in range(n)]
+        for sampler in runs:
+            if state is not None:
+                sampler.load_state_dict(state)
+        taken = [take(sampler, len(sampler) if k is None else k) for sampler in runs]
+        delivered.append(set(flat(taken)))
+        state = runs[0].state_dict()
+        if k is not None:
+            assert 0 < k < len(runs[0])
+    assert state["history"] == [[4, 5], [3, 2]]
+    for a, b in itertools.combinations(range(3), 2):
+        assert not delivered[a] & delivered[b], f"topologies {a} and {b} share samples"
+    assert set().union(*delivered) == set(range(len(lengths)))
+
+
 def test_set_epoch_after_resume_starts_fresh():
     lengths = [10, 20, 30, 40, 50, 60, 70, 80] * 4
     saver = make(lengths, 2, 0, epoch=2)

@@ -370,3 +370,72 @@ def test_format_1_states_still_load_and_bad_rng_is_refused():
     with pytest.raises(ConfigError, match=r"state\['rng'\]"):
         fresh.load_state_dict({**state, "rng": {"torch": "x"}})
     fresh.close()
+
+
+def test_format_2_states_load_with_a_warning_and_new_keys_are_validated(caplog):
+    loader = _local()
+    it = iter(loader)
+    batches = [next(it)["meta"].sample_ids for _ in range(2)]
+    state = loader.state_dict()
+    batches += [b["meta"].sample_ids for b in it]
+    loader.close()
+    assert state["format"] == "shmloader.state/3" and state["opened"]["seeded"] is True
+    old = {k: v for k, v in state.items() if k not in ("opened", "reset_next")}
+    old["format"] = "shmloader.state/2"
+    resumed = _local()
+    with caplog.at_level("WARNING", logger="shmloader"):
+        resumed.load_state_dict(old)
+    assert "carries no RNG of the epoch's start" in caplog.text
+    assert [b["meta"].sample_ids for b in resumed] == batches[2:]  # a seeded sampler
+    resumed.close()
+    again = _local()
+    again.load_state_dict(state)  # saved again before iterating: what was loaded
+    assert torch.equal(
+        again.state_dict()["opened"]["rng"]["torch"], state["opened"]["rng"]["torch"]
+    )
+    again.close()
+    fresh = _local()
+    bad = [
+        ("opened", {"rng": state["rng"], "seeded": 1}, r"state\['opened'\]"),
+        ("opened", {"rng": {"torch": "x"}, "seeded": True}, r"state\['opened'\]\['rng'\]"),
+        ("reset_next", "yes", r"state\['reset_next'\]"),
+    ]
+    for key, value, match in bad:
+        with pytest.raises(ConfigError, match=match):
+            fresh.load_state_dict({**state, key: value})
+    fresh.close()
+
+
+def _ids_per_epoch(loader: ShmLoader, epochs: range) -> list:
+    out = []
+    for epoch in epochs:
+        loader.set_epoch(epoch)
+        out.append([b["id"].tolist() for b in loader])
+    return out
+
+
+def _shuffled_persistent():
+    ds = [{"id": i} for i in range(12)]
+    return DataLoader(ds, batch_size=3, shuffle=True, num_workers=2, persistent_workers=True)
+
+
+def test_next_epoch_after_a_boundary_state_keeps_persistent_workers_reset():
+    # The uninterrupted run's epoch-1 iter() resets its persistent workers and draws
+    # only the shuffle seed; the resumed process makes its workers anew, and must not
+    # draw their base seed from the default generator first (NOTE [RNG at the epoch's
+    # start]). Here the resumed run goes straight to epoch 1.
+    config = Config(enabled=False)
+    _seed_all(5)
+    loader = ShmLoader(_shuffled_persistent, None, config=config)
+    _ids_per_epoch(loader, range(1))
+    state = _roundtrip(loader.state_dict())
+    assert state["reset_next"] is True
+    want = _ids_per_epoch(loader, range(1, 3))
+    loader.close()
+    _seed_all(99)
+    resumed = ShmLoader(_shuffled_persistent, None, config=config)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(1)
+    assert resumed.state_dict()["reset_next"] is True  # saved again before iterating
+    assert _ids_per_epoch(resumed, range(1, 3)) == want
+    resumed.close()

@@ -57,7 +57,10 @@ log = logging.getLogger("shmloader.loader")
 
 #: Seconds between two reads of the store while waiting for peers' marks, for
 #: the first ``POLL_FAST_S`` seconds; ``POLL_SLOW_S`` after that, so that a
-#: large job's ranks waiting for a slow peer do not load the store.
+#: large job's ranks waiting for a slow peer do not load the store. The first
+#: reads come sooner (``POLL_FIRST_S``, doubling up to ``POLL_S``): ranks that
+#: construct together find each other's marks within milliseconds.
+POLL_FIRST_S = 0.002
 POLL_S = 0.1
 POLL_FAST_S = 5.0
 POLL_SLOW_S = 0.5
@@ -220,6 +223,7 @@ class Arrival:
         since = time.strftime("%H:%M:%S UTC", time.gmtime(self.mark.since))
         next_log = t0 + WAIT_LOG_EVERY_S
         beats: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last moved)
+        pause = POLL_FIRST_S
         while True:
             store.add(f"{self.prefix}hb/{self.me}", 1)
             for rank in self.ranks:
@@ -254,7 +258,8 @@ class Arrival:
                     self.ranks,
                     timeout,
                 )
-            time.sleep(POLL_S if now - t0 < POLL_FAST_S else POLL_SLOW_S)
+            time.sleep(pause if now - t0 < POLL_FAST_S else POLL_SLOW_S)
+            pause = min(2 * pause, POLL_S)
 
     def _read(self, rank: int) -> None:
         mark = Mark.parse(self.store.get(self.key(rank)))

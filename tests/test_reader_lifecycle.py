@@ -97,6 +97,7 @@ def _hold_and_return(rank: int) -> None:
     loader = _loader(0)
     batch = next(iter(loader))
     assert batch.shape == (1, LEAF)
+    dist.barrier()  # every rank mapped its batch before the writer's loader goes
     # returns holding both: the frame drops the loader (its finalizer closes the
     # socket) and the batch (its release) in whichever order it likes
 

@@ -160,9 +160,14 @@ def test_rng_state_matches_unshared_at_every_epoch_end(num_workers, persistent):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("share", [True, False], ids=["shared", "unshared"])
-@pytest.mark.parametrize("kind,num_workers", [("dataloader", 0), ("dataloader", 2)])
+@pytest.mark.parametrize(
+    "share,kind,num_workers",
+    [(True, "dataloader", 2), (False, "dataloader", 0)],
+    ids=["dataloader-2-shared", "dataloader-0-unshared"],
+)
 def test_resume_continues_exactly_like_an_uninterrupted_run(share, kind, num_workers):
+    # DP2 x SP2 with the rich batch; two corners of the grid: every sampler x workers x
+    # sharing x stop combination is compared per batch in tests/test_resume_matrix.py.
     # torchdata's StatefulDataLoader (its own state restored): tests/test_checkpoint.py
     world, sp, k = 4, 2, 2
     base = {

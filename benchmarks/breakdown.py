@@ -61,6 +61,7 @@ def targets() -> list[tuple[Any, str, str]]:
         (Spoke, "wait", "follower: Spoke.wait (BATCH message)"),
         (loader.ShmLoader, "_await_readers", "leader: _await_readers"),
         (loader.ShmLoader, "_announce", "leader: _announce"),
+        (loader.ShmLoader, "_tell_readers", "leader: _tell_readers (announcement)"),
         (loader.ShmLoader, "_publish", "leader: _publish (all)"),
         (loader.ShmLoader, "_attach", "follower: _attach"),
         (follower._Releaser, "send", "follower: _Releaser.send (releases, requests)"),

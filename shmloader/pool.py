@@ -140,6 +140,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import fcntl
 import itertools
 import logging
@@ -174,6 +175,7 @@ from .ring import (
 from .segment import (
     HEADER_SIZE,
     KIND_DATA,
+    LIBC_MMAP,
     PREFIX,
     Segment,
     list_segments,
@@ -806,16 +808,7 @@ class WorkerSlots:
             segment.close()
 
 
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_LIBC.mmap.restype = ctypes.c_void_p
-_LIBC.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
+_LIBC = ctypes.CDLL(None, use_errno=True)  # mremap and munmap; mmap is segment's LIBC_MMAP
 _LIBC.mremap.restype = ctypes.c_void_p
 _LIBC.mremap.argtypes = [
     ctypes.c_void_p,
@@ -856,7 +849,9 @@ def _privatise(pieces: Any) -> None:
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
     for start, end in _page_ranges(pieces):
         n = end - start
-        new = _LIBC.mmap(None, n, prot, flags, -1, 0)
+        if LIBC_MMAP is None:
+            raise OSError(errno.ENOSYS, "no libc mmap to copy a kept collate output with")
+        new = LIBC_MMAP(None, n, prot, flags, -1, 0)
         if new in (None, _MAP_FAILED):
             err = ctypes.get_errno()
             raise OSError(

@@ -478,11 +478,11 @@ def _map(fd: int, length: int, flags: int, prot: int | None = None, offset: int 
     """
     if prot is None:
         prot = mmap.PROT_READ | mmap.PROT_WRITE
-    if _MMAP is None:
+    if LIBC_MMAP is None:
         return mmap.mmap(fd, length, flags=flags, prot=prot, offset=offset)
     mm = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE, prot=prot)
     addr = _address(mm)
-    got = _MMAP(addr, length, prot, flags | _MAP_FIXED, fd, offset)
+    got = LIBC_MMAP(addr, length, prot, flags | _MAP_FIXED, fd, offset)
     if got != addr:
         err = ctypes.get_errno()
         mm.close()
@@ -673,12 +673,13 @@ def _libc_mmap() -> Callable[..., int] | None:
     return fn
 
 
-_MMAP = _libc_mmap()
+#: libc's ``mmap`` (None where it cannot be resolved); the pool uses it too.
+LIBC_MMAP = _libc_mmap()
 
 
 def _reserve_in_child() -> None:
     """After a fork, in the child: hold the address ranges of mappings it did not get."""
-    if not _NOT_FORKED or _MMAP is None:
+    if not _NOT_FORKED or LIBC_MMAP is None:
         return
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED_NOREPLACE
     for addr, (ref, length) in list(_NOT_FORKED.items()):
@@ -687,7 +688,7 @@ def _reserve_in_child() -> None:
             continue
         # NOREPLACE: never over anything the child has (an old kernel treats it
         # as a hint; a range placed elsewhere is then simply not needed).
-        _MMAP(addr, length, 0, flags, -1, 0)
+        LIBC_MMAP(addr, length, 0, flags, -1, 0)
 
 
 os.register_at_fork(after_in_child=_reserve_in_child)

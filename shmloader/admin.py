@@ -164,7 +164,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import segment
+from . import daemon_client, segment
+from .channel import private_dirs
+from .cleanup import remove_runtime_dir
 from .errors import ProtocolError, human_bytes
 from .ring import COUNTER_FIELDS
 from .segment import (
@@ -758,11 +760,9 @@ def dead_runtime_dirs(runtime_dir: str | None = None, *, every_uid: bool = False
     """Private runtime directories (``shml-<pid>...``) of ours whose owner is dead.
 
     Looked for under the same bases as :func:`runtime_dirs`; the rule is
-    ``reap.runtime_dirs`` (an owner in another pid namespace counts as alive).
+    ``channel.private_dirs`` (an owner in another pid namespace counts as alive).
     ``every_uid``: every user's (root only; NOTE [reaping rule]).
     """
-    from .reap import runtime_dirs as private_dirs
-
     dead = []
     for base in runtime_bases(runtime_dir, every_uid=every_uid):
         dead += [p for p, _pid, alive in private_dirs(base, every_uid=every_uid) if not alive]
@@ -789,8 +789,6 @@ def collect_garbage(
     Returns one dict per item: ``type`` ("segment"|"socket"|"rundir"),
     ``name``, ``bytes``, ``kind``, ``token``, ``owner_pid``, ``removed``.
     """
-    from .reap import remove_runtime_dir, runtime_dirs
-
     out: list[dict[str, Any]] = []
     entries = scan_entries(every_uid=every_uid)
     if jobs is not None:
@@ -828,7 +826,7 @@ def collect_garbage(
             except FileNotFoundError:
                 pass
         out.append(item.as_dict())
-    for path, pid, alive in runtime_dirs(runtime_dir, every_uid=every_uid):
+    for path, pid, alive in private_dirs(runtime_dir, every_uid=every_uid):
         if alive or tokens is not None or (owners is not None and pid not in owners):
             continue  # a runtime directory carries no token
         item = Freed("rundir", path, owner_pid=pid)
@@ -905,15 +903,12 @@ def register(subparsers: Any) -> None:
 
 def get_stats(daemon: str | None, timeout: float = 1.0) -> tuple[dict[str, Any], str]:
     """The stat document and a note saying where it came from."""
-    from .daemon_client import DEFAULT_SOCKET
-
+    default_socket = daemon_client.DEFAULT_SOCKET
     path = daemon or os.environ.get("SHMLOADER_DAEMON") or None
-    if path is None and os.path.exists(DEFAULT_SOCKET):
-        path = DEFAULT_SOCKET
+    if path is None and os.path.exists(default_socket):
+        path = default_socket
     if path:
-        from .daemon_client import DaemonClient
-
-        client = DaemonClient(path, timeout=timeout)
+        client = daemon_client.DaemonClient(path, timeout=timeout)
         try:
             doc = client.stats()
         finally:
@@ -922,7 +917,7 @@ def get_stats(daemon: str | None, timeout: float = 1.0) -> tuple[dict[str, Any],
             return doc, f"from shmloaderd at {path}"
         return scan(), f"shmloaderd at {path} did not answer; scanning /dev/shm headers instead"
     return scan(), (
-        f"no daemon (SHMLOADER_DAEMON unset, no {DEFAULT_SOCKET}); scanning /dev/shm headers"
+        f"no daemon (SHMLOADER_DAEMON unset, no {default_socket}); scanning /dev/shm headers"
     )
 
 

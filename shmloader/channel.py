@@ -42,7 +42,7 @@ NOTE [private runtime directory]
     connect to its socket. A reader checks the directory it was given is a
     real directory of our uid with mode 0700 before it connects. The name is
     ``shml-<pid>.<start>.<pidns>-<random>`` (hex): the owner for reaping
-    (``reap``; a directory of another pid namespace is never judged by pid),
+    (``private_dirs``; a directory of another pid namespace is never judged by pid),
     short enough that the socket path fits ``sun_path`` under long bases.
     Sockets and directories are removed only by the process that made them
     (NOTE [creator-only cleanup] in ``segment``).
@@ -65,6 +65,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
 import stat
 import tempfile
 import time
@@ -72,7 +73,7 @@ from collections.abc import Callable, Iterable
 
 import zmq
 
-from . import reap, segment
+from . import cleanup, segment
 from .errors import ConfigError, PeerLostError, ProtocolError
 from .segment import process_alive
 from .wire import Message, parse
@@ -113,6 +114,49 @@ def rundir_prefix(pid: int, start: int, pidns: int) -> str:
     return f"{RUNDIR_PREFIX}{pid:x}.{start:x}.{pidns:x}-"
 
 
+#: ``shml-<pid>.<start>.<pidns>-<random>``, hex (NOTE [private runtime directory]).
+RUNDIR_NAME = re.compile(
+    r"^shml-(?P<pid>[0-9a-f]{1,8})\.(?P<start>[0-9a-f]{1,16})\.(?P<pidns>[0-9a-f]{1,16})-"
+    r"[A-Za-z0-9_]{1,32}$"
+)
+
+
+def private_dirs(
+    parent: str | None = None, *, every_uid: bool = False
+) -> list[tuple[str, int, bool]]:
+    """Our private runtime directories under the base: (path, owner pid, owner alive).
+
+    Only real directories of our uid (of any uid with ``every_uid``: root's
+    node-wide reaping) with mode 0700 whose name matches ``RUNDIR_NAME``
+    count. An owner in another pid namespace counts as alive.
+    """
+    base = runtime_base(parent)
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return []
+    out = []
+    for name in sorted(names):
+        m = RUNDIR_NAME.match(name)
+        if m is None:
+            continue
+        path = os.path.join(base, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if (
+            not stat.S_ISDIR(st.st_mode)
+            or (st.st_uid != os.geteuid() and not every_uid)
+            or stat.S_IMODE(st.st_mode) & 0o077
+        ):
+            continue
+        pid, start, pidns = int(m["pid"], 16), int(m["start"], 16), int(m["pidns"], 16)
+        foreign = bool(pidns and segment.MY_PIDNS and pidns != segment.MY_PIDNS)
+        out.append((path, pid, foreign or process_alive(pid, start)))
+    return out
+
+
 def make_private_dir(parent: str | None) -> str:
     """A new 0700 directory of a random name for this process (NOTE [private runtime directory])."""
     base = runtime_base(parent)
@@ -121,7 +165,7 @@ def make_private_dir(parent: str | None) -> str:
         path = tempfile.mkdtemp(prefix=prefix, dir=base)
     except OSError as exc:
         raise ConfigError("SHMLOADER_RUNTIME_DIR", base, f"a writable directory ({exc})") from None
-    reap.own(directory=path)  # removed on SIGTERM (NOTE [SIGTERM] in reap)
+    cleanup.own(directory=path)  # removed on SIGTERM (NOTE [SIGTERM] in cleanup)
     sock = os.path.join(path, SOCKET_NAME)
     if len(sock.encode()) > MAX_SOCKET_PATH:
         remove_private_dir(path, os.getpid())
@@ -167,7 +211,7 @@ def remove_private_dir(path: str, creator: int) -> None:
                 os.unlink(sock)
     with contextlib.suppress(OSError):
         os.rmdir(path)
-    reap.disown(directory=path)
+    cleanup.disown(directory=path)
 
 
 def socket_path(directory: str) -> str:

@@ -79,11 +79,11 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-from . import reap
+from . import cleanup
 from .errors import ProtocolError, ShmCapacityError
 from .segment import (
     HEADER_SIZE,
@@ -95,9 +95,6 @@ from .segment import (
     shm_free_bytes,
     touch,
 )
-
-if TYPE_CHECKING:
-    from .daemon_client import DaemonClient
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +123,19 @@ COUNTER_FIELDS = (
 _COUNTERS_AT = 64
 _DESCR_LEN = struct.Struct("<I")
 CONTROL_CAPACITY = 4 * PAGE
+
+
+class NodeDaemon(Protocol):
+    """What a ring writer asks of the node daemon (``daemon_client.DaemonClient``).
+
+    Given to the writer from above, so this layer never imports the daemon's
+    client (NOTE [layers] in ``cleanup``).
+    """
+
+    def admit(self, token: str, nbytes: int) -> None: ...
+    def adopt(self, token: str, name: str, nbytes: int) -> int | None: ...
+    def add_segment(self, token: str, name: str, nbytes: int) -> None: ...
+    def remove_segment(self, token: str, name: str) -> None: ...
 
 
 class SlotState(enum.IntEnum):
@@ -201,7 +211,7 @@ class RingWriter:
         description: dict,
         *,
         self_rank: int | None = None,
-        daemon: DaemonClient | None = None,
+        daemon: NodeDaemon | None = None,
     ) -> None:
         self.token = token
         self.readers = set(readers)  # live readers: drop_reader() removes one
@@ -228,8 +238,8 @@ class RingWriter:
             functools.partial(_linked_names, self.control, self.slots),
         )
         # Forked DataLoader workers make pool slots in our name: SIGTERM removes
-        # those too (NOTE [SIGTERM] in ``reap``).
-        reap.own(token=token)
+        # those too (NOTE [SIGTERM] in ``cleanup``).
+        cleanup.own(token=token)
         self._ctl = self.control.map_shared()
         self.describe(description)
         self._closed = False
@@ -390,7 +400,7 @@ class RingWriter:
         except ProtocolError as exc:
             log.warning("shmloader: adopted segment %s failed validation (%s); creating", name, exc)
             return None
-        reap.own(segment=name)  # ours now: removed on SIGTERM like the ones we create
+        cleanup.own(segment=name)  # ours now: removed on SIGTERM like the ones we create
         return segment
 
     def publish(self, slot: Slot, seq: int, nbytes: int, publish_ns: int) -> None:
@@ -485,7 +495,7 @@ class RingWriter:
         self.control.unlink()
         self.control.close()
         self._finalizer.detach()
-        reap.disown(token=self.token)
+        cleanup.disown(token=self.token)
 
 
 def _linked_names(control: Segment, slots: list[Slot]) -> list[str]:

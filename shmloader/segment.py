@@ -104,7 +104,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import reap
+from . import cleanup
 from .errors import ProtocolError, ShmCapacityError
 
 MAGIC = b"SHMLDR\x00\x01"
@@ -394,7 +394,7 @@ class Segment:
             os.close(fd)
             _unlink_quietly(name)
             raise
-        reap.own(segment=name)  # removed on SIGTERM (NOTE [SIGTERM] in reap)
+        cleanup.own(segment=name)  # removed on SIGTERM (NOTE [SIGTERM] in cleanup)
         return cls(name, fd, header)
 
     @classmethod
@@ -452,7 +452,7 @@ class Segment:
         if self.linked and self.owner == os.getpid():
             self.linked = False
             _unlink_quietly(self.name)
-            reap.disown(segment=self.name)
+            cleanup.disown(segment=self.name)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -724,6 +724,36 @@ def unlink_name(name: str) -> bool:
 
 def _unlink_quietly(name: str) -> None:
     unlink_name(name)
+
+
+def remove_own_segments(segments: set[str], tokens: set[str]) -> None:
+    """SIGTERM's removal (NOTE [SIGTERM] in ``cleanup``): of ``segments``, those whose
+    header names us, and the segments of rings ``tokens`` whose header names us."""
+    with contextlib.suppress(Exception):
+        segments = {n for n in segments if _names_us(n)}  # not what we handed over
+        if tokens:
+            segments |= _made_for_us(tokens)
+    for name in segments:
+        with contextlib.suppress(OSError):
+            unlink_name(name)
+
+
+def _names_us(name: str) -> bool:
+    """Whether the segment ``name`` is there and its header names this process as owner."""
+    try:
+        header = read_header(name)
+    except (OSError, ProtocolError):
+        return False
+    return header.pid == os.getpid() and header.start == MY_START
+
+
+def _made_for_us(tokens: set[str]) -> set[str]:
+    """Segments of rings ``tokens`` whose header names this process as owner (NOTE [SIGTERM])."""
+    prefixes = tuple(f"/shml-{t}-" for t in tokens)
+    return {name for name in list_segments() if name.startswith(prefixes) and _names_us(name)}
+
+
+cleanup.removes_segments(remove_own_segments)  # the registry sits below us (NOTE [layers])
 
 
 def _round_up(n: int, to: int) -> int:

@@ -216,11 +216,11 @@ def test_a_forked_child_stopped_by_sigterm_leaves_its_parents_runtime_directory(
     import os
     import signal
 
-    from shmloader import reap
+    from shmloader import cleanup
 
     rundir = tmp_path / "shml-rundir"
     rundir.mkdir()
-    reap.own(directory=str(rundir))
+    cleanup.own(directory=str(rundir))
     try:
         pid = os.fork()
         if pid == 0:  # the child: inherits the parent's registry, then SIGTERM
@@ -233,9 +233,9 @@ def test_a_forked_child_stopped_by_sigterm_leaves_its_parents_runtime_directory(
         _, status = os.waitpid(pid, 0)
         assert os.WIFSIGNALED(status) or os.WIFEXITED(status)
         assert rundir.exists(), "the child removed its parent's runtime directory"
-        assert str(rundir) in reap.owned()[1]
+        assert str(rundir) in cleanup.owned()[1]
     finally:
-        reap.disown(directory=str(rundir))
+        cleanup.disown(directory=str(rundir))
 
 
 # ------------------------------------------ a reader gone, with or without BYE

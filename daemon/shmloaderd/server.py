@@ -55,9 +55,9 @@ from shmloader.admin import (
     scan_entries,
     stale_sockets,
 )
+from shmloader.cleanup import remove_runtime_dir
 from shmloader.daemon_client import MAX_REQUEST, DaemonClient
 from shmloader.errors import ProtocolError, human_bytes
-from shmloader.reap import remove_runtime_dir
 from shmloader.segment import HEADER_SIZE, SHM_DIR
 
 from . import notify, protocol

@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shmloader import Config, ShmLoader, admin, codec, reap, rng, segment
+from shmloader import Config, ShmLoader, admin, cleanup, codec, reap, rng, segment
 from shmloader.channel import (
     SOCKET_NAME,
     Hub,
@@ -440,7 +440,7 @@ def test_a_worker_stopped_by_sigterm_leaves_the_slot_it_handed_to_the_leader(no_
             header.write(handed.fd)
             mine = Segment.create_unique(f"/shml-{token}-8.1", KIND_DATA, token, 4096)
             os.write(write, f"{handed.name} {mine.name}".encode())
-            reap.remove_owned()  # what the SIGTERM handler runs
+            cleanup.remove_owned()  # what the SIGTERM handler runs
             code = 0
         finally:
             os._exit(code)

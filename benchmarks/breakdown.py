@@ -32,6 +32,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .rank import Case, Recorder, Shared, now_ns, read_all
+from .run import DEFAULT_OUT, launch
+from .workload import BatchSpec, TemplatedBatches, transport_loader
+
 MiB = 1 << 20
 
 
@@ -89,11 +93,8 @@ def install(acc: dict[str, list[float]]) -> list[str]:
     return missing
 
 
-def profile(rank: int, case: Any, group: dist.ProcessGroup, rec: Any) -> None:
+def profile(rank: int, case: Case, group: dist.ProcessGroup, rec: Recorder) -> None:
     """Rank body (``Case.run == "profile"``): phase-A steps with timers and cProfile."""
-    from .rank import Shared, now_ns, read_all
-    from .workload import BatchSpec, transport_loader
-
     acc: dict[str, list[float]] = defaultdict(list)
     install(acc)
     spec = BatchSpec.for_bytes(case.target_bytes)
@@ -165,8 +166,6 @@ def cache_effect(sizes: tuple[int, ...] = (1, 64, 256, 1024), repeats: int = 11)
 
     from shmloader import codec
 
-    from .workload import BatchSpec, TemplatedBatches
-
     enc = codec.encode(TemplatedBatches(BatchSpec.for_bytes(MiB), 1).batch(0))
     payload = np.zeros(enc.nbytes, np.uint8)
     lines = ["codec.decode of the same 1 MiB batch's metadata, right after a copy of:"]
@@ -184,9 +183,6 @@ def cache_effect(sizes: tuple[int, ...] = (1, 64, 256, 1024), repeats: int = 11)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .rank import Case
-    from .run import DEFAULT_OUT, launch
-
     p = argparse.ArgumentParser(prog="python -m benchmarks.breakdown", description=__doc__)
     p.add_argument("--size", type=int, default=256, help="batch MiB (default 256)")
     p.add_argument("--sp", type=int, default=4, help="SP group size (default 4)")
@@ -200,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: not timed (gone from the library): {', '.join(missing)}", file=sys.stderr)
     os.environ["OMP_NUM_THREADS"] = "1"
     case = Case("profile", "shmloader", args.sp, args.size * MiB, args.warmup, args.steps, 1)
-    ranks, error = launch(case)
+    ranks, error = launch(case, profile)
     if ranks is None:
         print(f"FAILED: {error}", file=sys.stderr)
         return 1

@@ -655,8 +655,18 @@ def realistic(rank: int, case: Case, group: dist.ProcessGroup, rec: Recorder) ->
 # --------------------------------------------------------------- entry point
 
 
-def run_rank(rank: int, case: Case, port: int) -> dict[str, Any]:
-    """Join the group, run ``case``, return this rank's measurements."""
+#: What one rank runs once its group is up: ``transport``, ``realistic``,
+#: ``breakdown.profile``. Handed to the spawned rank by ``run.launch``.
+Body = Callable[[int, Case, dist.ProcessGroup, Recorder], None]
+
+
+def body_for(run: str) -> Body:
+    """The body of a run kind of ``run``: ``transport``, else ``realistic`` (budget too)."""
+    return transport if run == "transport" else realistic
+
+
+def run_rank(rank: int, case: Case, port: int, body: Body) -> dict[str, Any]:
+    """Join the group, run ``body`` for ``case``, return this rank's measurements."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -669,10 +679,6 @@ def run_rank(rank: int, case: Case, port: int) -> dict[str, Any]:
         group = dist.new_group(list(range(case.sp)))
         dist.barrier(group)
         rec = Recorder(rank)
-        if case.run == "profile":
-            from .breakdown import profile as body
-        else:
-            body = transport if case.run == "transport" else realistic  # budget: realistic
         body(rank, case, group, rec)
         dist.barrier(group)
         return rec.result()
@@ -680,13 +686,13 @@ def run_rank(rank: int, case: Case, port: int) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
-def rank_main(rank: int, case: dict[str, Any], port: int, outdir: str) -> None:
+def rank_main(rank: int, case: dict[str, Any], port: int, outdir: str, body: Body) -> None:
     """Spawn target: run one rank and leave ``<rank>.json`` or ``<rank>.err`` in ``outdir``."""
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)  # the parent can then kill this rank and its workers as one group
     os.environ.pop("SHMLOADER_DAEMON", None)  # embedded mode
     try:
-        result = run_rank(rank, Case(**case), port)
+        result = run_rank(rank, Case(**case), port, body)
         tmp = os.path.join(outdir, f"{rank}.json.tmp")
         with open(tmp, "w") as f:
             json.dump(result, f)

@@ -32,7 +32,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from . import procstat, report
-from .rank import Case, rank_main
+from .rank import Body, Case, body_for, rank_main
 
 MiB = 1 << 20
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -182,13 +182,17 @@ def _kill(proc: mp.process.BaseProcess) -> None:
             proc.kill()
 
 
-def launch(case: Case) -> tuple[list[dict] | None, str]:
-    """Run ``case`` on ``case.sp`` spawned ranks; their results, or None and why not."""
+def launch(case: Case, body: Body | None = None) -> tuple[list[dict] | None, str]:
+    """Run ``case`` on ``case.sp`` spawned ranks; their results, or None and why not.
+
+    Each rank runs ``body`` (default: its run kind's, ``rank.body_for``).
+    """
+    body = body_for(case.run) if body is None else body
     ctx = mp.get_context("spawn")
     outdir = tempfile.mkdtemp(prefix="shml-bench-")
     port = free_port()
     procs = [
-        ctx.Process(target=rank_main, args=(r, asdict(case), port, outdir), daemon=False)
+        ctx.Process(target=rank_main, args=(r, asdict(case), port, outdir, body), daemon=False)
         for r in range(case.sp)
     ]
     try:

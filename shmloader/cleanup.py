@@ -8,9 +8,10 @@ signal leaves nothing in ``/dev/shm`` or the runtime directory (NOTE
 ``gc`` rule) is a layer above.
 
 NOTE [layers]
-    The package is layered; a module imports only modules of its own layer or
-    of layers below it, at module level and inside functions alike (no import
-    in a function hides a circle; ``tests/test_layers.py`` checks the graph):
+    A module imports only modules of its own layer or of layers below it, and
+    never in a circle: imports inside a function count too (one there must not
+    hide a circle). ``tests/test_layers.py`` checks the whole graph and what
+    importing a low layer loads.
 
     1. ``errors`` and this module: the registry imports nothing of shmloader.
        Removing a registered segment needs its header, which only

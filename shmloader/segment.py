@@ -727,8 +727,11 @@ def _unlink_quietly(name: str) -> None:
 
 
 def remove_own_segments(segments: set[str], tokens: set[str]) -> None:
-    """SIGTERM's removal (NOTE [SIGTERM] in ``cleanup``): of ``segments``, those whose
-    header names us, and the segments of rings ``tokens`` whose header names us."""
+    """What SIGTERM removes of ours (NOTE [SIGTERM] in ``cleanup``).
+
+    Of ``segments``, those whose header names this process; of the rings
+    ``tokens``, every segment whose header names it (a forked worker's).
+    """
     with contextlib.suppress(Exception):
         segments = {n for n in segments if _names_us(n)}  # not what we handed over
         if tokens:

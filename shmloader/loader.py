@@ -271,7 +271,7 @@ class ShmLoader:
         self.close()
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's position at an optimizer-step boundary (see NOTE [checkpoints]).
+        """This rank's position at an optimizer-step boundary (NOTE [checkpoints], ``checkpoint``).
 
         Keys: ``format``; ``epoch``; ``batches`` (the cursor: batches of this
         epoch the SP group consumed, counted once per group, rounded down to a

@@ -21,7 +21,7 @@ import collections
 import contextlib
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 
@@ -33,7 +33,6 @@ from .waits import WaitHistogram
 
 if TYPE_CHECKING:
     from .device import DeviceStage
-    from .writer import Writer
 
 #: Seconds between two progress reports to the daemon.
 REPORT_EVERY_S = 1.0
@@ -120,6 +119,17 @@ def device_fields(stage: DeviceStage | None) -> dict[str, Any]:
     return fields
 
 
+class Announcing(Protocol):
+    """What the reporter reads of a writer (``writer.Writer``)."""
+
+    seq: int  # batches announced
+    acked: dict[int, int]  # per reader: batches it took
+
+    def describe(self, description: dict) -> None:
+        """Rewrite the ring's description (what ``stat`` finds in /dev/shm)."""
+        ...
+
+
 class Reporter:
     """At most once a second: this rank's progress for ``shmloader stat``.
 
@@ -144,7 +154,7 @@ class Reporter:
         self.daemon = daemon
         self.job = job
         self.device = device
-        self.writer: Writer | None = None  # set by the writer that reports its readers
+        self.writer: Announcing | None = None  # set on a writer: it reports its readers
         self.closed = False
         self._next = 0.0
 
@@ -176,7 +186,7 @@ class Reporter:
             if len(ranks) > DESCRIBED_RANKS:  # the control segment holds 16 KiB
                 ranks = {str(topo.me): mine}
             with contextlib.suppress(ValueError, TypeError):  # closed, or not JSON
-                writer.ring.describe({**describe(topo, self.job), "ranks": ranks})
+                writer.describe({**describe(topo, self.job), "ranks": ranks})
             if client is None:
                 return
             client.report(topo.ring_token, topo.me, published=writer.seq, role=self.role,

@@ -138,10 +138,12 @@ def build(
                 pg, new_token(), node_override=config.node, runtime_parent=config.runtime_dir
             )
             made.topo = topo.close
-            loader, length = _agree_on_loader(make_loader, topo, pg)
+            loader, length, error = _agree_on_loader(make_loader, topo, pg)
         except (RuntimeError, dist.DistError) as exc:  # a peer died during set-up
             detail = f"the set-up exchange over the group failed: {exc}"
             raise PeerLostError(None, "peer", detail) from exc
+        if error is not None:
+            raise error
         built = _make_role(shared, topo, pg, loader, length, made)
     except BaseException:
         close_quietly(made.in_order())
@@ -255,12 +257,14 @@ def _context(shared: Shared, report: Callable[[], None]) -> Context:
 
 def _agree_on_loader(
     make_loader: Callable[[], Iterable[Any]], topo: GroupTopology, pg: dist.ProcessGroup
-) -> tuple[Iterable[Any] | None, int | None]:
+) -> tuple[Iterable[Any] | None, int | None, BaseException | None]:
     """The leader builds its loader and tells everyone its length, or why it failed.
 
-    Returns (the leader's loader or None, its length or None). Raises the
-    original exception on the leader and a ``LeaderError`` carrying it on
-    the others (never a hang).
+    Returns (the leader's loader or None, its length or None, the exception
+    this rank must raise: the original on the leader, a ``LeaderError``
+    carrying it on the others; never a hang). The exception is returned, not
+    raised, so that the caller does not take it for a peer lost during the
+    exchange.
     """
     error: BaseException | None = None
     loader = None
@@ -278,9 +282,9 @@ def _agree_on_loader(
     agreed = _json_body(raw)
     if "error" in agreed:
         body = agreed["error"] if isinstance(agreed["error"], dict) else {}
-        raise error or _leader_error(body, topo.leader)
+        return None, None, error or _leader_error(body, topo.leader)
     length = agreed.get("length")
-    return loader, length if isinstance(length, int) and length >= 0 else None
+    return loader, length if isinstance(length, int) and length >= 0 else None, None
 
 
 def exchange_group(group: dist.ProcessGroup, timeout: float | None) -> dist.ProcessGroup:

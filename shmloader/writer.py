@@ -93,6 +93,10 @@ class Writer:
         if self.xnode is not None:
             self.xnode.position = (self.ctx.cursor.epoch, self.pos)
 
+    def describe(self, description: dict) -> None:
+        """Rewrite the ring's description for ``stat`` (``report.Reporter``)."""
+        self.ring.describe(description)
+
     def own_view(self, slot: Slot | None, nbytes: int) -> np.ndarray:
         """The writer's private view of a slot it just published; releases itself."""
         if slot is None:

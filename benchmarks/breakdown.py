@@ -53,7 +53,7 @@ def _timed(fn: Callable[..., Any], acc: dict[str, list[float]], name: str) -> Ca
 
 def targets() -> list[tuple[Any, str, str]]:
     """(owner, attribute, label) of every library step the breakdown times."""
-    from shmloader import codec, follower, loader, ring
+    from shmloader import codec, follower, leader, ring, writer
     from shmloader.channel import Spoke
 
     targets: list[tuple[Any, str, str]] = [
@@ -63,11 +63,11 @@ def targets() -> list[tuple[Any, str, str]]:
         (ring.RingWriter, "acquire", "leader: RingWriter.acquire"),
         (ring.RingReader, "view", "follower: RingReader.view (mmap)"),
         (Spoke, "wait", "follower: Spoke.wait (BATCH message)"),
-        (loader.ShmLoader, "_await_readers", "leader: _await_readers"),
-        (loader.ShmLoader, "_announce", "leader: _announce"),
-        (loader.ShmLoader, "_tell_readers", "leader: _tell_readers (announcement)"),
-        (loader.ShmLoader, "_publish", "leader: _publish (all)"),
-        (loader.ShmLoader, "_attach", "follower: _attach"),
+        (writer.Writer, "await_readers", "leader: _await_readers"),
+        (writer.Writer, "announce", "leader: _announce"),
+        (writer.Writer, "tell_readers", "leader: _tell_readers (announcement)"),
+        (leader.Leader, "_publish", "leader: _publish (all)"),
+        (follower.Follower, "_attach", "follower: _attach"),
         (follower._Releaser, "send", "follower: _Releaser.send (releases, requests)"),
     ]
     return targets

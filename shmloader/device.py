@@ -719,7 +719,7 @@ class DeviceStage:
         select = self.select
         assert select is not None
         while True:
-            box = []  # NOTE [no batch in the frame] (loader)
+            box = []  # NOTE [no batch in the frame] (roles)
             try:
                 box.append(next(inner))
             except StopIteration:

@@ -1,17 +1,22 @@
 """A follower: maps what its node's writer published.
 
-One batch, on a follower (``_follower_iteration``)::
+One batch, on a follower (``Follower.iterate``)::
 
     writer                          follower
     ------                          --------
     hub.publish(BATCH) --ZeroMQ---> _next_event: spoke receives BATCH
-                                    (stamp checked: NOTE [iteration numbers])
+                                    (stamp checked: NOTE [iteration numbers] in cursor)
                     <----ACK------- took batch seq
                     <--ATTACHED---- _attach: first map of the segment
                                     mmap slot MAP_PRIVATE (_map)
                                     yield codec.decode(view)
                                     ... batch garbage ->
     ring.release  <--RELEASE------- weakref.finalize (_Releaser, NOTE [prompt release])
+
+A follower holds a ``Reader`` (stamp checks and delivery), its node's
+``RingReader`` (mappings), its ``Spoke`` and the ``_Releaser`` that owns the
+spoke's outgoing side. It owns ``stash`` (a message of the writer's next
+iteration) and ``writer_closed``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import contextlib
 import functools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -29,8 +34,10 @@ import numpy as np
 from . import rng, wire
 from .channel import Spoke
 from .errors import PeerLostError, ProtocolError, ShmLoaderError
-from .reader import _Reader
-from .roles import CLOSE_WAIT_S, _check_crc, _leader_error, log
+from .reader import Reader
+from .ring import RingReader
+from .roles import CLOSE_WAIT_S, Context, _check_crc, _leader_error, log
+from .topology import GroupTopology
 from .wire import Kind
 
 
@@ -140,23 +147,65 @@ class _Releaser:
             yield
 
 
-class _Follower(_Reader):
+class Follower:
     """The follower's loop: BATCH messages of its node's writer, mapped."""
 
+    name = "follower"
+
+    def __init__(
+        self, ctx: Context, topo: GroupTopology, reader: Reader, ring: RingReader, spoke: Spoke
+    ) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+        self.topo = topo
+        self.reader = reader
+        self.ring = ring
+        self.spoke = spoke
+        self.out = _Releaser(spoke, topo.me)
+        self.stash: wire.Message | None = None
+        self.writer_closed = False  # the writer told us it closed: fail fast
+        me = topo.fact(topo.me)
+        self.out.send(wire.frames(Kind.HELLO, rank=topo.me, pid=me.pid, start=me.start))
+
+    def ready(self) -> None:
+        if self.writer_closed:
+            raise PeerLostError(
+                self.topo.writer, "writer", "it closed its ShmLoader: no more batches will come"
+            )
+
+    def iterate(self, it: int, cursor: int, skip: bool) -> Iterator[Any]:
+        return self._loop(it)
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def close(self) -> None:
+        self.ring.own_views()  # NOTE [held past close] (ring): before BYE drops the holds
+        with contextlib.suppress(Exception):
+            self.out.send(wire.frames(Kind.BYE, rank=self.topo.me))
+        self.out.closed = True
+
+    def closers(self) -> list[Callable[[], None]]:
+        # The socket closes through the _Releaser, so that a batch dying after the
+        # close (even in the finalizer's order at exit) releases nothing.
+        return [self.out.close, self.ring.close]
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
     def _next_event(self, it: int) -> wire.Message:
-        """The next message that matters to iteration ``it`` (NOTE [iteration numbers], loader).
+        """The next message that matters to iteration ``it`` (NOTE [iteration numbers], cursor).
 
         That is a message of iteration ``it``, the writer's last word (ERROR,
         STOP) or a message of a later iteration (then also kept in
-        ``_stash`` for the next one). Leftovers of earlier iterations are
+        ``stash`` for the next one). Leftovers of earlier iterations are
         ACKed and released right here, inside the receive path: the writer
         may be waiting for exactly those.
         """
-        spoke, topo = self._spoke, self._topo
-        assert spoke is not None and topo is not None
-        self._out.claim()  # NOTE [one thread per socket]: the iterating thread owns it
-        if self._stash is not None:
-            msg, self._stash = self._stash, None
+        spoke, topo = self.spoke, self.topo
+        self.out.claim()  # NOTE [one thread per socket]: the iterating thread owns it
+        if self.stash is not None:
+            msg, self.stash = self.stash, None
             if self._sort(msg, it):
                 return msg
         found: list[wire.Message] = []
@@ -167,24 +216,24 @@ class _Follower(_Reader):
                 return True
             return False
 
-        peer = self._peer(topo.writer)
+        peer = topo.peer(topo.writer)
         t0 = time.perf_counter()
-        with self._out.receiving():
+        with self.out.receiving():
             spoke.wait(
                 handle,
                 lambda: [peer],
                 timeout=self.config.timeout,
-                doing=f"waiting for batch {self._delivered} of iteration {it}",
-                idle=self._out.flush,
+                doing=f"waiting for batch {self.ctx.cursor.delivered} of iteration {it}",
+                idle=self.out.flush,
             )
-        self._note_wait(t0)
+        self.ctx.stats.note_wait(t0)
         return found[0]
 
     def _sort(self, msg: wire.Message, it: int) -> bool:
         """Whether ``msg`` ends the wait for iteration ``it``; drop an earlier one's leftovers."""
         terminal = msg.kind in (Kind.ERROR, Kind.STOP)
         if terminal:  # the writer waits (bounded) until it knows we have it: _tell_last
-            self._out.send(wire.frames(Kind.ACK, msg.seq, rank=self._me))
+            self.out.send(wire.frames(Kind.ACK, msg.seq, rank=self.topo.me))
         msg_it = msg.body.get("it", it)
         if msg_it == it:
             return True
@@ -192,30 +241,29 @@ class _Follower(_Reader):
         if terminal and (msg_it < it or closed):  # the writer's last word, in any iteration
             return True
         if msg_it > it:  # the writer moved on: keep the message for the next iteration
-            self._stash = msg
+            self.stash = msg
             return True
         self._drop(msg)
         if msg.kind in (Kind.BATCH, Kind.END):
-            self._left_behind(msg_it, msg["pos"], msg.kind == Kind.END)
+            self.reader.left_behind(msg_it, msg["pos"], msg.kind == Kind.END)
         return False
 
     def _drop(self, msg: wire.Message) -> None:
         """ACK and RELEASE a batch this rank will not use (its iteration is over)."""
         if msg.kind != Kind.BATCH:
             return
-        self._out.send(wire.frames(Kind.ACK, msg.seq, rank=self._me))
+        self.out.send(wire.frames(Kind.ACK, msg.seq, rank=self.topo.me))
         if msg["slot"] >= 0:
             self._attach(msg["seg"])
-            self._out.pending.append((msg["slot"], msg["gen"], msg.seq))
-            self._out.send([])
+            self.out.pending.append((msg["slot"], msg["gen"], msg.seq))
+            self.out.send([])
 
     def _attach(self, seg: str) -> None:
-        assert self._reader is not None and self._spoke is not None
         try:
-            opened = self._reader.open(seg)
+            opened = self.ring.open(seg)
         except ProtocolError as exc:
-            writer = self._peer(self._topo.writer) if self._topo else None
-            if writer is not None and not writer.alive():
+            writer = self.topo.peer(self.topo.writer)
+            if not writer.alive():
                 raise PeerLostError(
                     writer.rank, writer.role, f"it died before we mapped {seg}"
                 ) from None
@@ -225,33 +273,32 @@ class _Follower(_Reader):
                 "every rank finished iterating"
             ) from None
         if opened:
-            self._out.send(wire.frames(Kind.ATTACHED, rank=self._me, seg=seg))
+            self.out.send(wire.frames(Kind.ATTACHED, rank=self.topo.me, seg=seg))
 
-    def _follower_iteration(self, it: int) -> Iterator[Any]:
-        reader, spoke, topo = self._reader, self._spoke, self._topo
-        assert reader is not None and spoke is not None and topo is not None
+    def _loop(self, it: int) -> Iterator[Any]:
+        ctx, reader, topo = self.ctx, self.reader, self.topo
         while True:
-            self._check_open()
+            ctx.check_open()
             msg = self._next_event(it)
-            mine = (it, self._epoch, self._delivered)
+            mine = ctx.cursor.mine(it)
             theirs = (msg.body.get("it", it), msg.body.get("epoch", -1), msg.body.get("pos", -1))
-            if msg is self._stash:  # a later iteration started while we still iterate
-                raise self._diverged("left", theirs, mine)
+            if msg is self.stash:  # a later iteration started while we still iterate
+                raise reader.diverged("left", theirs, mine)
             if msg.kind == Kind.END:
                 if theirs[1:] != mine[1:]:
-                    raise self._diverged("ended", theirs, mine)
+                    raise reader.diverged("ended", theirs, mine)
                 rng.mirror_draws(msg["draws"])
-                self._exhausted = True
+                ctx.cursor.finish()
                 return
             if msg.kind == Kind.STOP:
                 if msg["closed"]:
-                    self._writer_closed = True
+                    self.writer_closed = True
                     raise PeerLostError(
                         topo.writer,
                         topo.role(topo.writer),
                         "it closed its ShmLoader while this rank was still iterating",
                     )
-                raise self._stopped(msg["reason"], theirs, mine)
+                raise reader.stopped(msg["reason"], theirs, mine)
             if msg.kind == Kind.ERROR:
                 raise _leader_error(msg.body, topo.leader)
             if msg.kind != Kind.BATCH:
@@ -259,20 +306,19 @@ class _Follower(_Reader):
                 continue
             if theirs[1:] != mine[1:]:
                 self._drop(msg)
-                raise self._diverged("batch", theirs, mine)
+                raise reader.diverged("batch", theirs, mine)
             t0 = time.perf_counter_ns()
-            self._out.send(wire.frames(Kind.ACK, msg.seq, rank=self._me))
-            yield self._deliver(msg.blob, self._map(msg), msg["draws"], t0)
+            self.out.send(wire.frames(Kind.ACK, msg.seq, rank=topo.me))
+            yield reader.deliver(msg.blob, self._map(msg), msg["draws"], t0)
 
     def _map(self, msg: wire.Message) -> np.ndarray:
         """A private view of the payload a BATCH announced (empty without payload)."""
         nbytes = msg["nbytes"]
         if not nbytes:
             return np.empty(0, np.uint8)
-        assert self._reader is not None
         self._attach(msg["seg"])
-        release = functools.partial(self._out.release, (msg["slot"], msg["gen"], msg.seq))
-        payload = self._reader.view(msg["seg"], nbytes, release)
+        release = functools.partial(self.out.release, (msg["slot"], msg["gen"], msg.seq))
+        payload = self.ring.view(msg["seg"], nbytes, release)
         if msg["crc"] >= 0:
             _check_crc(payload, msg["crc"], msg.seq)
         return payload

@@ -1,61 +1,61 @@
-"""The rank that runs the user's loader: ``local`` (sharing off), and the leader built on it.
+"""The rank that runs the user's loader: its ``Source``, and the ``Local`` role (sharing off).
 
 With sharing off every rank is *local*: it iterates its own loader exactly
 as without shmloader, and runs its batches through the codec's checks until
 one would be refused with sharing on, which it names in one warning
-(NOTE [sharing off is plain torch] in ``loader``)::
+(NOTE [sharing off is plain torch])::
 
-    local
+    local (Local.iterate)
     -----
-    source = iter(loader)          (_open_source: skip a resumed cursor)
-    _mark_boundary()               (optimizer-step boundary: loader state, RNG)
+    source = Source.open(skip)     (iter(loader), then skip a resumed cursor)
+    Source.boundary()              (optimizer-step boundary: loader state, RNG)
     batch = next(source)
     codec.encode(batch)            (metadata only: warns once what sharing would refuse)
     yield batch
 
-The leader (``leader``) opens and steps its loader the same way.
+The leader (``leader``) opens and steps its loader through the same ``Source``.
+
+NOTE [sharing off is plain torch]
+    With sharing off every rank delivers exactly what its loader yields, as
+    without shmloader: a batch that plain torch accepts (a ``pathlib.Path``,
+    a tensor that requires grad, any object) is never refused. Each batch
+    still runs through the codec's checks (``codec.encode``: metadata only,
+    no payload copy) until the first one sharing would refuse, which is
+    named in one warning carrying the ``UnsupportedBatchError`` that
+    ``SHMLOADER=1`` would raise; later batches are not checked. With sharing
+    on such a batch is refused before anything is written. ``len()`` and
+    ``next()`` after ``close()`` raise the same ``ShmLoaderError`` in both
+    modes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
-from . import codec, rng
+from . import arrival, codec, rng
+from .cursor import Boundary, Cursor
 from .errors import UnsupportedBatchError
-from .roles import log
+from .roles import Context, log
 
 
-class _Local:
-    """Open, fast-forward and step the user's loader; the local role's loop."""
+class Source:
+    """The user's loader: opened, fast-forwarded (a resume) and stepped; its draws counted.
 
-    def _local_iteration(self, skip: int) -> Iterator[Any]:
-        source, _ = self._open_source(skip)
-        while True:
-            self._check_open()
-            self._mark_boundary()
-            box = []  # NOTE [no batch in the frame] (loader)
-            try:
-                box.append(next(source))
-            except StopIteration:
-                self._exhausted = True
-                return
-            if not self._told_unshareable:  # NOTE [sharing off is plain torch] (loader)
-                try:
-                    codec.encode(box[0], allow_pickle=self.config.allow_pickle)
-                except UnsupportedBatchError as exc:
-                    self._told_unshareable = True
-                    log.warning(
-                        "shmloader: sharing is off, so this batch is delivered as the loader "
-                        "made it; with SHMLOADER=1 it would be refused: %s",
-                        exc,
-                    )
-            self._delivered += 1
-            yield box.pop()
+    Reads the ``Cursor`` (epoch, position); writes the ``Boundary``'s loader
+    state, epoch-start RNG and step-boundary capture (NOTE [RNG at the step
+    boundary], NOTE [RNG at the epoch's start] in ``rng``).
+    """
 
-    def _open_source(self, skip: int) -> tuple[Iterator[Any], int]:
+    def __init__(self, loader: Iterable[Any], cursor: Cursor, boundary: Boundary) -> None:
+        self.loader: Iterable[Any] | None = loader
+        self.cursor = cursor
+        self.boundary = boundary
+        self.warned_rng = False
+
+    def open(self, skip: int) -> tuple[Iterator[Any], int]:
         """``iter()`` the user's loader and fast-forward ``skip`` batches (a resume).
 
         Returns the iterator and the default-generator draws made so far
@@ -63,26 +63,27 @@ class _Local:
         the loader, so its sampler, workers and RNG end where an
         uninterrupted run would be.
         """
-        self._capture_rng()  # the first request of this iteration
-        self._just_opened = True
+        b = self.boundary
+        b.capture(self.cursor.delivered)  # the first request of this iteration
+        b.just_opened = True
         before = rng.snapshot()
-        loader = self._loader
+        loader = self.loader
         # NOTE [RNG at the epoch's start] (rng): a resume reopens the loader with the
         # generators of the saved epoch's start, then puts the step boundary back.
-        resumed, self._resume_open = self._resume_open, None
-        undo, self._rng_undo = self._rng_undo, None
+        resumed, b.resume_open = b.resume_open, None
+        undo, b.undo = b.undo, None
         seeded = rng.will_consume_base_seed(loader)
         unseeded = False
-        if resumed is not None and not _stateful(loader):
+        if resumed is not None and not stateful(loader):
             if skip and resumed.get("rng") is not None:
                 undo = undo or rng.capture()
                 rng.restore(resumed["rng"])
                 unseeded = seeded and not resumed["seeded"]
             else:
                 unseeded = seeded and resumed["reset_next"]
-        self._iter_open = {"epoch": self._epoch, "rng": rng.capture(), "seeded": seeded}
+        b.opened = {"epoch": self.cursor.epoch, "rng": rng.capture(), "seeded": seeded}
         if unseeded:
-            self._iter_open["seeded"] = False
+            b.opened["seeded"] = False
             source = rng.iter_without_base_seed(loader)  # type: ignore[arg-type]
         else:
             source = iter(loader)  # type: ignore[arg-type]
@@ -93,23 +94,25 @@ class _Local:
                 break
         if undo is not None:  # NOTE [RNG at the step boundary] (rng)
             rng.restore(undo)
-        return source, self._count(before)
+        return source, self.count(before)
 
-    def _mark_boundary(self) -> None:
-        """Remember a stateful loader's state at an optimizer-step boundary."""
-        k = self.accumulation_steps
-        if k > 1 and self._delivered % k == 0 and _stateful(self._loader):
-            self._boundary_state = self._loader.state_dict()  # type: ignore[union-attr]
-        if self._just_opened:  # _open_source captured this request before opening
-            self._just_opened = False
+    def boundary_reached(self) -> None:
+        """Before each request: a stateful loader's state at an optimizer-step boundary."""
+        b = self.boundary
+        if b.at_step_start(self.cursor.delivered) and stateful(self.loader):
+            b.loader_state = self.loader.state_dict()  # type: ignore[union-attr]
+        if b.just_opened:  # open() captured this request before opening
+            b.just_opened = False
         else:
-            self._capture_rng()
+            b.capture(self.cursor.delivered)
 
-    def _count(self, before: torch.Tensor) -> int:
+    def count(self, before: torch.Tensor) -> int:
+        """Default-generator draws since ``before`` (``rng.snapshot()``); 0, once warned,
+        when they cannot be mirrored."""
         n = rng.count_draws(before, rng.snapshot())
         if n is None:
-            if not self._warned_rng:
-                self._warned_rng = True
+            if not self.warned_rng:
+                self.warned_rng = True
                 log.warning(
                     "shmloader: the leader's loader drew from the default torch generator in a way "
                     "followers cannot mirror (e.g. torch.rand in a main-process collate_fn); "
@@ -118,8 +121,90 @@ class _Local:
             return 0
         return n
 
+    def state(self) -> Any:
+        """A stateful loader's state now, else None."""
+        return self.loader.state_dict() if stateful(self.loader) else None  # type: ignore[union-attr]
 
-def _stateful(loader: object) -> bool:
+
+class Local:
+    """The local role's loop: the user's loader as it is (sharing off)."""
+
+    name = "local"
+
+    def __init__(self, ctx: Context, source: Source, unwarned: arrival.Arrival | None) -> None:
+        self.ctx = ctx
+        self.source = source
+        # looked at once more when the first iteration starts, in case peers
+        # with sharing on marked after this rank (NOTE [set-up marks] in arrival)
+        self.unwarned = unwarned
+        self.told_unshareable = False  # NOTE [sharing off is plain torch]
+
+    def ready(self) -> None:
+        pass
+
+    def iterate(self, it: int, cursor: int, skip: bool) -> Iterator[Any]:
+        if self.unwarned is not None:  # NOTE [set-up marks] (arrival)
+            self.unwarned, unwarned = None, self.unwarned
+            if not unwarned.warned:
+                unwarned.check_peers_on()
+        return self._loop(cursor if skip else 0)
+
+    def _loop(self, skip: int) -> Iterator[Any]:
+        ctx, source = self.ctx, self.source
+        batches, _ = source.open(skip)
+        while True:
+            ctx.check_open()
+            source.boundary_reached()
+            box = []  # NOTE [no batch in the frame] (roles)
+            try:
+                box.append(next(batches))
+            except StopIteration:
+                ctx.cursor.finish()
+                return
+            if not self.told_unshareable:  # NOTE [sharing off is plain torch]
+                try:
+                    codec.encode(box[0], allow_pickle=ctx.config.allow_pickle)
+                except UnsupportedBatchError as exc:
+                    self.told_unshareable = True
+                    log.warning(
+                        "shmloader: sharing is off, so this batch is delivered as the loader "
+                        "made it; with SHMLOADER=1 it would be refused: %s",
+                        exc,
+                    )
+            ctx.cursor.count()
+            yield box.pop()
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.source.loader is not None:
+            _forward_set_epoch(self.source.loader, epoch)
+
+    def close(self) -> None:
+        pass
+
+    def closers(self) -> list[Callable[[], None]]:
+        return []
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+def stateful(loader: object) -> bool:
+    """Whether ``loader`` has ``state_dict`` and ``load_state_dict`` (torchdata's
+    ``StatefulDataLoader``)."""
     return callable(getattr(loader, "state_dict", None)) and callable(
         getattr(loader, "load_state_dict", None)
     )
+
+
+def _forward_set_epoch(loader: object, epoch: int) -> None:
+    """Call ``set_epoch`` on the loader and on its sampler(s), once each."""
+    targets: list[object] = [loader]
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    targets += [sampler, batch_sampler, getattr(batch_sampler, "sampler", None)]
+    done: set[int] = set()
+    for target in targets:
+        fn = getattr(target, "set_epoch", None)
+        if target is not None and callable(fn) and id(target) not in done:
+            done.add(id(target))
+            fn(epoch)

@@ -1,12 +1,16 @@
 """What a reader does (each follower, and a node leader towards the leader).
 
 A reader checks every message's stamp against its own position
-(NOTE [iteration numbers] in ``loader``) and delivers a batch::
+(NOTE [iteration numbers] in ``cursor``) and delivers a batch::
 
-    stamp (it, epoch, pos) == mine     -> _deliver: decode views, mirror RNG draws
-    another (epoch, pos), a later it   -> _diverged: DivergenceError naming both
-    STOP                               -> _stopped: LeaderStoppedError
-    an earlier it (this rank left it)  -> _left_behind: warn once, go on
+    stamp (it, epoch, pos) == mine     -> deliver: decode views, mirror RNG draws
+    another (epoch, pos), a later it   -> diverged: DivergenceError naming both
+    STOP                               -> stopped: LeaderStoppedError
+    an earlier it (this rank left it)  -> left_behind: warn once, go on
+
+It reads the ``Cursor`` (where this rank left an iteration) and, at
+delivery, moves it one batch and captures the step boundary's RNG; it
+counts what it received in ``RankStats``.
 """
 
 from __future__ import annotations
@@ -18,16 +22,22 @@ import numpy as np
 
 from . import codec, rng
 from .errors import DivergenceError, LeaderStoppedError
-from .roles import _owned_copy, log
+from .roles import Context, _owned_copy, log
+from .topology import GroupTopology
 
 
-class _Reader:
+class Reader:
     """Stamp checks and delivery shared by followers and node leaders."""
 
-    def _diverged(
+    def __init__(self, ctx: Context, topo: GroupTopology) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+        self.topo = topo
+
+    def diverged(
         self, how: str, theirs: tuple[int, int, int], mine: tuple[int, int, int]
     ) -> DivergenceError:
-        """NOTE [iteration numbers] (``loader``): this rank and its writer iterate differently."""
+        """NOTE [iteration numbers] (``cursor``): this rank and its writer iterate differently."""
         what = {
             "left": (
                 f"the leader left iteration {mine[0]} after {mine[2]} batches and went on to "
@@ -44,7 +54,7 @@ class _Reader:
                 "load_state_dict() made on some ranks only?)"
             ),
         }[how]
-        topo = self._topo
+        topo = self.topo
         return DivergenceError(
             what,
             rank=topo.me if topo else None,
@@ -53,34 +63,34 @@ class _Reader:
             position=mine,
         )
 
-    def _stopped(
+    def stopped(
         self, reason: str, theirs: tuple[int, int, int], mine: tuple[int, int, int]
     ) -> LeaderStoppedError:
         log.warning("shmloader: the leader stopped: %s", reason)
         return LeaderStoppedError(
             reason,
-            leader_rank=self._topo.leader if self._topo else None,
+            leader_rank=self.topo.leader if self.topo else None,
             leader_position=theirs,
             position=mine,
         )
 
-    def _left_behind(self, it: int, pos: int, end: bool) -> None:
+    def left_behind(self, it: int, pos: int, end: bool) -> None:
         """A message of iteration ``it``, which this rank left early: warn once, naming both."""
-        left = self._left.pop(it, None)
+        left = self.ctx.cursor.take_left(it)
         if left is None:
             return
         log.warning(
             "shmloader: rank %s left iteration %d (epoch %d) after %d batches, but the leader "
             "went on (%s); those batches were released unused. Ranks of one group that break "
             "out of an epoch must break at the same point, or they train on different batches",
-            self._topo.me if self._topo else "?",
+            self.topo.me if self.topo else "?",
             it,
             left[0],
             left[1],
             f"its epoch ended after {pos} batches" if end else f"it sent batch {pos}",
         )
 
-    def _deliver(self, meta: bytes, payload: np.ndarray, draws: int, t0: int) -> Any:
+    def deliver(self, meta: bytes, payload: np.ndarray, draws: int, t0: int) -> Any:
         """Decode a received batch (views of ``payload``), mirror RNG draws, count it."""
         batch = codec.decode(
             meta,
@@ -89,16 +99,17 @@ class _Reader:
             own_below=self.config.small_copy_bytes,
         )
         nbytes = payload.nbytes
-        del payload  # NOTE [small leaves] (loader): a batch of small leaves only is released here
+        del payload  # NOTE [small leaves] (roles): a batch of small leaves only is released here
         if self.config.copy:
             batch = _owned_copy(batch)
-        self._capture_rng()  # NOTE [RNG at the step boundary] (rng)
+        cursor, counts = self.ctx.cursor, self.ctx.stats.counts
+        self.ctx.boundary.capture(cursor.delivered)  # NOTE [RNG at the step boundary] (rng)
         rng.mirror_draws(draws)
-        self._delivered += 1
+        cursor.count()
         elapsed = (time.perf_counter_ns() - t0) / 1e6
-        self._stats["received"] += 1
-        self._stats["bytes_received"] += nbytes
-        self._stats["receive_ms_total"] += elapsed
-        self._stats["receive_ms_last"] = elapsed
-        self._report()
+        counts["received"] += 1
+        counts["bytes_received"] += nbytes
+        counts["receive_ms_total"] += elapsed
+        counts["receive_ms_last"] = elapsed
+        self.ctx.report()
         return batch

@@ -166,7 +166,7 @@ def mirror_draws(n: int) -> None:
 #     workers: the same samples in the same workers, so their own generators
 #     advance as they did). So the leader (every rank with sharing off)
 #     captures the generators just before each ``iter()`` of its loader
-#     (``_open_source``), with whether that ``iter()`` drew a base seed, and a
+#     (``local.Source.open``), with whether that ``iter()`` drew a base seed, and a
 #     mid-epoch ``state_dict()`` carries both (``opened``). A resume restores
 #     them in this order: the epoch's start, ``iter()`` (without the base seed
 #     when the uninterrupted run only reset persistent workers:

@@ -1,44 +1,122 @@
-"""The four roles behind ``ShmLoader``, and what several of them share.
+"""The roles behind ``ShmLoader``: their contract, what they share, and the map.
 
-``ShmLoader`` (``loader``) keeps the public API, set-up, epochs,
-checkpoints, stats and close; each role's pipeline lives in a mixin of its
-own module, and ``class ShmLoader(_Leader, _Relay, _Follower)`` shares one
-``self`` among them::
+``ShmLoader`` (``loader``) is the public façade; ``startup.build`` makes
+one role object from the topology, and the façade holds it by composition::
 
-    role          iteration                   module (mixin)
-    ----          ---------                   --------------
-    local         _local_iteration            local    (_Local)
-    leader        _leader_iteration           leader   (_Leader: _Local + _Writer)
-    node leader   _relay_iteration            relay    (_Relay: _Writer + _Reader)
-    follower      _follower_iteration         follower (_Follower: _Reader; _Releaser)
+    role          object      module     holds (by composition)
+    ----          ------      ------     ----------------------
+    local         Local       local      Source (the user's loader)
+    leader        Leader      leader     Source, Writer, WorkerPool?, CrossNode?
+    node leader   Relay       relay      Reader, Writer, CrossNode
+    follower      Follower    follower   Reader, RingReader, Spoke (_Releaser)
 
-    writer (leader, node leader): readers' messages, announcing, waits  writer  (_Writer)
-    reader (node leader, follower): stamps checked, batches delivered   reader  (_Reader)
+    Writer (writer): what the leader and a node leader do as their node's writer
+    Reader (reader): what a node leader and a follower do as readers
 
-This module holds only what several roles use: the error bodies carried by
+Every role has the same small contract (``Role``): ``iterate(it, cursor,
+skip)`` returns the iterator of one ``iter()`` (``ready()`` first says
+whether one can start); ``set_epoch(epoch)`` passes
+the epoch on (to the loader, to the writer's stamps); ``close()`` is the orderly
+part of closing (a follower's BYE, a writer's STOP); ``closers()`` the
+resources to free, in order (also run by the finalizer at exit);
+``stats()`` what the role adds to ``ShmLoader.stats()``. What several
+roles share is one ``Context`` passed in: the config, the ``Cursor`` and
+``Boundary`` (``cursor``), the ``RankStats`` and the report hook
+(``report``); each of its fields has one writer (``cursor`` draws the table).
+
+This module also holds what several roles use: the error bodies carried by
 ERROR messages, the payload CRC (``SHMLOADER_VERIFY``) and owned copies
-(``SHMLOADER_COPY``). Role modules never import ``loader``.
+(``SHMLOADER_COPY``). Role modules never import ``loader`` nor each other's
+roles (``leader`` builds on ``local``'s ``Source``, the writer and reader on
+nothing of a role).
+
+NOTE [no batch in the frame]
+    A generator keeps its locals alive while it is suspended at ``yield``. A
+    batch stored in a local would stay referenced one step after the user
+    dropped it: its slot would not be released and the ring would grow by one
+    slot. The loops therefore yield straight from an expression (``box.pop()``,
+    a call) and keep no batch, payload or view in a local across a ``yield``.
+
+NOTE [small leaves]
+    Tensors and arrays of at most ``Config.small_copy_bytes`` (64 KiB) are
+    decoded as owned copies, not views of the slot, on every rank: keeping
+    ``batch["labels"]`` for an epoch-level metric then keeps nothing of the
+    slot, which is released as soon as the large leaves die. A batch made
+    only of small leaves is released right at delivery.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import traceback
 import zlib
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from .config import Config
+from .cursor import Boundary, Cursor
 from .errors import LeaderError, PeerLostError, ProtocolError, ShmLoaderError
+from .report import RankStats
 
 #: Every role logs as the loader: one logger name for users' filters.
 log = logging.getLogger("shmloader.loader")
 
 #: Longest a writer waits, on close or on an error, for readers it must reach.
 CLOSE_WAIT_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What every role of one ``ShmLoader`` shares (each field has one owner)."""
+
+    config: Config
+    cursor: Cursor
+    boundary: Boundary
+    stats: RankStats
+    #: Report progress for ``stat`` (at most once a second; a no-op without a group).
+    report: Callable[[], None]
+    #: Raise ``ShmLoaderError`` once ``close()`` ran (every loop checks it per batch).
+    check_open: Callable[[], None]
+
+
+class Role(Protocol):
+    """The contract of a role object (``local``, ``leader``, ``relay``, ``follower``)."""
+
+    name: str
+
+    def ready(self) -> None:
+        """Raise if no iteration can start (a follower whose writer closed)."""
+        ...
+
+    def iterate(self, it: int, cursor: int, skip: bool) -> Iterator[Any]:
+        """The batches of iteration ``it``, starting at position ``cursor`` of the epoch.
+
+        ``skip``: the leader's loader must be fast-forwarded by ``cursor``
+        (a resume); False when it restored its own position.
+        """
+        ...
+
+    def set_epoch(self, epoch: int) -> None:
+        """``ShmLoader.set_epoch`` reached the role (the loader's ``set_epoch``, stamps)."""
+        ...
+
+    def close(self) -> None:
+        """The orderly part of closing: say goodbye to the peers (never raises)."""
+        ...
+
+    def closers(self) -> list[Callable[[], None]]:
+        """What to free at close or at exit, in order."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """What the role adds to ``ShmLoader.stats()``."""
+        ...
 
 
 def _owned_copy(batch: Any) -> Any:

@@ -3,17 +3,22 @@
 A writer publishes each batch into its node's ring and tells its readers;
 the readers' HELLO / ACK / RELEASE / ATTACHED / BYE come back on the hub::
 
-    writer (_Writer)                     reader (a follower of this node)
-    ----------------                     --------------------------------
-    _await_readers: every reader said  <--HELLO-------  set-up
+    writer (Writer)                      reader (a follower of this node)
+    ---------------                      --------------------------------
+    await_readers: every reader said   <--HELLO-------  set-up
       HELLO, none lags SLOTS behind    <--ACK---------  took batch seq
     ring.publish(slot, seq)
-    _announce: hub.publish(BATCH) ------BATCH-------->  maps it (one send for all)
-    _pump / _handle                    <--ATTACHED----  first map of a segment
+    announce: hub.publish(BATCH) -------BATCH-------->  maps it (one send for all)
+    pump / handle                      <--ATTACHED----  first map of a segment
                                        <--RELEASE-----  the batch died
                                        <--BYE---------  closed
-    _end: END ---------------------------END--------->  iteration over
-    _fail: ERROR | STOP, then _tell_last waits (bounded) for each reader's ACK
+    END (the role's end) ----------------END--------->  iteration over
+    fail: ERROR | STOP, then tell_last waits (bounded) for each reader's ACK
+
+What the writer owns (nobody else writes it): ``seq`` (batches announced),
+``pos`` (the position stamped on the next message, from ``begin``), the
+readers' HELLOs, ACKs and BYEs, its own releases, and the ring's HELD/FREE
+bookkeeping through ``ring.release``. It reads the ``Cursor``'s epoch.
 
 NOTE [ring growth]
     A rank's depth is ``SHMLOADER_SLOTS + 2`` batches: its window of batches
@@ -34,6 +39,7 @@ NOTE [ring growth]
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import time
@@ -43,26 +49,64 @@ from typing import Any
 import numpy as np
 
 from . import wire
-from .channel import BYE_GRACE_S
+from .channel import BYE_GRACE_S, Hub
 from .errors import PeerLostError, ProtocolError, human_bytes
-from .ring import Slot, SlotState, private_view
-from .roles import CLOSE_WAIT_S, _error_body, log
+from .ring import RingWriter, Slot, SlotState, private_view
+from .roles import CLOSE_WAIT_S, Context, _error_body, log
+from .topology import GroupTopology
 from .wire import Kind
-from .xnode import KIND_ERROR, KIND_STOP
+from .xnode import KIND_ERROR, KIND_STOP, CrossNode
 
 
-class _Writer:
-    """Bookkeeping shared by the leader and the node leader (this node's writer)."""
+class Writer:
+    """This node's writer: the ring, the hub and the readers' state (leader and node leader)."""
 
-    def _own_view(self, slot: Slot | None, nbytes: int) -> np.ndarray:
+    def __init__(
+        self,
+        ctx: Context,
+        topo: GroupTopology,
+        ring: RingWriter,
+        hub: Hub,
+        xnode: CrossNode | None,
+    ) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+        self.topo = topo
+        self.ring = ring
+        self.hub = hub
+        self.xnode = xnode  # its position follows the stamps (the leader's cross-node stamps)
+        self.hello: set[int] = set()
+        self.acked = dict.fromkeys(topo.readers, 0)
+        self.gone: set[int] = set()
+        self.self_releases: collections.deque = collections.deque()
+        self.seq = 0  # batches announced by this writer
+        self.pos = 0  # position stamped on the next message of this epoch
+        self.ring_warned = 0  # age of a held batch last warned about (NOTE [ring growth])
+
+    def begin(self, cursor: int) -> None:
+        """A new iteration starts at position ``cursor`` of the epoch."""
+        self.pos = cursor
+        self.follow_epoch()
+
+    def follow_epoch(self) -> None:
+        """The leader's cross-node stamps follow (epoch, pos)."""
+        if self.xnode is not None:
+            self.xnode.position = (self.ctx.cursor.epoch, self.pos)
+
+    def describe(self, description: dict) -> None:
+        """Rewrite the ring's description for ``stat`` (``report.Reporter``)."""
+        self.ring.describe(description)
+
+    def own_view(self, slot: Slot | None, nbytes: int) -> np.ndarray:
         """The writer's private view of a slot it just published; releases itself."""
         if slot is None:
             return np.empty(0, np.uint8)
-        release = functools.partial(self._self_releases.append, (slot.index, slot.gen))
+        release = functools.partial(self.self_releases.append, (slot.index, slot.gen))
         return private_view(slot.segment, nbytes, release)
 
-    def _fail(self, it: int, exc: BaseException) -> None:
-        """Tell every reader (and from the leader every node leader) that this iteration failed.
+    def fail(self, it: int, exc: BaseException, *, forward: bool = False) -> None:
+        """Tell every reader (and with ``forward``, the leader's, every node leader) that
+        this iteration failed.
 
         Readers that have not said HELLO yet are waited for (bounded): a
         message sent before their connection is up would be lost, and they
@@ -73,30 +117,30 @@ class _Writer:
             if stop:
                 kind = KIND_STOP
                 body = {"reason": f"{type(exc).__name__} on the leader"}
-                parts = self._stamped(Kind.STOP, it, closed=0, reason=body["reason"])
+                parts = self.stamped(Kind.STOP, it, closed=0, reason=body["reason"])
             else:
                 kind, body = KIND_ERROR, _error_body(it, exc)
-                parts = wire.frames(Kind.ERROR, self._seq, **body)
-            link_broken = self._xnode is not None and self._xnode.broken
-            if self._xnode is not None and self._role == "leader" and not link_broken:
-                self._xnode.send_json(kind, it, body)
+                parts = wire.frames(Kind.ERROR, self.seq, **body)
+            link_broken = self.xnode is not None and self.xnode.broken
+            if self.xnode is not None and forward and not link_broken:
+                self.xnode.send_json(kind, it, body)
             with contextlib.suppress(PeerLostError):
-                self._await_readers(window=False, timeout=min(self.config.timeout, CLOSE_WAIT_S))
-            self._tell_last(parts)
+                self.await_readers(window=False, timeout=min(self.config.timeout, CLOSE_WAIT_S))
+            self.tell_last(parts)
         except Exception as notify_error:  # the original error matters more
             log.warning("shmloader: could not tell followers about %r: %s", exc, notify_error)
 
-    def _announce(
+    def announce(
         self, it: int, meta: bytes, nbytes: int, slot: Slot | None, draws: int, ns: int, crc: int
     ) -> None:
         """Tell this node's readers that batch ``seq`` is in ``slot``."""
-        ring = self._ring
+        ring = self.ring
         assert ring is not None
-        seq = self._seq
-        self._seq += 1
+        seq = self.seq
+        self.seq += 1
         if slot is not None:
             ring.publish(slot, seq, nbytes, ns)
-        parts = self._stamped(
+        parts = self.stamped(
             Kind.BATCH,
             it,
             seq,
@@ -108,44 +152,43 @@ class _Writer:
             draws=draws,
             crc=crc,
         )
-        self._pos += 1
-        if self._xnode is not None:
-            self._xnode.position = (self._epoch, self._pos)
-        self._tell_readers(parts)
-        self._warn_growth()
-        self._report()
+        self.pos += 1
+        self.follow_epoch()
+        self.tell_readers(parts)
+        self.warn_growth()
+        self.ctx.report()
 
-    def _stamped(
+    def stamped(
         self, kind: Kind, it: int, seq: int | None = None, blob: bytes | None = None, **body: Any
     ) -> list:
         """A writer message stamped with (iteration, epoch, position).
 
-        NOTE [iteration numbers] in ``loader``. ERROR and STOP carry the next
-        batch number as ``seq``: readers ACK it (``_tell_last``).
+        NOTE [iteration numbers] in ``cursor``. ERROR and STOP carry the next
+        batch number as ``seq``: readers ACK it (``tell_last``).
         """
         return wire.frames(
             kind,
-            self._seq if seq is None else seq,
+            self.seq if seq is None else seq,
             blob,
             it=it,
-            epoch=self._epoch,
-            pos=self._pos,
+            epoch=self.ctx.cursor.epoch,
+            pos=self.pos,
             **body,
         )
 
-    def _tell_last(self, parts: list) -> None:
+    def tell_last(self, parts: list) -> None:
         """Send a writer's last word (ERROR, STOP) and wait, bounded, until each reader has it.
 
         The process may exit right after (the error propagates): a message
         still in ZeroMQ's queue would be lost, and readers would report the
         writer dead instead of its error. Readers ACK it with its ``seq``.
         """
-        self._tell_readers(parts, best_effort=True)
+        self.tell_readers(parts, best_effort=True)
         seq = wire.parse(parts).seq
         try:
-            self._wait_for(
+            self.wait_for(
                 lambda: [
-                    r for r in self._topo.readers if r not in self._gone and self._acked[r] <= seq
+                    r for r in self.topo.readers if r not in self.gone and self.acked[r] <= seq
                 ],
                 min(self.config.timeout, CLOSE_WAIT_S),
                 "making sure followers received the leader's error",
@@ -153,15 +196,15 @@ class _Writer:
         except PeerLostError as exc:
             log.warning("shmloader: not every follower confirmed the error: %s", exc)
 
-    def _warn_growth(self) -> None:
+    def warn_growth(self) -> None:
         """NOTE [ring growth]: say what is held when a rank keeps batches past the depth."""
-        ring = self._ring
+        ring = self.ring
         assert ring is not None
         # How far each holder has moved on: the newest batch it took (a reader's
         # ACK; the writer's own view is taken when published).
-        newest = {r: acked - 1 for r, acked in self._acked.items()}
+        newest = {r: acked - 1 for r, acked in self.acked.items()}
         if ring.self_rank is not None:
-            newest[ring.self_rank] = self._seq - 1
+            newest[ring.self_rank] = self.seq - 1
         held = [s for s in ring.slots if s.state == SlotState.HELD]
 
         def age(slot: Slot) -> int:
@@ -169,9 +212,9 @@ class _Writer:
 
         oldest = max((age(s) for s in held), default=0)
         depth = self.config.slots + 2
-        if oldest < max(depth, 2 * self._ring_warned):
+        if oldest < max(depth, 2 * self.ring_warned):
             return
-        self._ring_warned = oldest
+        self.ring_warned = oldest
         live = [
             s
             for s in ring.slots
@@ -190,7 +233,7 @@ class _Writer:
             "old batches alive (a metric keeping a tensor, a prefetch queue): keep .clone() "
             "copies of what you keep (leaves of at most %d bytes already are copies), or raise "
             "SHMLOADER_SLOTS to the batches a rank keeps in flight",
-            list(self._topo.ranks) if self._topo else "?",
+            list(self.topo.ranks) if self.topo else "?",
             len(live),
             human_bytes(ring.total_bytes),
             oldest,
@@ -200,124 +243,132 @@ class _Writer:
             self.config.small_copy_bytes,
         )
 
-    def _tell_readers(self, parts: list, *, best_effort: bool = False) -> None:
+    def tell_readers(self, parts: list, *, best_effort: bool = False) -> None:
         """Publish to every reader at once; a reader gone without BYE raises after.
 
         NOTE [one announcement] (``channel``): one send whatever the group's
         size; a reader whose socket closed shows in ``hub.left``.
         """
-        hub = self._hub
-        assert hub is not None and self._topo is not None
+        hub = self.hub
+        assert hub is not None and self.topo is not None
         hub.publish(parts)
         lost: PeerLostError | None = None
-        for rank in sorted(hub.left - self._gone):
+        for rank in sorted(hub.left - self.gone):
             # A reader that said BYE and left is not lost: its BYE travels on the
             # other socket and may trail the unsubscription that shows it left.
             deadline = time.monotonic() + BYE_GRACE_S
-            self._pump()
-            while rank not in self._gone and time.monotonic() < deadline:
+            self.pump()
+            while rank not in self.gone and time.monotonic() < deadline:
                 if (got := hub.receive(0.02)) is not None:
-                    self._handle(*got)
-            if rank not in self._gone:
-                self._drop_reader(rank)
+                    self.handle(*got)
+            if rank not in self.gone:
+                self.drop_reader(rank)
                 lost = lost or PeerLostError(
-                    rank, self._topo.role(rank), "its socket closed without a BYE"
+                    rank, self.topo.role(rank), "its socket closed without a BYE"
                 )
         if lost is not None and not best_effort:
             raise lost
 
-    def _drop_reader(self, rank: int) -> None:
+    def drop_reader(self, rank: int) -> None:
         """``rank`` said BYE or is unreachable: stop waiting for it and sending to it."""
-        self._gone.add(rank)
-        assert self._ring is not None
-        self._ring.drop_reader(rank)
+        self.gone.add(rank)
+        assert self.ring is not None
+        self.ring.drop_reader(rank)
 
-    def _handle(self, msg: wire.Message | None, rank: int | None) -> bool:
+    def handle(self, msg: wire.Message | None, rank: int | None) -> bool:
         """Apply one reader message to the writer's state; never raises on bad input."""
-        ring = self._ring
+        ring = self.ring
         assert ring is not None
         if msg is None:  # a reader's subscription came or went: the hub tracks it
             return False
-        if rank not in self._acked:
+        if rank not in self.acked:
             log.warning("shmloader: message from rank %s, which is not a reader here", rank)
             return False
         try:
             if msg.kind == Kind.HELLO:
-                self._hello.add(rank)
+                self.hello.add(rank)
             elif msg.kind == Kind.ACK:
-                self._acked[rank] = max(self._acked[rank], msg.seq + 1)
+                self.acked[rank] = max(self.acked[rank], msg.seq + 1)
             elif msg.kind == Kind.RELEASE:
                 ring.release(rank, msg["slot"], msg["gen"])
             elif msg.kind == Kind.ATTACHED:
                 ring.attached(rank, msg["seg"])
             elif msg.kind == Kind.BYE:
-                self._drop_reader(rank)
+                self.drop_reader(rank)
             else:
                 raise ProtocolError(f"{msg.kind.name} is not a reader's message")
         except ProtocolError as exc:
             log.warning("shmloader: dropped a message from rank %d: %s", rank, exc)
         return False
 
-    def _pump(self) -> None:
+    def pump(self) -> None:
         """Apply every message already waiting, and our own releases (node leader)."""
-        assert self._hub is not None and self._ring is not None
-        while (got := self._hub.receive(0)) is not None:
-            self._handle(*got)
-        while self._self_releases:
-            index, gen = self._self_releases.popleft()
+        assert self.hub is not None and self.ring is not None
+        while (got := self.hub.receive(0)) is not None:
+            self.handle(*got)
+        while self.self_releases:
+            index, gen = self.self_releases.popleft()
             with contextlib.suppress(ProtocolError):
-                self._ring.release(self._me, index, gen)
+                self.ring.release(self.topo.me, index, gen)
 
-    def _wait_for(self, waiting: Callable[[], list[int]], timeout: float, doing: str) -> None:
+    def wait_for(self, waiting: Callable[[], list[int]], timeout: float, doing: str) -> None:
         """Handle reader messages until ``waiting()`` is empty (NOTE [bounded waits], channel)."""
-        hub = self._hub
+        hub = self.hub
         assert hub is not None
-        self._pump()
+        self.pump()
         if not waiting():
             return
 
         def handle(msg: wire.Message, rank: int | None) -> bool:
-            self._handle(msg, rank)
+            self.handle(msg, rank)
             return not waiting()
 
         t0 = time.perf_counter()
-        hub.wait(handle, lambda: [self._peer(r) for r in waiting()], timeout=timeout, doing=doing)
-        self._stats["wait_readers_ms_total"] += (time.perf_counter() - t0) * 1e3
+        peers = self.topo.peer
+        hub.wait(handle, lambda: [peers(r) for r in waiting()], timeout=timeout, doing=doing)
+        self.ctx.stats.counts["wait_readers_ms_total"] += (time.perf_counter() - t0) * 1e3
 
-    def _await_readers(self, *, window: bool = True, timeout: float | None = None) -> None:
+    def await_readers(self, *, window: bool = True, timeout: float | None = None) -> None:
         """Wait until every reader said HELLO and (``window``) none lags ``slots`` behind."""
-        topo = self._topo
+        topo = self.topo
         assert topo is not None
         slots = self.config.slots
 
         def waiting() -> list[int]:
-            live = [r for r in topo.readers if r not in self._gone]
+            live = [r for r in topo.readers if r not in self.gone]
             # NOTE [one announcement] (channel): arrived = HELLO and subscribed
-            late = [r for r in live if r not in self._hello or r not in self._hub.subscribed]
+            late = [r for r in live if r not in self.hello or r not in self.hub.subscribed]
             if late or not window:
                 return late
-            return [r for r in live if self._seq - self._acked[r] >= slots]
+            return [r for r in live if self.seq - self.acked[r] >= slots]
 
-        self._wait_for(
+        self.wait_for(
             waiting,
             self.config.timeout if timeout is None else timeout,
-            f"waiting for followers to take batch {self._seq}",
+            f"waiting for followers to take batch {self.seq}",
         )
 
-    def _await_attach(self) -> None:
+    def await_attach(self) -> None:
         """Before unlinking at close: let readers open the segments they were told about.
 
         A reader maps a slot by name, so a name unlinked before a lagging
         reader opened it would make that reader fail. Bounded by
         ``CLOSE_WAIT_S``; readers that said BYE or died are not waited for.
         """
-        ring = self._ring
+        ring = self.ring
         assert ring is not None
         try:
-            self._wait_for(
-                lambda: sorted(ring.unattached() - self._gone),
+            self.wait_for(
+                lambda: sorted(ring.unattached() - self.gone),
                 min(self.config.timeout, CLOSE_WAIT_S),
                 "closing: waiting for followers to map the last batches",
             )
         except PeerLostError as exc:
             log.warning("shmloader: closing without every follower's last batch: %s", exc)
+
+    def say_closed(self, it: int) -> None:
+        """At close: let readers map what they were told about, then STOP (closed); never raises."""
+        with contextlib.suppress(Exception):
+            self.await_attach()
+            stop = self.stamped(Kind.STOP, it, reason="the writer closed", closed=1)
+            self.tell_readers(stop, best_effort=True)

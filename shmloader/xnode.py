@@ -5,8 +5,8 @@ point-to-point over the group's gloo exchange group, the payload straight into
 a slot of its own ring, and then announces it on its node exactly as a leader
 would. The leader posts the sends to all node leaders at once and waits for
 them together, so a batch crosses the network once per node, never once per
-rank. ``it``, ``epoch`` and ``pos`` stamp the leader's position (``loader``,
-NOTE [iteration numbers]); the loader keeps ``position`` current. Everything
+rank. ``it``, ``epoch`` and ``pos`` stamp the leader's position (``cursor``,
+NOTE [iteration numbers]); the leader's ``Writer`` keeps ``position`` current. Everything
 travels as ``uint8``/``int64`` tensors: no pickle, no ``broadcast_object_list``::
 
     message 1  int64[8]         kind, it, nbytes, meta_len, draws, crc (-1: none), epoch, pos

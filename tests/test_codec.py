@@ -1050,7 +1050,7 @@ def test_a_leaf_of_exactly_the_small_copy_size_is_copied(limit) -> None:
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
 def test_a_nested_tensor_passes_through_with_sharing_off(caplog) -> None:
-    """NOTE [sharing off is plain torch] (loader): delivered as made, with one warning
+    """NOTE [sharing off is plain torch] (local): delivered as made, with one warning
     naming what sharing would refuse."""
     from shmloader import Config, ShmLoader
 

@@ -161,7 +161,7 @@ def break_early_every_epoch(rank: int, world: int, epochs: int) -> dict:
     try:
         got = outcome(run)
         if loader.is_leader:
-            pool = loader._pool
+            pool = loader._role.pool
             got["stuck"] = [pool.state(i) for i in range(pool.spec.total)].count("FILLED")
             got["per_worker"] = pool.spec.per_worker
         return got

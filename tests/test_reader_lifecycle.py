@@ -269,17 +269,14 @@ class _Ring:
 
 
 def _writer(bye: bool):
-    import collections
     import types
 
-    from shmloader.writer import _Writer
+    from shmloader.writer import Writer
 
-    writer = _Writer()
-    writer._hub, writer._ring = _Hub(bye), _Ring()
-    writer._topo = types.SimpleNamespace(readers=[1, 2], role=lambda rank: "follower")
-    writer._gone, writer._hello = set(), {1, 2}
-    writer._acked = {1: 0, 2: 0}
-    writer._self_releases = collections.deque()
+    topo = types.SimpleNamespace(readers=[1, 2], role=lambda rank: "follower")
+    ctx = types.SimpleNamespace(cursor=types.SimpleNamespace(epoch=0), config=None)
+    writer = Writer(ctx, topo, _Ring(), _Hub(bye), None)
+    writer.hello = {1, 2}
     return writer
 
 
@@ -291,9 +288,9 @@ def _end() -> list:
 
 def test_a_reader_that_left_with_a_trailing_bye_is_not_lost():
     writer = _writer(bye=True)
-    writer._tell_readers(_end())  # no raise: its BYE came within the grace
-    assert writer._gone == {1} and writer._ring.dropped == [1]
-    assert writer._hub.published == 1, "one publication for every reader"
+    writer.tell_readers(_end())  # no raise: its BYE came within the grace
+    assert writer.gone == {1} and writer.ring.dropped == [1]
+    assert writer.hub.published == 1, "one publication for every reader"
 
 
 def test_a_reader_whose_socket_closed_without_bye_is_lost():
@@ -301,7 +298,7 @@ def test_a_reader_whose_socket_closed_without_bye_is_lost():
 
     writer = _writer(bye=False)
     with pytest.raises(PeerLostError, match="follower rank 1"):
-        writer._tell_readers(_end())
-    assert writer._gone == {1}
-    writer._hub.left = {1}
-    writer._tell_readers(_end())  # told once: a reader already dropped is not lost again
+        writer.tell_readers(_end())
+    assert writer.gone == {1}
+    writer.hub.left = {1}
+    writer.tell_readers(_end())  # told once: a reader already dropped is not lost again

@@ -141,7 +141,7 @@ def _shutdown(*iterators) -> None:
 def _measured_iter(loader: DataLoader):
     """Predicate before, then the draws the product counted for ``iter()``.
 
-    The count comes from the leader's own path (``ShmLoader._open_source``:
+    The count comes from the leader's own path (``local.Source.open``:
     snapshot, ``iter()``, ``count_draws``), the number followers replay; the
     mirror is checked to land exactly where ``iter()`` left the generator.
     """
@@ -150,7 +150,7 @@ def _measured_iter(loader: DataLoader):
     predicted = rng.will_consume_base_seed(loader)
     shm = ShmLoader(lambda: loader, None, config=Config(enabled=False))
     before = torch.get_rng_state()
-    it, draws = shm._open_source(0)
+    it, draws = shm._role.source.open(0)
     after = torch.get_rng_state()
     torch.set_rng_state(before)
     rng.mirror_draws(draws)  # what a follower does with the count

@@ -161,9 +161,10 @@ def leader_exits_on_error(rank: int, world: int) -> dict:
     if rank == 0:
         # Exit at once: no close(), no atexit, no finalizers, no ZeroMQ linger; only
         # what _fail made sure of. (Files are removed by hand, not by the loader.)
-        loader._ring.close()
-        os.unlink(loader._hub.path)
-        os.rmdir(os.path.dirname(loader._hub.path))  # its private runtime directory
+        writer = loader._role.writer
+        writer.ring.close()
+        os.unlink(writer.hub.path)
+        os.rmdir(os.path.dirname(writer.hub.path))  # its private runtime directory
         os._exit(3)
     loader.close()
     return out

@@ -99,7 +99,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from . import arrival, codec, rng, wire  # noqa: F401  (codec: tests/faults patch loader.codec)
+from . import arrival, codec, rng, segment, wire  # noqa: F401  (codec: tests/faults patch loader.codec)
 from .admin import DEVICE_REPORTED
 from .channel import Hub, Peer, Spoke
 from .config import DEFAULT_TIMEOUT_S, Config
@@ -295,6 +295,7 @@ class ShmLoader(_Leader, _Relay, _Follower):
     # ------------------------------------------------------------------ set-up
 
     def _setup(self, make_loader: Callable[[], Iterable[Any]], group: dist.ProcessGroup) -> None:
+        segment.use_dir(self.config.shm_dir)  # NOTE [huge-page ring] (ringdir)
         arrival.arrive(  # NOTE [set-up is bounded], NOTE [set-up marks] (arrival)
             self._group_ranks,
             dist.get_rank(),

@@ -114,8 +114,8 @@ directories and what backs them, NOTE [huge-page ring] in ``ringdir``)::
          "writer_pid": int|null, "writer_alive": bool|null,
          "segments": [{"name": str, "kind": "control"|"data"|"probe",
                        "bytes": int, "owner_pid": int, "owner_alive": bool}],
-         "shm_dir": str,                # the ring directory its segments are in
-         "huge_pages": bool,            # that directory gives 2 MiB pages
+         "shm_dir": str|null,           # the ring directory its segments are in
+         "huge_pages": bool|null,       # that directory gives 2 MiB pages
          "segment_bytes": int,          # named in /dev/shm now
          "bytes": int,                  # held in /dev/shm now (NOTE [honest bytes])
          "reclaimable_bytes": int,      # what `shmloader gc` would free now
@@ -652,6 +652,8 @@ def empty_job(token: str) -> dict[str, Any]:
         "user": None,
         "writer_pid": None,
         "writer_alive": None,
+        "shm_dir": None,
+        "huge_pages": None,
         "segments": [],
         "segment_bytes": 0,
         "bytes": 0,
@@ -1116,13 +1118,6 @@ def format_table(doc: dict[str, Any]) -> str:
         f"{_dash(size and human_bytes(size))} total, {_dash(free and human_bytes(free))} free, "
         f"{human_bytes(node['shmloader_bytes'])} held by shmloader"
     ]
-    for row in node.get("shm_dirs") or []:  # NOTE [huge-page ring] in ``ringdir``
-        pages = "2 MiB pages" if row.get("huge") else "4 KiB pages"
-        free = row.get("free_bytes")
-        lines.append(
-            f"ring dir {row['path']}: {row.get('fs') or '?'} huge={row.get('huge_option')} "
-            f"mode {row.get('mode')}, {_dash(free and human_bytes(free))} free: {pages}"
-        )
     daemon = doc.get("daemon")
     if daemon:
         budget = daemon.get("budget_bytes")
@@ -1217,6 +1212,13 @@ def format_table(doc: dict[str, Any]) -> str:
             "batches. WAITING: share of wall time spent waiting since the first batch (high on "
             "the leader: the input pipeline is the bottleneck). TRAFFIC: payload bytes "
             "published or received so far, not memory"
+        )
+    for row in node.get("shm_dirs") or []:  # NOTE [huge-page ring] in ``ringdir``
+        pages = "2 MiB pages" if row.get("huge") else "4 KiB pages"
+        free = row.get("free_bytes")
+        lines.append(
+            f"ring dir {row['path']}: {row.get('fs') or '?'} huge={row.get('huge_option')} "
+            f"mode {row.get('mode')}, {_dash(free and human_bytes(free))} free: {pages}"
         )
     lines += [f"note: {n}" for n in doc.get("notes", [])]
     return "\n".join(lines)

@@ -57,8 +57,9 @@ log = logging.getLogger(__name__)
 DEFAULT = "/dev/shm"
 #: The huge page size slots are sized and aligned to (x86-64 and most arm64 kernels).
 HUGE = 2 << 20
-#: ``statfs.f_type`` of a tmpfs.
+#: ``statfs.f_type`` of a tmpfs, and of a hugetlbfs (which takes no ``write()``).
 TMPFS_MAGIC = 0x01021994
+HUGETLBFS_MAGIC = 0x958458F6
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 _SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 
@@ -103,6 +104,13 @@ def check(path: object, name: str = "SHMLOADER_SHM_DIR") -> str:
         )
     if not os.access(path, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
         raise ConfigError(name, path, f"{_ACCEPTED}; uid {me} cannot create files in it")
+    if _fs_magic(path) == HUGETLBFS_MAGIC:
+        raise ConfigError(
+            name,
+            path,
+            f"{_ACCEPTED}; it is a hugetlbfs (a Kubernetes emptyDir of medium HugePages), "
+            "which cannot hold segments (no write()): use a tmpfs mounted with huge=within_size",
+        )
     return path
 
 

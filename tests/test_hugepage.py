@@ -211,8 +211,8 @@ def test_stat_gc_and_the_daemon_follow_the_ring_directory(huge_dir, monkeypatch,
         monkeypatch.setattr(segment, "SHM_DIR", segment.SHM_DIR)  # check_shm_dirs sets it
         with pytest.raises(ConfigError, match="--shm-dir"):
             check_shm_dirs([huge_dir + "/missing"])
-        with caplog.at_level(logging.INFO, logger="shmloaderd"):
-            shm_dirs = check_shm_dirs([huge_dir])
+        with caplog.at_level(logging.INFO, logger="shmloaderd"):  # the second of two
+            shm_dirs = check_shm_dirs(["/dev/shm", huge_dir])
         assert shm_dirs == ["/dev/shm", huge_dir]
         assert f"ring directory {huge_dir}: tmpfs on {huge_dir}, huge=within_size, mode 1777" in (
             caplog.text

@@ -21,6 +21,20 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 SHM_DIR = "/dev/shm"
 
 
+def shm_dirs() -> list[str]:
+    """/dev/shm and the ring directory (``SHMLOADER_SHM_DIR``) when it is another filesystem."""
+    out, seen = [], set()
+    for d in (SHM_DIR, os.environ.get("SHMLOADER_SHM_DIR", "").strip()):
+        try:
+            dev = os.stat(d).st_dev if d else None
+        except OSError:
+            continue
+        if dev is not None and dev not in seen:
+            seen.add(dev)
+            out.append(d)
+    return out
+
+
 def _stat_fields(pid: int) -> list[bytes] | None:
     """Fields of ``/proc/<pid>/stat`` after the command name (field 3 is index 0)."""
     try:
@@ -116,9 +130,13 @@ def tree_memory(pid: int) -> Memory:
 
 
 def shm_used() -> int:
-    """Bytes in use on ``/dev/shm`` (named and unlinked-but-open files alike)."""
-    st = os.statvfs(SHM_DIR)
-    return (st.f_blocks - st.f_bfree) * st.f_frsize
+    """Bytes in use on ``/dev/shm`` and the ring directory (named and unlinked-but-open
+    files alike)."""
+    total = 0
+    for d in shm_dirs():
+        st = os.statvfs(d)
+        total += (st.f_blocks - st.f_bfree) * st.f_frsize
+    return total
 
 
 def shm_free() -> int:

@@ -22,7 +22,10 @@ Phase A, *follower time to a usable batch*::
                                       follower_ms = t1 - t0
     ------------- barrier(group) -------------
     drop the previous batch           drop_ms = time to drop the previous batch
-                                      read_ms = time to read every byte once
+                                      touch_ms = time to touch every page of it
+                                        (even steps) or read_ms = time to read
+                                        every byte once (odd steps): both on
+                                        a batch nothing has read yet
     ------------- barrier(group) -------------
 
 Phase B, *end-to-end delivery* (followers already waiting)::
@@ -74,6 +77,7 @@ class Case:
     decode_scale: int = 2
     memory_samples: int = 3
     timeout_s: float = 600.0
+    shm_dir: str = ""  # the ring directory (SHMLOADER_SHM_DIR) for the huge-page way
 
     @property
     def total_batches(self) -> int:
@@ -476,6 +480,8 @@ WAYS: dict[str, type[Way]] = {
     "objlist": ObjList,
     "shmloader": Shared,
     "shmloader-1copy": SharedOneCopy,
+    # the zero-copy way with its ring in a huge=within_size tmpfs (``Case.shm_dir``)
+    "shmloader-huge": Shared,
 }
 
 
@@ -491,6 +497,22 @@ def read_all(batch: Any) -> float:
             np.bitwise_xor.reduce(flat.view(np.uint64))
         elif flat.size:
             np.bitwise_xor.reduce(flat)
+    return ms_since(t0)
+
+
+def touch_pages(batch: Any) -> float:
+    """Milliseconds to touch every page of the memory behind the batch's tensors once
+    (one byte per page of each distinct storage: an expanded view is its storage)."""
+    t0 = now_ns()
+    seen: set[int] = set()
+    for t in tensors(batch):
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen or not storage.nbytes():
+            continue
+        seen.add(storage.data_ptr())
+        flat = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+        np.add.reduce(flat[::4096], dtype=np.uint64)
+        int(flat[-1])
     return ms_since(t0)
 
 
@@ -547,8 +569,11 @@ def phase_a(way: Way, case: Case, rec: Recorder) -> None:
         t0 = now_ns()
         prev = None
         fields["drop_ms"] = ms_since(t0)
-        if "follower_ms" in fields:
-            fields["read_ms"] = read_all(batch)
+        if "follower_ms" in fields:  # a fresh batch: the first access pays its page faults
+            if i % 2 == 0:
+                fields["touch_ms"] = touch_pages(batch)
+            else:
+                fields["read_ms"] = read_all(batch)
         dist.barrier(way.group)
         if measured:
             rec.add("A", fields)
@@ -691,6 +716,8 @@ def rank_main(rank: int, case: dict[str, Any], port: int, outdir: str, body: Bod
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)  # the parent can then kill this rank and its workers as one group
     os.environ.pop("SHMLOADER_DAEMON", None)  # embedded mode
+    if case.get("shm_dir"):  # the huge-page way: its ring (and nothing else) there
+        os.environ["SHMLOADER_SHM_DIR"] = case["shm_dir"]
     try:
         result = run_rank(rank, Case(**case), port, body)
         tmp = os.path.join(outdir, f"{rank}.json.tmp")

@@ -7,7 +7,9 @@ Every number in a row (``aggregate``) and what it means:
   barrier that the leader enters with the batch ready), percentiles over
   every measured step of every follower.
 - ``read_ms_p50``: a follower reading every byte of that batch once, right
-  after (page faults of a fresh mapping show here, not above).
+  after (page faults of a fresh mapping show here, not above; odd steps).
+- ``touch_ms_p50``: a follower touching every page of that batch once (one
+  byte per page: the page faults alone; even steps).
 - ``drop_ms_p50``: a follower dropping its previous batch once it holds the
   new one, as ``for batch in loader`` does (shmloader: unmapping it).
 - ``publish_ms_p50``: the leader's publish. shmloader: ``stats()``
@@ -57,6 +59,7 @@ LABELS = {
     "objlist": "broadcast_object_list (whole batch pickled)",
     "shmloader": "shmloader (workers write the ring: zero-copy)",
     "shmloader-1copy": "shmloader, leader copies (one copy)",
+    "shmloader-huge": "shmloader, ring in a huge=within_size tmpfs (2 MiB pages)",
 }
 
 
@@ -138,6 +141,7 @@ def aggregate(case: dict[str, Any], ranks: list[dict]) -> dict[str, Any]:
             "follower_ms_max": max(follow) if follow else None,
             "follower_n": len(follow),
             "read_ms_p50": _pct(_field(ranks, "A", "read_ms", leader=False), 50),
+            "touch_ms_p50": _pct(_field(ranks, "A", "touch_ms", leader=False), 50),
             "drop_ms_p50": _pct(_field(ranks, "A", "drop_ms", leader=False), 50),
             "publish_ms_p50": _pct(_field(ranks, "A", "publish_ms", leader=True), 50),
             "write_ms_p50": _pct(_field(ranks, "A", "write_ms", leader=True), 50),
@@ -414,6 +418,7 @@ TRANSPORT_COLUMNS = (
     ("MiB", "payload_mib", 1),
     ("follower p50 ms", "follower_ms_p50", 3),
     ("follower p99 ms", "follower_ms_p99", 3),
+    ("follower touch-pages ms", "touch_ms_p50", 2),
     ("follower read ms", "read_ms_p50", 2),
     ("follower drop-previous ms", "drop_ms_p50", 2),
     ("leader publish ms", "publish_ms_p50", 2),

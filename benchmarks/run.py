@@ -2,7 +2,10 @@
 
 Runs the same workload three ways (``base``: every SP rank loads its own
 batch; ``broadcast``: the leader loads and sends the batch over gloo, as
-leader-only loaders do; ``shmloader``: ``ShmLoader`` embedded mode), plus the whole batch
+leader-only loaders do; ``shmloader``: ``ShmLoader`` embedded mode; and
+``shmloader-huge``: the same with its ring in a tmpfs mounted with
+``huge=within_size`` in a private mount namespace, as root only, skipped
+with the reason otherwise: ``benchmarks.hugedir``), plus the whole batch
 through ``broadcast_object_list`` (``objlist``) at the smaller sizes, then a
 "realistic workers" run for CPU and memory, and an equal-CPU-budget run
 (``budget``: the realistic workload with ``w`` workers on every base rank
@@ -31,7 +34,7 @@ import time
 from dataclasses import asdict, replace
 from typing import Any
 
-from . import procstat, report
+from . import hugedir, procstat, report
 from .rank import Body, Case, body_for, rank_main
 
 MiB = 1 << 20
@@ -54,7 +57,7 @@ def plan(args: argparse.Namespace) -> list[Case]:
     for sp in args.sp:
         for mib in args.sizes:
             steps = args.steps or _steps(mib)
-            for mode in ("base", "broadcast", "shmloader-1copy", "shmloader"):
+            for mode in ("base", "broadcast", "shmloader-1copy", "shmloader", "shmloader-huge"):
                 cases.append(
                     Case(
                         "transport", mode, sp, mib * MiB, args.warmup, steps, args.transport_workers
@@ -113,14 +116,16 @@ def _left_out_of_quick(case: Case, args: argparse.Namespace) -> bool:
 
     Each configuration starts fresh ranks (a few seconds on 2 cores whatever
     it measures), so the smoke run measures the one-copy way only at its
-    largest size, ``broadcast_object_list`` only at its smallest, and the
-    realistic run without the broadcast way.
+    largest size, ``broadcast_object_list`` only at its smallest, the
+    realistic run without the broadcast way, and not the huge-page way (the
+    zero-copy way's code in another directory; it needs root and a mount).
     """
     if not getattr(args, "quick", False):
         return False
     mib = case.target_bytes / MiB
     return (
-        (case.run == "transport" and case.mode == "shmloader-1copy" and mib < max(args.sizes))
+        case.mode == "shmloader-huge"
+        or (case.run == "transport" and case.mode == "shmloader-1copy" and mib < max(args.sizes))
         or (case.run == "transport" and case.mode == "objlist" and mib > min(args.sizes))
         or (case.run == "realistic" and case.mode == "broadcast")
     )
@@ -141,8 +146,8 @@ def memory_need(case: Case) -> tuple[int, int]:
         return 3 * b + (case.sp - 1) * 2 * b, 2 * b
     if case.mode == "objlist":
         return 3 * b + (case.sp - 1) * 4 * b, 2 * b
-    if case.mode == "shmloader":  # the worker pool: workers x (prefetch + ranks' share + 1)
-        slots = max(case.workers, 1) * (1 + 4 + 1)
+    if case.mode in ("shmloader", "shmloader-huge"):  # the worker pool: workers x (prefetch +
+        slots = max(case.workers, 1) * (1 + 4 + 1)  # ranks' share + 1)
         return 3 * b + 4 * b, int(slots * 1.2 * b)
     return 3 * b + 4 * b, 6 * b
 
@@ -294,8 +299,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--modes",
         nargs="+",
-        choices=("base", "broadcast", "objlist", "shmloader-1copy", "shmloader"),
-        default=["base", "broadcast", "objlist", "shmloader-1copy", "shmloader"],
+        choices=("base", "broadcast", "objlist", "shmloader-1copy", "shmloader", "shmloader-huge"),
+        default=["base", "broadcast", "objlist", "shmloader-1copy", "shmloader", "shmloader-huge"],
         help="only these ways (default all)",
     )
     p.add_argument(
@@ -341,6 +346,13 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
         flush=True,
     )
+    huge_why = ""
+    if any(c.mode == "shmloader-huge" for c in cases):
+        size = int(MEMORY_SHARE * procstat.meminfo().get("MemAvailable", 0))
+        huge_dir, huge_why = hugedir.mount(size)
+        print(f"benchmarks.run: huge-page ring: {huge_why}", file=sys.stderr, flush=True)
+        machine["huge_ring"] = huge_why
+        cases = [replace(c, shm_dir=huge_dir or "") for c in cases]
     started = time.monotonic()
     rows: list[dict] = []
     skipped: list[dict] = []
@@ -350,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         loads.append(os.getloadavg()[0])
         reason = skip_reason(case)
+        if case.mode == "shmloader-huge" and not case.shm_dir:
+            reason = huge_why
         if reason is not None:
             skipped.append({"label": case.label, "reason": reason, "case": asdict(case)})
             progress(i, len(cases), case, f"skipped: {reason}", 0.0)

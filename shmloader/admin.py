@@ -65,7 +65,9 @@ node mode's ``uid``, ``user``, ``others`` and ``daemon.tenants``,
 ``budget_left_bytes`` and ``uids``; schema 3 made ``bytes`` what /dev/shm
 holds (no pending grants), renamed the rank rows' ``bytes`` (traffic) to
 ``traffic_bytes``, added ``wait_ms_p95``/``wait_ms_p99``,
-``granted_pending_bytes``, ``ended`` and ``notes``)::
+``granted_pending_bytes``, ``ended`` and ``notes``; later, within schema 3,
+``node.shm_dirs`` and a job's ``shm_dir`` and ``huge_pages``: the ring
+directories and what backs them, NOTE [huge-page ring] in ``ringdir``)::
 
     {
       "schema": 3,
@@ -73,7 +75,14 @@ holds (no pending grants), renamed the rank rows' ``bytes`` (traffic) to
       "time_unix": float,
       "node": {"hostname": str, "shm_dir": "/dev/shm",
                "shm_size_bytes": int|null, "shm_free_bytes": int|null,
-               "shmloader_bytes": int},  # sum of "bytes" of all jobs (+ the warm pool)
+               "shmloader_bytes": int,  # sum of "bytes" of all jobs (+ the warm pool)
+               "shm_dirs": [{           # every ring directory scanned (/dev/shm,
+                                        # SHMLOADER_SHM_DIR, the daemon's --shm-dir)
+                 "path": str, "fs": str, "mount": str, "huge_option": str,
+                 "shmem_enabled": str, "mode": str, "owner": int,
+                 "huge": bool,          # files there get 2 MiB pages (probed)
+                 "advise": bool,        # ... only through MADV_HUGEPAGE
+                 "why": str, "size_bytes": int|null, "free_bytes": int|null}]},
       "daemon": null | {"pid": int, "version": str, "socket": str,
                "budget_bytes": int|null,
                "in_use_bytes": int,     # what admission counts: jobs' bytes, their
@@ -105,6 +114,8 @@ holds (no pending grants), renamed the rank rows' ``bytes`` (traffic) to
          "writer_pid": int|null, "writer_alive": bool|null,
          "segments": [{"name": str, "kind": "control"|"data"|"probe",
                        "bytes": int, "owner_pid": int, "owner_alive": bool}],
+         "shm_dir": str|null,           # the ring directory its segments are in
+         "huge_pages": bool|null,       # that directory gives 2 MiB pages
          "segment_bytes": int,          # named in /dev/shm now
          "bytes": int,                  # held in /dev/shm now (NOTE [honest bytes])
          "reclaimable_bytes": int,      # what `shmloader gc` would free now
@@ -164,7 +175,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import daemon_client, segment
+from . import daemon_client, ringdir, segment
 from .channel import private_dirs
 from .cleanup import remove_runtime_dir
 from .errors import ProtocolError, human_bytes
@@ -174,7 +185,6 @@ from .segment import (
     HEADER_SIZE,
     KIND_CONTROL,
     PREFIX,
-    SHM_DIR,
     Header,
     list_segments,
     owner_alive,
@@ -199,9 +209,10 @@ _SOCKET_NAME = re.compile(r"^(?P<token>[0-9A-Za-z]{1,64})-(?P<pid>[0-9]{1,10})\.
 
 @dataclass
 class Entry:
-    """One ``shml-*`` name in /dev/shm: validated (``header``) or not (``error``)."""
+    """One ``shml-*`` name in a ring directory: validated (``header``) or not (``error``)."""
 
     name: str
+    directory: str = ""  # the ring directory it is named in (``ring_dirs``)
     header: Header | None = None
     error: str = ""
     size: int = 0
@@ -303,18 +314,72 @@ def _read_control(fd: int, header: Header) -> tuple[dict[str, int] | None, dict 
     return counters, description
 
 
-def scan_entries(*, every_uid: bool = False) -> list[Entry]:
-    """Every ``shml-*`` entry of /dev/shm, validated (of any uid with ``every_uid``)."""
-    return [e for name in list_segments() if (e := inspect(name, every_uid=every_uid)) is not None]
+def ring_dirs(extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The ring directories to scan: ``/dev/shm``, this process's ring directory
+    (``SHMLOADER_SHM_DIR``), then ``extra`` (a daemon's ``--shm-dir``); each
+    existing directory once."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for d in (ringdir.DEFAULT, segment.SHM_DIR, ringdir.from_env(), *extra):
+        real = os.path.realpath(d)
+        if real not in seen and os.path.isdir(d):
+            seen.add(real)
+            out.append(d)
+    return out
 
 
-def remove_if_dead(name: str, *, dry_run: bool = False, every_uid: bool = False) -> Freed | None:
+def dir_row(directory: str) -> dict[str, Any]:
+    """A ring directory as the stat document shows it: what backs it, its size and room."""
+    row: dict[str, Any] = ringdir.describe(directory).as_dict()
+    with segment.in_dir(directory):
+        row["size_bytes"], row["free_bytes"] = shm_size_bytes(), shm_free_bytes()
+    return row
+
+
+def scan_entries(*, every_uid: bool = False, dirs: list[str] | None = None) -> list[Entry]:
+    """Every ``shml-*`` entry of the ring directories (``ring_dirs``), validated
+    (of any uid with ``every_uid``)."""
+    out: list[Entry] = []
+    for directory in ring_dirs() if dirs is None else dirs:
+        with segment.in_dir(directory):
+            for name in list_segments():
+                if (e := inspect(name, every_uid=every_uid)) is not None:
+                    e.directory = directory
+                    out.append(e)
+    return out
+
+
+def token_entries(
+    token: str, *, every_uid: bool = False, dirs: list[str] | None = None
+) -> list[Entry]:
+    """The entries of ring ``token`` alone, validated: what ``scan_entries`` gives
+    for it, without reading any other ring's headers."""
+    prefix = f"/{PREFIX}{token}-"
+    out: list[Entry] = []
+    for directory in ring_dirs() if dirs is None else dirs:
+        with segment.in_dir(directory):
+            for name in list_segments():
+                if name.startswith(prefix) and (e := inspect(name, every_uid=every_uid)):
+                    e.directory = directory
+                    out.append(e)
+    return out
+
+
+def remove_if_dead(
+    name: str, *, dry_run: bool = False, every_uid: bool = False, directory: str | None = None
+) -> Freed | None:
     """Re-validate ``name`` and unlink it if its owner is dead (NOTE [reaping rule]).
 
     The checks run on one open descriptor, and the name is unlinked only while
     it still is that file (same device and inode). ``every_uid``: a dead
-    owner's segment of any uid (root only).
+    owner's segment of any uid (root only). ``directory``: the ring directory
+    it is named in (default: this process's).
     """
+    with segment.in_dir(directory or segment.ring_dir()):
+        return _remove_if_dead(name, dry_run=dry_run, every_uid=every_uid)
+
+
+def _remove_if_dead(name: str, *, dry_run: bool, every_uid: bool) -> Freed | None:
     try:
         fd = os.open(shm_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
@@ -399,6 +464,10 @@ def job_from_entries(token: str, entries: list[Entry]) -> dict[str, Any]:
         "reclaimable_bytes": sum(s["bytes"] for s in segments if not s["owner_alive"]),
         "ranks": _rank_rows(desc.get("ranks")),
     }
+    where = owner.directory if owner is not None else ""
+    if where:  # NOTE [huge-page ring] in ``ringdir``
+        job["shm_dir"] = where
+        job["huge_pages"] = ringdir.describe(where).huge
     if ctl is not None and ctl.header is not None:
         job["started_unix"] = ctl.header.created_ns / 1e9
         job["age_s"] = round(max(0.0, time.time() - job["started_unix"]), 3)
@@ -511,7 +580,7 @@ def mapped_bytes(pid: int, token: str) -> dict[int, int]:
 
     From ``/proc/<pid>/maps`` (readable for our own uid); empty when unreadable.
     """
-    marker = f"{SHM_DIR}/{PREFIX}{token}-"
+    marker = f"/{PREFIX}{token}-"  # in whichever ring directory
     out: dict[int, int] = {}
     try:
         with open(f"/proc/{pid}/maps") as f:
@@ -585,6 +654,8 @@ def empty_job(token: str) -> dict[str, Any]:
         "user": None,
         "writer_pid": None,
         "writer_alive": None,
+        "shm_dir": None,
+        "huge_pages": None,
         "segments": [],
         "segment_bytes": 0,
         "bytes": 0,
@@ -603,8 +674,11 @@ def empty_job(token: str) -> dict[str, Any]:
     }
 
 
-def build_document(entries: list[Entry], source: str) -> dict[str, Any]:
-    """The ``stat --json`` document (schema in the module docstring)."""
+def build_document(
+    entries: list[Entry], source: str, dirs: list[str] | None = None
+) -> dict[str, Any]:
+    """The ``stat --json`` document (schema in the module docstring); ``dirs``:
+    the ring directories scanned (``ring_dirs()`` by default)."""
     by_token: dict[str, list[Entry]] = {}
     invalid = []
     for e in entries:
@@ -619,10 +693,11 @@ def build_document(entries: list[Entry], source: str) -> dict[str, Any]:
         "time_unix": time.time(),
         "node": {
             "hostname": socket.gethostname(),
-            "shm_dir": SHM_DIR,
+            "shm_dir": segment.SHM_DIR,
             "shm_size_bytes": shm_size_bytes(),
             "shm_free_bytes": shm_free_bytes(),
             "shmloader_bytes": sum(j["bytes"] for j in jobs),
+            "shm_dirs": [dir_row(d) for d in (ring_dirs() if dirs is None else dirs)],
         },
         "daemon": None,
         "jobs": jobs,
@@ -777,6 +852,7 @@ def collect_garbage(
     owners: set[int] | None = None,
     jobs: set[str] | None = None,
     every_uid: bool = False,
+    dirs: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Remove (or with ``dry_run`` only list) what dead owners left: segments, sockets, dirs.
 
@@ -786,11 +862,12 @@ def collect_garbage(
     (``SHMLOADER_JOB`` or the launcher's run id: the ``JOB`` column of
     ``stat``), found by their control segments. ``every_uid``: every user's
     leftovers, not only our uid's (root's ``shmloader gc``; NOTE [reaping rule]).
+    ``dirs``: the ring directories to look in (``ring_dirs()`` by default).
     Returns one dict per item: ``type`` ("segment"|"socket"|"rundir"),
     ``name``, ``bytes``, ``kind``, ``token``, ``owner_pid``, ``removed``.
     """
     out: list[dict[str, Any]] = []
-    entries = scan_entries(every_uid=every_uid)
+    entries = scan_entries(every_uid=every_uid, dirs=dirs)
     if jobs is not None:
         named = {
             e.header.token
@@ -808,7 +885,9 @@ def collect_garbage(
             owners is not None and h.pid not in owners
         ):
             continue
-        freed = remove_if_dead(entry.name, dry_run=dry_run, every_uid=every_uid)
+        freed = remove_if_dead(
+            entry.name, dry_run=dry_run, every_uid=every_uid, directory=entry.directory
+        )
         if freed is not None:
             out.append(freed.as_dict())
     for path in stale_sockets(runtime_dir):
@@ -1094,6 +1173,9 @@ def format_table(doc: dict[str, Any]) -> str:
                 lines.append(
                     f"    dead: `shmloader gc` frees {human_bytes(j['reclaimable_bytes'])}"
                 )
+            if j.get("huge_pages") or j.get("shm_dir", node["shm_dir"]) != node["shm_dir"]:
+                pages = "2 MiB pages" if j.get("huge_pages") else "4 KiB pages"
+                lines.append(f"    ring in {j.get('shm_dir')}: {pages}")
             if j.get("granted_pending_bytes"):
                 lines.append(
                     f"    admitted, not in {node['shm_dir']} yet: "
@@ -1125,6 +1207,13 @@ def format_table(doc: dict[str, Any]) -> str:
             "batches. WAITING: share of wall time spent waiting since the first batch (high on "
             "the leader: the input pipeline is the bottleneck). TRAFFIC: payload bytes "
             "published or received so far, not memory"
+        )
+    for row in node.get("shm_dirs") or []:  # NOTE [huge-page ring] in ``ringdir``
+        pages = "2 MiB pages" if row.get("huge") else "4 KiB pages"
+        free = row.get("free_bytes")
+        lines.append(
+            f"ring dir {row['path']}: {row.get('fs') or '?'} huge={row.get('huge_option')} "
+            f"mode {row.get('mode')}, {_dash(free and human_bytes(free))} free: {pages}"
         )
     lines += [f"note: {n}" for n in doc.get("notes", [])]
     return "\n".join(lines)

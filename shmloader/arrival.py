@@ -74,7 +74,8 @@ HEARTBEAT_STALE_S = 3.0
 #: ``copy``, ``slots``, ``small_copy_bytes``: what each rank's batches are
 #: made of and how far the writer runs ahead; ``allow_pickle``/``verify``:
 #: how readers decode what the writer encoded; ``accumulation_steps``,
-#: ``prefetch``: where checkpoints and prefetch windows fall.
+#: ``prefetch``: where checkpoints and prefetch windows fall. ``shm_dir``: where
+#: readers find the writer's segments (NOTE [huge-page ring] in ``ringdir``).
 AGREED: dict[str, str] = {
     "accumulation_steps": "ShmLoader(accumulation_steps=...)",
     "prefetch": "SHMLOADER_PREFETCH",
@@ -83,6 +84,7 @@ AGREED: dict[str, str] = {
     "verify": "SHMLOADER_VERIFY",
     "allow_pickle": "Config.from_env(allow_pickle=...)",
     "small_copy_bytes": "SHMLOADER_SMALL_COPY",
+    "shm_dir": "SHMLOADER_SHM_DIR",
 }
 
 #: Settings ranks may set differently on purpose, named in one warning when they
@@ -388,4 +390,5 @@ def agreed_settings(config: Any, accumulation_steps: int, device_kind: str) -> d
         "verify": config.verify,
         "allow_pickle": config.allow_pickle,
         "small_copy_bytes": config.small_copy_bytes,
+        "shm_dir": os.path.realpath(config.shm_dir),
     }

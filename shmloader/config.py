@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from . import ringdir
 from .errors import ConfigError
 
 #: Seconds a rank waits for a peer that is alive but silent when neither
@@ -84,6 +85,11 @@ class Config:
         collate_in_slot: DataLoader workers collate straight into their ring
             slot (``SHMLOADER_COLLATE_IN_SLOT``, on by default; NOTE [collate
             into the slot] in ``shmloader.worker``). Off: one copy after the collate.
+        shm_dir: the directory that holds the ring's segments (``SHMLOADER_SHM_DIR``,
+            default ``/dev/shm``): a tmpfs mounted with ``huge=within_size`` makes a
+            huge-page ring (NOTE [huge-page ring] in ``shmloader.ringdir``). Every
+            rank of a group sets the same one; it must exist, belong to you or
+            root, and be safe from other users (sticky when others may write).
 
     A ``Config`` built directly holds exactly its arguments: it does not read
     the environment, so ``Config(allow_pickle=True)`` means sharing off
@@ -105,6 +111,7 @@ class Config:
     small_copy_bytes: int = DEFAULT_SMALL_COPY_BYTES
     job: str | None = None
     collate_in_slot: bool = True
+    shm_dir: str = ringdir.DEFAULT
 
     def __post_init__(self) -> None:
         if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 2:
@@ -133,6 +140,8 @@ class Config:
         prefetch = self.prefetch
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 1:
             raise ConfigError("prefetch", prefetch, "an integer >= 1")
+        if self.shm_dir != ringdir.DEFAULT:
+            ringdir.check(self.shm_dir, "shm_dir")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Config:
@@ -154,6 +163,7 @@ class Config:
             ),
             "job": _job(env),
             "collate_in_slot": _flag(env, "SHMLOADER_COLLATE_IN_SLOT", default=True),
+            "shm_dir": _shm_dir(env),
         }
         known = {f.name for f in dataclasses.fields(cls)}
         for key in overrides:
@@ -214,6 +224,13 @@ def _path(env: Mapping[str, str], name: str) -> str | None:
     if "\0" in raw:
         raise ConfigError(name, raw, "a filesystem path without NUL bytes")
     return raw
+
+
+def _shm_dir(env: Mapping[str, str]) -> str:
+    raw = env.get("SHMLOADER_SHM_DIR")
+    if raw is None or raw.strip() == "":
+        return ringdir.DEFAULT
+    return ringdir.check(raw, "SHMLOADER_SHM_DIR")
 
 
 def _name(env: Mapping[str, str], name: str) -> str | None:

@@ -381,6 +381,7 @@ class DaemonClient:
             pid=os.getpid(),
             start=segment.MY_START,
             pidns=segment.MY_PIDNS,
+            shm_dir=os.path.realpath(segment.ring_dir()),
         )
         if reply is None or not reply.get("ok") or not reply.get("adopted"):
             return None

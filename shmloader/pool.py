@@ -250,6 +250,8 @@ class PoolSpec:
     collate_in_slot: bool = True  # NOTE [collate into the slot] in ``worker``
     # the daemon's admission for bytes a worker adds, or None (NOTE [pool admission])
     admit: Callable[[str, int], None] | None = None
+    # the ring directory: a spawned worker does not inherit the leader's (``ringdir``)
+    shm_dir: str = ""
 
     @property
     def total(self) -> int:
@@ -325,6 +327,7 @@ class WorkerPool:
             allow_pickle,
             collate_in_slot,
             daemon.admitter() if daemon is not None else None,
+            _segment.SHM_DIR,
         )
         self.base = len(ring.slots)  # pool slot i is ring slot base + i
         if self.base != 0:
@@ -543,6 +546,8 @@ class WorkerSlots:
         self.spec = spec
         self.worker_id = worker_id
         self.pid = os.getpid()
+        if spec.shm_dir:
+            _segment.use_dir(spec.shm_dir)
         self.control = Segment.attach(spec.control, kind=KIND_DATA, token=spec.token)
         mm = self.control.map_shared()
         self.words = np.frombuffer(mm, np.uint64, offset=HEADER_SIZE)

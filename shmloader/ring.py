@@ -83,7 +83,7 @@ from typing import Protocol
 
 import numpy as np
 
-from . import cleanup
+from . import cleanup, ringdir
 from .errors import ProtocolError, ShmCapacityError
 from .segment import (
     HEADER_SIZE,
@@ -92,6 +92,7 @@ from .segment import (
     PAGE,
     PREFIX,
     Segment,
+    huge_ring,
     shm_free_bytes,
     touch,
 )
@@ -190,8 +191,19 @@ def parse_slot_name(token: str, name: str) -> tuple[int, int]:
 
 
 def slot_capacity_for(nbytes: int) -> int:
+    """A new slot's payload capacity for a batch of ``nbytes``.
+
+    In a huge-page ring the whole segment (header and payload) is a multiple
+    of 2 MiB (NOTE [huge-page ring] in ``ringdir``).
+    """
     cap = max(int(nbytes * HEADROOM), GRANULE)
+    if huge_ring():
+        return _round_up(HEADER_SIZE + cap, ringdir.HUGE) - HEADER_SIZE
     return (cap + GRANULE - 1) // GRANULE * GRANULE
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
 
 
 class RingWriter:

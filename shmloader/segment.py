@@ -97,6 +97,7 @@ import os
 import secrets
 import stat
 import struct
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -104,13 +105,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import cleanup
-from .errors import ProtocolError, ShmCapacityError
+from . import cleanup, ringdir
+from .errors import ConfigError, ProtocolError, ShmCapacityError
 
 MAGIC = b"SHMLDR\x00\x01"
 HEADER_VERSION = 2
 PREFIX = "shml-"
-SHM_DIR = "/dev/shm"
+#: This process's ring directory (NOTE [huge-page ring] in ``ringdir``):
+#: ``SHMLOADER_SHM_DIR`` or ``/dev/shm``; a ShmLoader sets its ``Config.shm_dir``
+#: (``use_dir``), a spawned DataLoader worker its pool's (``pool.PoolSpec``).
+SHM_DIR = ringdir.from_env()
 
 KIND_CONTROL = 1
 KIND_DATA = 2
@@ -289,25 +293,71 @@ os.register_at_fork(after_in_child=_refresh_identity)
 # ------------------------------------------------------------------- segments
 
 
+_HERE = threading.local()
+
+
+def ring_dir() -> str:
+    """The directory names are resolved in: this thread's ``in_dir``, else ``SHM_DIR``."""
+    return getattr(_HERE, "dir", None) or SHM_DIR
+
+
+@contextlib.contextmanager
+def in_dir(directory: str):  # type: ignore[no-untyped-def]
+    """Resolve names in ``directory`` on this thread for a while (``stat``/``gc`` scans)."""
+    before = getattr(_HERE, "dir", None)
+    _HERE.dir = directory
+    try:
+        yield directory
+    finally:
+        _HERE.dir = before
+
+
+def use_dir(directory: str) -> None:
+    """Make ``directory`` this process's ring directory (a ShmLoader's ``Config.shm_dir``).
+
+    One directory per process: while segments made here are still named in
+    another one, a change is a :class:`ConfigError` (they would be unlinked
+    in the wrong place).
+    """
+    global SHM_DIR
+    if os.path.realpath(directory) == os.path.realpath(SHM_DIR):
+        return
+    made, _ = cleanup.owned()
+    if made:
+        raise ConfigError(
+            "SHMLOADER_SHM_DIR",
+            directory,
+            f"the ring directory this process already uses ({SHM_DIR}, which holds "
+            f"{len(made)} of its segments): one ring directory per process; close the other "
+            "ShmLoader first or give both the same shm_dir",
+        )
+    SHM_DIR = directory
+
+
+def huge_ring(directory: str | None = None) -> bool:
+    """Whether segments in ``directory`` (the ring directory) get 2 MiB pages."""
+    return ringdir.describe(directory or ring_dir()).huge
+
+
 def shm_path(name: str) -> str:
-    return os.path.join(SHM_DIR, name.lstrip("/"))
+    return os.path.join(ring_dir(), name.lstrip("/"))
 
 
 def shm_free_bytes() -> int | None:
-    """Bytes still available in ``/dev/shm`` (None when it cannot be read)."""
+    """Bytes still available in the ring directory (None when it cannot be read)."""
     st = _shm_statvfs()
     return None if st is None else st.f_bavail * st.f_frsize
 
 
 def shm_size_bytes() -> int | None:
-    """Total size of ``/dev/shm`` (None when it cannot be read)."""
+    """Total size of the ring directory's filesystem (None when it cannot be read)."""
     st = _shm_statvfs()
     return None if st is None else st.f_blocks * st.f_frsize
 
 
 def _shm_statvfs() -> os.statvfs_result | None:
     try:
-        return os.statvfs(SHM_DIR)
+        return os.statvfs(ring_dir())
     except OSError:
         return None
 
@@ -325,6 +375,8 @@ class Segment:
         self.header = header
         self.linked = True
         self.owner = os.getpid()  # NOTE [creator-only cleanup]
+        self.directory = ring_dir()
+        self.pages = ringdir.describe(self.directory)  # NOTE [huge-page ring]
         _OPEN.add(self)  # closed in a forked child: NOTE [no inherited descriptors]
 
     @property
@@ -363,8 +415,8 @@ class Segment:
                 return cls._initialise(name, fd, kind, token, capacity)
             log.warning("shmloader: %s is taken by something we did not make; drew again", name)
         raise ProtocolError(
-            f"{NAME_TRIES} random names {stem}.* in {SHM_DIR} were all taken: someone is "
-            f"filling {SHM_DIR}; check its contents (`ls -la {SHM_DIR}`)"
+            f"{NAME_TRIES} random names {stem}.* in {ring_dir()} were all taken: someone is "
+            f"filling {ring_dir()}; check its contents (`ls -la {ring_dir()}`)"
         )
 
     @classmethod
@@ -417,7 +469,7 @@ class Segment:
         Not inherited by a forked child unless ``inherit`` (NOTE [creator-only
         cleanup]).
         """
-        mm = _map(self.fd, HEADER_SIZE + self.capacity, mmap.MAP_SHARED)
+        mm = _map(self.fd, HEADER_SIZE + self.capacity, mmap.MAP_SHARED, pages=self.pages)
         if not inherit:
             dont_fork(mm)
         return mm
@@ -432,7 +484,10 @@ class Segment:
         if nbytes > self.capacity:
             raise ProtocolError(f"{nbytes} bytes asked of {self.name}, which holds {self.capacity}")
         length = _round_up(max(nbytes, 1), PAGE)
-        mm = _map(self.fd, length, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE, HEADER_SIZE)
+        if self.pages.huge:  # to the end of a huge page: one page-table entry for the tail too
+            length = min(self.capacity, _round_up(HEADER_SIZE + length, ringdir.HUGE) - HEADER_SIZE)
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        mm = _map(self.fd, length, mmap.MAP_PRIVATE, prot, HEADER_SIZE, pages=self.pages)
         dont_fork(mm)
         return mm
 
@@ -443,7 +498,8 @@ class Segment:
         """
         if self.fd < 0:
             raise ProtocolError(f"segment {self.name} is closed; its slot was retired")
-        mm = _map(self.fd, HEADER_SIZE + self.capacity, mmap.MAP_SHARED, mmap.PROT_READ)
+        size = HEADER_SIZE + self.capacity
+        mm = _map(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ, pages=self.pages)
         dont_fork(mm)
         return mm
 
@@ -451,7 +507,8 @@ class Segment:
         """Remove the name; a no-op outside the process that made this object."""
         if self.linked and self.owner == os.getpid():
             self.linked = False
-            _unlink_quietly(self.name)
+            with in_dir(self.directory):
+                _unlink_quietly(self.name)
             cleanup.disown(segment=self.name)
 
     def close(self) -> None:
@@ -467,27 +524,85 @@ class Segment:
 _OPEN: weakref.WeakSet[Segment] = weakref.WeakSet()
 
 
-def _map(fd: int, length: int, flags: int, prot: int | None = None, offset: int = 0) -> mmap.mmap:
+def _map(
+    fd: int,
+    length: int,
+    flags: int,
+    prot: int | None = None,
+    offset: int = 0,
+    *,
+    pages: ringdir.Facts | None = None,
+) -> mmap.mmap:
     """``mmap.mmap`` of ``fd`` that holds no duplicate of it (NOTE [no inherited descriptors]).
 
     The object is made over an anonymous placeholder (no descriptor at all),
     and libc's ``mmap`` with ``MAP_FIXED`` puts the segment's pages at the
     same address: the object unmaps, advises and exports that range as
     usual. Without a libc ``mmap`` it is a plain ``mmap.mmap`` (with its
-    duplicate).
+    duplicate). In a huge-page ring (``pages.huge``) the placeholder puts file
+    offset 0 on a 2 MiB boundary, and the mapping is advised ``MADV_HUGEPAGE``
+    where the directory needs it (NOTE [huge-page ring] in ``ringdir``).
     """
     if prot is None:
         prot = mmap.PROT_READ | mmap.PROT_WRITE
     if LIBC_MMAP is None:
         return mmap.mmap(fd, length, flags=flags, prot=prot, offset=offset)
-    mm = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE, prot=prot)
+    huge = pages is not None and pages.huge
+    mm = _placeholder(length, prot, offset % ringdir.HUGE if huge else None)
     addr = _address(mm)
     got = LIBC_MMAP(addr, length, prot, flags | _MAP_FIXED, fd, offset)
     if got != addr:
         err = ctypes.get_errno()
         mm.close()
         raise OSError(err, f"mmap of a shared memory segment failed: {os.strerror(err)}")
+    if huge and pages is not None and pages.advise:
+        with contextlib.suppress(OSError):
+            mm.madvise(ringdir.MADV_HUGEPAGE)
     return mm
+
+
+def _placeholder(length: int, prot: int, phase: int | None) -> mmap.mmap:
+    """An anonymous ``mmap.mmap`` of ``length``; at an address ``phase`` past a 2 MiB
+    boundary when ``phase`` is not None (NOTE [huge-page ring] in ``ringdir``).
+
+    ``mmap.mmap`` takes no address, so a hole of exactly ``length`` is made
+    at the wanted address inside a larger ``PROT_NONE`` reservation and
+    objects are mapped until one lands in it: the kernel's top-down search
+    takes the highest gap that fits, and a gap above ours (a batch's view
+    unmapped since) takes the first tries, which are kept until the end so
+    that the next one looks further down. Then the reservation's rest and the
+    misses are given back. After ``PLACE_TRIES`` misses (another thread
+    mapping at the same time) the object lies elsewhere: correct, only not
+    aligned (4 KiB page-table entries over the huge pages).
+    """
+    if phase is None or LIBC_MUNMAP is None:
+        return mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE, prot=prot)
+    span = length + ringdir.HUGE
+    anon = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+    base = LIBC_MMAP(None, span, 0, anon, -1, 0)  # PROT_NONE
+    if base is None or base == _MAP_FAILED:
+        return mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE, prot=prot)
+    at = base + (phase - base) % ringdir.HUGE
+    LIBC_MUNMAP(at, length)
+    misses: list[mmap.mmap] = []
+    try:
+        for _ in range(PLACE_TRIES):
+            mm = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE, prot=prot)
+            if _address(mm) == at:
+                return mm
+            misses.append(mm)
+        log.debug("shmloader: a mapping missed its 2 MiB alignment (other threads mapping)")
+        return misses.pop()
+    finally:
+        for miss in misses:
+            miss.close()
+        if at > base:
+            LIBC_MUNMAP(base, at - base)
+        LIBC_MUNMAP(at + length, base + span - at - length)
+
+
+#: Placeholders mapped at most while looking for an aligned hole (``_placeholder``).
+PLACE_TRIES = 16
 
 
 def _address(mm: mmap.mmap) -> int:
@@ -515,7 +630,7 @@ def _close_inherited() -> None:
         fds = os.listdir("/proc/self/fd")
     except OSError:
         return
-    shm = os.path.join(SHM_DIR, PREFIX)
+    shm = os.path.join(SHM_DIR, PREFIX)  # the process's ring directory
     for name in fds:
         try:
             if os.readlink(f"/proc/self/fd/{name}").startswith(shm):
@@ -614,9 +729,9 @@ def read_header(name: str) -> Header:
 
 
 def list_segments() -> list[str]:
-    """Names (``/shml-...``) of what in ``/dev/shm`` looks like ours (not yet validated)."""
+    """Names (``/shml-...``) of what in the ring directory looks like ours (not yet validated)."""
     try:
-        return sorted("/" + n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX))
+        return sorted("/" + n for n in os.listdir(ring_dir()) if n.startswith(PREFIX))
     except FileNotFoundError:
         return []
 
@@ -652,6 +767,8 @@ def dont_fork(mm: mmap.mmap) -> bool:
 _NOT_FORKED: dict[int, tuple[weakref.ref, int]] = {}
 _MAP_FIXED_NOREPLACE = 0x100000
 _MAP_FIXED = 0x10
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def _libc_mmap() -> Callable[..., int] | None:
@@ -675,6 +792,19 @@ def _libc_mmap() -> Callable[..., int] | None:
 
 #: libc's ``mmap`` (None where it cannot be resolved); the pool uses it too.
 LIBC_MMAP = _libc_mmap()
+
+
+def _libc_munmap() -> Callable[..., int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).munmap
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return fn
+
+
+LIBC_MUNMAP = _libc_munmap()
 
 
 def _reserve_in_child() -> None:

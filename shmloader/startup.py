@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import arrival
+from . import arrival, segment
 from .channel import Hub, Spoke
 from .config import DEFAULT_TIMEOUT_S, Config
 from .cursor import Boundary, Cursor
@@ -122,6 +122,7 @@ def build(
 ) -> Built:
     """Sharing on: set up with the group and make this rank's role (collective)."""
     config = shared.config
+    segment.use_dir(config.shm_dir)  # NOTE [huge-page ring] (ringdir)
     arrival.arrive(  # NOTE [set-up is bounded], NOTE [set-up marks] (arrival)
         ranks,
         dist.get_rank(),

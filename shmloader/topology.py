@@ -6,7 +6,8 @@ nodes), so identity is decided from facts the ranks exchange and then
 verified:
 
 1. every rank *claims* a node key: ``SHMLOADER_NODE`` (when set), the kernel's
-   boot id and the device and inode of ``/dev/shm``;
+   boot id and the device and inode of ``/dev/shm`` (the ring directory:
+   ``SHMLOADER_SHM_DIR``);
 2. every rank creates a small probe segment of a random name (carried in the
    claim, NOTE [unpredictable names]) and holds a life lock on it
    (NOTE [liveness across pid namespaces] in ``channel``);
@@ -48,7 +49,7 @@ import torch.distributed as dist
 from . import reap, segment
 from .channel import Peer, make_private_dir, remove_private_dir, socket_path
 from .errors import ProtocolError, TopologyMismatchError
-from .segment import KIND_PROBE, PREFIX, SHM_DIR, Segment
+from .segment import KIND_PROBE, PREFIX, Segment, ring_dir
 
 _LEN = struct.Struct("<q")
 
@@ -211,7 +212,7 @@ def node_claim(override: str | None) -> str:
     except OSError:
         boot = socket.gethostname()
     try:
-        st = os.stat(SHM_DIR)
+        st = os.stat(ring_dir())  # the ring directory's filesystem (ringdir)
         shm = f"{st.st_dev:x}:{st.st_ino:x}"
     except OSError:
         shm = "noshm"

@@ -9,7 +9,9 @@ NOTE [only our own segments]
     (``RUN_JOB``: every ring of the run carries it, as ``SHMLOADER_JOB``,
     in its description). A dead owner or an unreadable header alone proves
     nothing: counting those as ours deleted other jobs' shared memory and
-    failed tests whenever another run's segments appeared.
+    failed tests whenever another run's segments appeared. Every ring
+    directory is checked: /dev/shm, ``SHMLOADER_SHM_DIR`` (as the test left
+    it) and the huge-page tmpfs of ``huge_dir`` once a test asked for it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import time
 
 import pytest
 
+#: Ring directories the leak check looks in besides /dev/shm and SHMLOADER_SHM_DIR.
+RING_DIRS: list[str] = []
 #: This run's job name: in the description of every ring it makes (NOTE [only our own segments]).
 RUN_JOB = f"pytest-{os.getpid()}-{secrets.token_hex(4)}"
 os.environ["SHMLOADER_JOB"] = RUN_JOB  # inherited by every rank and daemon the tests start
@@ -49,27 +53,37 @@ def _descends_from_us(pid: int) -> bool:
     return False
 
 
+def ring_dirs() -> list[str]:
+    """Where this run's segments can be: /dev/shm, SHMLOADER_SHM_DIR, ``RING_DIRS``."""
+    from shmloader.admin import ring_dirs as dirs
+
+    return dirs(RING_DIRS)
+
+
 def run_jobs() -> dict[str, str | None]:
     """Ring token -> the job its control segment describes, for every control segment."""
-    from shmloader.admin import inspect
-    from shmloader.segment import KIND_CONTROL, list_segments
+    from shmloader.admin import scan_entries
+    from shmloader.segment import KIND_CONTROL
 
     out: dict[str, str | None] = {}
-    for name in list_segments():
-        entry = inspect(name)
-        if entry is not None and entry.header is not None and entry.header.kind == KIND_CONTROL:
+    for entry in scan_entries(dirs=ring_dirs()):
+        if entry.header is not None and entry.header.kind == KIND_CONTROL:
             job = (entry.description or {}).get("job")
             out[entry.header.token] = job if isinstance(job, str) else None
     return out
 
 
-def ours(name: str, jobs: dict[str, str | None] | None = None) -> bool:
-    """Whether this run made segment ``name`` (NOTE [only our own segments])."""
+def ours(name: str, jobs: dict[str, str | None] | None = None, directory: str = "") -> bool:
+    """Whether this run made segment ``name`` (NOTE [only our own segments]).
+
+    ``directory``: the ring directory it is in (this process's by default).
+    """
     from shmloader.errors import ProtocolError
-    from shmloader.segment import read_header
+    from shmloader.segment import in_dir, read_header, ring_dir
 
     try:
-        header = read_header("/" + name.lstrip("/"))
+        with in_dir(directory or ring_dir()):
+            header = read_header("/" + name.lstrip("/"))
     except (OSError, ProtocolError):
         header = None
     return judge(header, run_jobs() if jobs is None else jobs)
@@ -86,11 +100,13 @@ def judge(header, jobs: dict[str, str | None]) -> bool:
     return jobs.get(header.token) == RUN_JOB
 
 
-def _shm_entries() -> set[str]:
-    try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith("shml-")}
-    except FileNotFoundError:
-        return set()
+def _shm_entries() -> set[tuple[str, str]]:
+    """(ring directory, name) of every ``shml-`` entry of every ring directory."""
+    out = set()
+    for d in ring_dirs():
+        with contextlib.suppress(FileNotFoundError):
+            out |= {(d, n) for n in os.listdir(d) if n.startswith("shml-")}
+    return out
 
 
 def _children() -> set[int]:
@@ -135,7 +151,7 @@ def no_leaks(monkeypatch):
     while True:
         new = _shm_entries() - before_shm
         jobs = run_jobs() if new else {}
-        leaked_shm = {n for n in new if ours(n, jobs)}
+        leaked_shm = {(d, n) for d, n in new if ours(n, jobs, d)}
         leaked_children = _children() - before_children
         sockets = [os.path.join(d, f) for d, _, files in os.walk(runtime) for f in files]
         sockets += [os.path.join(runtime, n) for n in os.listdir(runtime) if n.startswith("shml-")]
@@ -145,10 +161,11 @@ def no_leaks(monkeypatch):
     shutil.rmtree(runtime, ignore_errors=True)
     problems = []
     if leaked_shm:
-        problems.append(f"shared memory segments left in /dev/shm: {sorted(leaked_shm)}")
-        for name in leaked_shm:  # do not cascade into later tests
+        shown = sorted(os.path.join(d, n) for d, n in leaked_shm)
+        problems.append(f"shared memory segments left: {shown}")
+        for d, name in leaked_shm:  # do not cascade into later tests
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join("/dev/shm", name))
+                os.unlink(os.path.join(d, name))
     if sockets:
         problems.append(f"sockets or directories left in the runtime directory: {sockets}")
     if leaked_children:
@@ -158,3 +175,28 @@ def no_leaks(monkeypatch):
                 os.kill(pid, 9)
     if problems:
         pytest.fail("; ".join(problems))
+
+
+@pytest.fixture(scope="session")
+def huge_dir():
+    """A tmpfs mounted with ``huge=within_size`` (a huge-page ring directory).
+
+    Mounted in a private mount namespace that this process's main thread
+    enters (``unshare(CLONE_NEWNS)``; ranks and helpers it starts inherit
+    it), so nothing of it is visible outside the test run and the kernel
+    frees it when the run ends. Skipped, with the reason, when not root or
+    when the mount fails; the leak check covers it (``RING_DIRS``).
+    """
+    from tests.harness import huge_tmpfs
+
+    try:
+        path = huge_tmpfs()
+    except OSError as exc:
+        pytest.skip(f"cannot mount a huge=within_size tmpfs in a private mount namespace: {exc}")
+    RING_DIRS.append(path)
+    yield path
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).umount2(path.encode(), 2)  # MNT_DETACH
+    with contextlib.suppress(OSError):
+        os.rmdir(path)

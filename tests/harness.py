@@ -47,6 +47,30 @@ def _enter_private_shm(shm_dir: str) -> None:
         raise OSError(ctypes.get_errno(), f"bind {shm_dir} over /dev/shm")
 
 
+def huge_tmpfs(size: str = "1g") -> str:
+    """Mount a tmpfs with ``huge=within_size`` (mode 1777) in a private mount namespace.
+
+    This thread (the main one) enters a new mount namespace first, with every
+    mount private, so the tmpfs is seen only by this process and what it
+    starts from now on, and goes away with them. Returns its path; ``OSError``
+    when not root or the kernel refuses.
+    """
+    if os.geteuid() != 0:
+        raise OSError(1, "not root")
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNS) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
+    if libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        raise OSError(ctypes.get_errno(), "mount --make-rprivate /")
+    path = tempfile.mkdtemp(prefix="shml-huge-")
+    options = f"huge=within_size,size={size},mode=1777".encode()
+    if libc.mount(b"tmpfs", path.encode(), b"tmpfs", 0, options) != 0:
+        err = ctypes.get_errno()
+        os.rmdir(path)
+        raise OSError(err, f"mount -t tmpfs -o {options.decode()} tmpfs {path}")
+    return path
+
+
 def _rank_main(
     rank: int,
     world: int,

@@ -236,3 +236,55 @@ def keep_past_close(rank: int, world: int) -> list[str]:
     finally:
         sys.unraisablehook = previous
     return raised
+
+
+class Big(Dataset):
+    """Samples of 2 MiB (float32), so that batches span several huge pages."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((512 * 1024,), float(i))
+
+
+def pmd_mapped_kb(address: int) -> int:
+    """kB of the mapping holding ``address`` that 2 MiB page-table entries map."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head in ("ShmemPmdMapped:", "FilePmdMapped:"):
+                kb = int(line.split()[1])
+                if kb:
+                    return kb
+    return 0
+
+
+def huge_ring(rank: int, world: int, *, num_workers: int) -> dict:
+    """Share ``Big`` batches through the ring directory SHMLOADER_SHM_DIR names;
+    report where the ring lived, what ``stat`` said about it and the batches."""
+    from shmloader import admin, segment
+
+    group, _members = sp_groups(world, world)
+    loader = ShmLoader(
+        lambda: DataLoader(Big(), batch_size=2, num_workers=num_workers),
+        group,
+        config=Config.from_env(enabled=True),
+    )
+    out: dict[str, Any] = {"dir": segment.SHM_DIR, "firsts": [], "pmd_kb": [], "role": loader.role}
+    for batch in loader:
+        out["firsts"].append(batch[:, 0].tolist())
+        assert float(batch.sum()) == float(batch[:, 0].sum()) * batch.shape[1]  # every page read
+        out["pmd_kb"].append(pmd_mapped_kb(batch.data_ptr()))
+        if "job" not in out:
+            token = loader.topology.ring_token  # type: ignore[union-attr]
+            job = next(j for j in admin.scan()["jobs"] if j["token"] == token)
+            out["job"] = {k: job.get(k) for k in ("shm_dir", "huge_pages", "state")}
+            out["in_dev_shm"] = [n for n in os.listdir("/dev/shm") if token in n]
+        del batch
+    loader.close()
+    return out

@@ -27,7 +27,7 @@ JOB_KEYS = {
     "pids", "writer_pid", "writer_alive", "segments", "segment_bytes", "bytes", "slots",
     "ring_bytes", "published", "bytes_published", "publish_ms_avg", "last_publish_unix",
     "readers", "followers", "job", "started_unix", "age_s", "reclaimable_bytes", "ranks",
-    "granted_pending_bytes", "ended", "uid", "user",
+    "granted_pending_bytes", "ended", "uid", "user", "shm_dir", "huge_pages",
 }  # fmt: skip
 
 

@@ -38,6 +38,7 @@ AGREED = {
     "verify": False,
     "allow_pickle": False,
     "small_copy_bytes": 65536,
+    "shm_dir": "/dev/shm",
 }
 
 
@@ -85,6 +86,7 @@ def test_a_peer_with_sharing_off_is_a_config_error_naming_it_and_shmloader():
         ("verify", True),
         ("allow_pickle", True),
         ("small_copy_bytes", 0),
+        ("shm_dir", "/mnt/shmloader"),
     ],
 )
 def test_every_agreed_setting_that_differs_is_named_with_both_values(name, theirs):

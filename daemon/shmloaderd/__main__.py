@@ -3,7 +3,7 @@
     shmloaderd [--socket PATH] [--budget SIZE|PCT%] [--metrics-port PORT]
                [--reap-interval SECONDS] [--pool SIZE] [--pool-segment SIZE]
                [--tenants | --single-user] [--uid-budget UID=SIZE|PCT% ...]
-               [--default-uid-budget SIZE|PCT%] [--log-level LEVEL]
+               [--default-uid-budget SIZE|PCT%] [--shm-dir DIR ...] [--log-level LEVEL]
 
 Started as root (or with ``--tenants``) it serves every user of the node
 (NOTE [tenants] in ``tenants``); as any other user, or with
@@ -26,8 +26,10 @@ import threading
 
 # shmloader's package __init__ imports torch lazily, so the daemon loads only
 # the light modules it uses (segment, ring, admin, daemon_client, errors).
+from shmloader import ringdir, segment
+from shmloader.admin import ring_dirs
 from shmloader.daemon_client import DEFAULT_SOCKET
-from shmloader.errors import human_bytes
+from shmloader.errors import ConfigError, human_bytes
 
 from . import notify
 from ._version import __version__
@@ -74,12 +76,39 @@ def budget_function(spec: tuple[str, float] | None):
 
     def pct() -> int | None:
         try:
-            st = os.statvfs("/dev/shm")
+            st = os.statvfs(segment.SHM_DIR)  # the first --shm-dir, else /dev/shm
         except OSError:
             return None
         return int(st.f_blocks * st.f_frsize * value / 100)
 
     return pct
+
+
+def check_shm_dirs(dirs: list[str]) -> list[str]:
+    """Check each ``--shm-dir``, log what backs it, and make the first one ours.
+
+    Returns every ring directory the daemon reaps and accounts (``/dev/shm``
+    first). A directory that does not exist or is not safe is a ``ConfigError``
+    (``ringdir.check``); one that does not give 2 MiB pages is logged as such.
+    """
+    for d in dirs:
+        ringdir.check(d, "--shm-dir")
+    if dirs:
+        segment.use_dir(dirs[0])
+    out = ring_dirs(dirs)
+    for d in out:
+        f = ringdir.describe(d)
+        log.info(
+            "ring directory %s: %s on %s, huge=%s, mode %s, owner uid %d: %s",
+            d,
+            f.fs or "unknown filesystem",
+            f.mount or "?",
+            f.huge_option,
+            f.mode,
+            f.owner,
+            f.why,
+        )
+    return out
 
 
 def parse_uid_budget(text: str) -> tuple[int, tuple[str, float]]:
@@ -206,6 +235,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="node mode: the budget of every uid without its own --uid-budget "
         "(default: none, only the node budget)",
     )
+    p.add_argument(
+        "--shm-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a ring directory to reap and account besides /dev/shm (repeatable): what jobs "
+        "set as SHMLOADER_SHM_DIR, e.g. a tmpfs mounted with huge=within_size. The first one "
+        "also holds the warm pool and is what admissions and a percentage --budget measure",
+    )
     p.add_argument("--version", action="version", version=f"shmloaderd {__version__}")
     return p
 
@@ -219,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.pool and args.pool_segment <= 0:
         print("shmloaderd: --pool-segment must be > 0", file=sys.stderr)
+        return 2
+    try:
+        shm_dirs = check_shm_dirs(args.shm_dir)
+    except ConfigError as exc:
+        print(f"shmloaderd: {exc}", file=sys.stderr)
         return 2
     budget = budget_function(args.budget)
     if args.budget is None:
@@ -256,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         pool_segment=args.pool_segment,
         tenants=tenants,
         uid_budgets=uid_budgets,
+        shm_dirs=shm_dirs,
     )
     metrics = None
     try:

@@ -45,7 +45,8 @@ field type, an unknown op or another ``v`` is answered with ``ok: false``.
     unregister  token                                        token, known
     stats       -                                            stats (``shmloader stat
                                                              --json`` document)
-    adopt       token, name, bytes, pid, start, pidns?       adopted, name, capacity
+    adopt       token, name, bytes, pid, start, pidns?,      adopted, name, capacity
+                shm_dir?
                                                              (warm pool, see ``pool``)
 
 ``pidns`` is the inode of the process's pid namespace (0 or absent: unknown):
@@ -252,6 +253,7 @@ OPS: dict[str, dict[str, tuple[Check, bool]]] = {
         "pid": (_int, True),
         "start": (_int, True),
         "pidns": (_int, False),
+        "shm_dir": (_text, False),  # the adopter's ring directory (ringdir)
     },
 }
 

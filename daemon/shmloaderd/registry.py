@@ -81,9 +81,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shmloader import segment
-from shmloader.admin import DEVICE_REPORTED, Entry, inspect, job_pids, observed_bytes
+from shmloader.admin import DEVICE_REPORTED, Entry, job_pids, observed_bytes, token_entries
 from shmloader.errors import human_bytes
-from shmloader.segment import PREFIX, list_segments, process_alive, shm_free_bytes
+from shmloader.segment import process_alive, shm_free_bytes
 
 from .tenants import user_name
 
@@ -217,8 +217,10 @@ class Registry:
         shrink_pool: Callable[[int], int] = lambda need: 0,
         uid_budget: Callable[[int | None], int | None] = lambda uid: None,
         tenants: bool = False,
+        dirs: list[str] | None = None,
     ) -> None:
         self.jobs: dict[str, Job] = {}
+        self.dirs = dirs  # the ring directories (None: ``admin.ring_dirs()``)
         self.budget = budget
         self.pool_bytes = pool_bytes
         self.shrink_pool = shrink_pool
@@ -266,14 +268,11 @@ class Registry:
         return set() if job.uid is None else {job.uid}
 
     def _control_owners(self, token: str) -> set[int]:
-        """Uids of the valid control segments of ``token`` in /dev/shm."""
-        prefix = f"/{PREFIX}{token}-"
+        """Uids of the valid control segments of ``token`` in the ring directories."""
         out = set()
-        for name in list_segments():
-            if name.startswith(prefix):
-                e = inspect(name, every_uid=self.tenants)
-                if e is not None and e.header is not None and e.header.kind_name == "control":
-                    out.add(e.header.uid)
+        for e in token_entries(token, every_uid=self.tenants, dirs=self.dirs):
+            if e.header is not None and e.header.kind_name == "control":
+                out.add(e.header.uid)
         return out
 
     def _settle(self, job: Job, owners: set[int]) -> Job:
@@ -465,13 +464,8 @@ class Registry:
         return "; ".join(parts) or "nothing"
 
     def observe_one(self, job: Job) -> None:
-        """Refresh one job's observed bytes from /dev/shm now (before an admission)."""
-        prefix = f"/{PREFIX}{job.token}-"
-        entries = [
-            e
-            for n in list_segments()
-            if n.startswith(prefix) and (e := inspect(n, every_uid=self.tenants))
-        ]
+        """Refresh one job's observed bytes from its ring directory now (before an admission)."""
+        entries = token_entries(job.token, every_uid=self.tenants, dirs=self.dirs)
         self._observe(job, [e for e in entries if e.header is not None])
 
     def _observe(self, job: Job, entries: list[Entry]) -> None:

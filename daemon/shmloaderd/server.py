@@ -45,6 +45,7 @@ from typing import Any
 
 import zmq
 
+from shmloader import segment as segment_module
 from shmloader.admin import (
     DEVICE_KEYS,
     build_document,
@@ -52,13 +53,14 @@ from shmloader.admin import (
     device_fields,
     empty_job,
     remove_if_dead,
+    ring_dirs,
     scan_entries,
     stale_sockets,
 )
 from shmloader.cleanup import remove_runtime_dir
 from shmloader.daemon_client import MAX_REQUEST, DaemonClient
 from shmloader.errors import ProtocolError, human_bytes
-from shmloader.segment import HEADER_SIZE, SHM_DIR
+from shmloader.segment import HEADER_SIZE
 
 from . import notify, protocol
 from ._version import __version__
@@ -123,8 +125,11 @@ class Daemon:
         pool_segment: int = 64 << 20,
         tenants: bool = False,
         uid_budgets: UidBudgets | None = None,
+        shm_dirs: list[str] | None = None,
     ) -> None:
         self.path = os.path.abspath(socket_path)
+        # ring directories reaped and accounted (``--shm-dir``; NOTE [huge-page ring])
+        self.shm_dirs = ring_dirs() if shm_dirs is None else shm_dirs
         self.budget = budget
         self.budget_text = budget_text
         self.reap_interval = reap_interval
@@ -137,6 +142,7 @@ class Daemon:
             self.pool.shrink,
             uid_budget=self.uid_budgets,
             tenants=tenants,
+            dirs=self.shm_dirs,
         )
         self.reaped_by_uid: dict[int, list[int]] = {}  # uid -> [segments, bytes]
         self.sock: zmq.Socket | None = None
@@ -334,6 +340,10 @@ class Daemon:
         if op == "unregister":
             return r.unregister(f)
         if op == "adopt":
+            pool_dir = os.path.realpath(segment_module.SHM_DIR)
+            if f.get("shm_dir", pool_dir) != pool_dir:  # a link cannot cross directories
+                reason = f"the warm pool is in {pool_dir}, the ring in {f['shm_dir']}"
+                return {"ok": True, "adopted": False, "reason": reason}
             job = r.job(f["token"], uid)
             if self.tenancy.enabled and job.uid is not None:  # NOTE [tenants]: fchown to them
                 gid = peer.gid if peer is not None and peer.uid == job.uid else None
@@ -357,13 +367,13 @@ class Daemon:
         """Unlink what dead owners left, update the registry, refill the pool."""
         every_uid = self.tenancy.enabled  # NOTE [reaping rule] in shmloader.admin
         try:
-            entries = scan_entries(every_uid=every_uid)
+            entries = scan_entries(every_uid=every_uid, dirs=self.shm_dirs)
             names = self._job_names(entries)
             kept = []
             reaped: dict[str, tuple[int, int]] = {}
             for e in entries:
                 if e.header is not None and not e.alive:
-                    freed = remove_if_dead(e.name, every_uid=every_uid)
+                    freed = remove_if_dead(e.name, every_uid=every_uid, directory=e.directory)
                     if freed is not None and freed.removed:
                         self.reaped_segments += 1
                         self.reaped_bytes += freed.bytes
@@ -454,12 +464,13 @@ class Daemon:
     # ----------------------------------------------------------------- stats
 
     def stats(self) -> dict[str, Any]:
-        return self._document(scan_entries(every_uid=self.tenancy.enabled))
+        return self._document(scan_entries(every_uid=self.tenancy.enabled, dirs=self.shm_dirs))
 
     def _document(self, entries: list) -> dict[str, Any]:
         doc = build_document(
             [e for e in entries if not (e.header and e.header.token == self.pool.token)],
             "daemon",
+            self.shm_dirs,
         )
         jobs = {j["token"]: j for j in doc["jobs"]}
         now = time.monotonic()
@@ -680,13 +691,15 @@ def _ended_job(rec: Any) -> dict[str, Any]:
 
 
 def _file_uid(name: Any) -> int | None:
-    """Owner of ``/dev/shm/<name>`` (None when it cannot be told)."""
+    """Owner of ``<ring directory>/<name>`` (None when it cannot be told)."""
     if not isinstance(name, str):
         return None
-    try:
-        return os.lstat(os.path.join(SHM_DIR, name.lstrip("/"))).st_uid
-    except OSError:
-        return None
+    for directory in ring_dirs():
+        try:
+            return os.lstat(os.path.join(directory, name.lstrip("/"))).st_uid
+        except OSError:
+            continue
+    return None
 
 
 def _left(budget: int | None, used: int) -> int | None:

@@ -129,14 +129,14 @@ class ShmLoader:
         if target is not None or select is not None:
             self._stage = DeviceStage(target, select=select, prefetch=self.config.prefetch)
         self.accumulation_steps = accumulation_steps
-        self._closed = False
+        self._open = _Open()
         self._cursor = Cursor()
         self._boundary = Boundary(
             accumulation_steps, prefetching=self._stage is not None and self._stage.on_device
         )
         self._stats = RankStats()
         shared = Shared(
-            self.config, self._cursor, self._boundary, self._stats, self._stage, self._check_open
+            self.config, self._cursor, self._boundary, self._stats, self._stage, self._open.check
         )
         ranks = group_ranks(group)
         if isinstance(device, DeviceOps):
@@ -246,9 +246,9 @@ class ShmLoader:
 
     def close(self) -> None:
         """Release every resource. Idempotent; also runs at interpreter exit."""
-        if self._closed:
+        if self._open.closed:
             return
-        self._closed = True
+        self._open.closed = True
         if self._built.reporter is not None:
             self._built.reporter.close()
         if self._stage is not None:
@@ -260,9 +260,7 @@ class ShmLoader:
             self._built.source.loader = None
 
     def _check_open(self) -> None:
-        """The same error in every mode and role once ``close()`` ran."""
-        if self._closed:
-            raise ShmLoaderError("this ShmLoader is closed; make a new one")
+        self._open.check()
 
     def __enter__(self) -> ShmLoader:
         return self
@@ -316,6 +314,23 @@ class ShmLoader:
         self._checkpoints.load(state, self.set_epoch)
         if self._built.length is not None:
             self._built.length.changed()  # NOTE [length per epoch] (length)
+
+
+class _Open:
+    """Whether a ``ShmLoader`` is open: what every role's loop checks per batch.
+
+    Its own object, not a method of the loader: nothing a role holds refers
+    back to the ``ShmLoader``, so a loader the user drops is freed at once and
+    its finalizer runs then, not at the next cycle collection.
+    """
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def check(self) -> None:
+        """The same error in every mode and role once ``close()`` ran."""
+        if self.closed:
+            raise ShmLoaderError("this ShmLoader is closed; make a new one")
 
 
 def _close_in(creator: int, closers: list[Callable[[], None]]) -> None:

@@ -335,7 +335,9 @@ class Writer:
         slots = self.config.slots
 
         def waiting() -> list[int]:
-            live = [r for r in topo.readers if r not in self.gone]
+            # A reader whose socket closed is not waited for: the announcement that
+            # follows (tell_readers) names it lost, or takes its trailing BYE.
+            live = [r for r in topo.readers if r not in self.gone and r not in self.hub.left]
             # NOTE [one announcement] (channel): arrived = HELLO and subscribed
             late = [r for r in live if r not in self.hello or r not in self.hub.subscribed]
             if late or not window:
@@ -359,7 +361,7 @@ class Writer:
         assert ring is not None
         try:
             self.wait_for(
-                lambda: sorted(ring.unattached() - self.gone),
+                lambda: sorted(ring.unattached() - self.gone - self.hub.left),
                 min(self.config.timeout, CLOSE_WAIT_S),
                 "closing: waiting for followers to map the last batches",
             )

@@ -497,7 +497,7 @@ def small_shm_job(rank: int, world: int) -> dict:
         loader = ShmLoader(factory(mib), group, config=Config.from_env(enabled=share))
         try:
             sums = [float(b.double().sum()) for epoch in range(2) for b in loader]
-            pool = getattr(loader, "_pool", None)
+            pool = getattr(loader._role, "pool", None)  # the leader's WorkerPool
             return {"sums": sums, "in_use": None if pool is None else int(pool.words[3])}
         finally:
             loader.close()

@@ -30,6 +30,7 @@ from . import rng, wire
 from .channel import Spoke
 from .errors import PeerLostError, ProtocolError, ShmLoaderError
 from .reader import _Reader
+from .release import announced_words
 from .roles import CLOSE_WAIT_S, _check_crc, _leader_error, log
 from .wire import Kind
 
@@ -206,6 +207,9 @@ class _Follower(_Reader):
         self._out.send(wire.frames(Kind.ACK, msg.seq, rank=self._me))
         if msg["slot"] >= 0:
             self._attach(msg["seg"])
+            words = announced_words(msg.body)
+            if words is not None:  # never mapped: nothing of it can change under us
+                self._reader.release_now(words)  # type: ignore[union-attr]
             self._out.pending.append((msg["slot"], msg["gen"], msg.seq))
             self._out.send([])
 
@@ -272,7 +276,7 @@ class _Follower(_Reader):
         assert self._reader is not None
         self._attach(msg["seg"])
         release = functools.partial(self._out.release, (msg["slot"], msg["gen"], msg.seq))
-        payload = self._reader.view(msg["seg"], nbytes, release)
+        payload = self._reader.view(msg["seg"], nbytes, release, announced_words(msg.body))
         if msg["crc"] >= 0:
             _check_crc(payload, msg["crc"], msg.seq)
         return payload

@@ -57,6 +57,7 @@ class _Leader(_Local, _Writer):
             allow_pickle=self.config.allow_pickle,
             collate_in_slot=self.config.collate_in_slot,
             daemon=self._daemon,
+            peers=self._release_peers(),
         )
         try:
             installed = worker_writer.install(loader, pool)
@@ -67,6 +68,12 @@ class _Leader(_Local, _Writer):
             pool.close()
             return None
         return pool
+
+    def _release_peers(self) -> dict[int, tuple[int, int, int]]:
+        """Pid, start and pid namespace of this node's readers: a worker's liveness
+        check of a holder that never released (NOTE [release words] in ``release``)."""
+        topo = self._topo
+        return {f.rank: (f.pid, f.start, f.pidns) for f in topo.facts if f.rank in topo.readers}
 
     def _check_loader_free(self) -> None:
         """Refuse, at set-up, a DataLoader another open ShmLoader's pool wraps.

@@ -340,7 +340,7 @@ class ShmLoader(_Leader, _Relay, _Follower):
             self._gone: set[int] = set()
             self._self_releases: collections.deque = collections.deque()
         else:
-            self._reader = RingReader(topo.ring_token)
+            self._reader = RingReader(topo.ring_token, topo.me)
             self._spoke = Spoke(topo.socket_path, topo.me)
             self._out = _Releaser(self._spoke, topo.me)
             self._stash: wire.Message | None = None

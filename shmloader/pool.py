@@ -142,6 +142,7 @@ import ctypes
 import dataclasses
 import errno
 import fcntl
+import functools
 import itertools
 import logging
 import math
@@ -163,6 +164,7 @@ from .errors import (
     ShmLoaderError,
     human_bytes,
 )
+from .release import AREA_AT, HOLDER_COUNT, MAX_HOLDERS, ReleaseWords, area_words
 from .ring import (
     GRANULE,
     RingWriter,
@@ -209,6 +211,10 @@ OWNER_CHECK_S = 0.2
 #: The fewest slots a worker runs with (NOTE [pool size]); word 3 holds how many are in use.
 MIN_PER_WORKER = 2
 USE = 3
+#: How long a worker waits for a slot that fits to be released before it grows
+#: another one (NOTE [pool size]): a lockstep job's ranks drop their previous
+#: batch within one delivery; a job that keeps more pays this once per slot.
+GROW_GRACE_S = 2.0
 
 #: Pools of this process by ring token, for SlotRef.__del__ (abandon).
 _POOLS: weakref.WeakValueDictionary[str, WorkerPool] = weakref.WeakValueDictionary()
@@ -305,11 +311,19 @@ class WorkerPool:
         allow_pickle: bool,
         collate_in_slot: bool = True,
         daemon: DaemonClient | None = None,
+        peers: dict[int, tuple[int, int, int]] | None = None,
     ) -> None:
         self.ring = ring
         self.daemon = daemon
         per_worker = per_worker_slots(prefetch_factor, ring_slots, num_workers)
-        words = _RECORDS_AT + num_workers * per_worker * _RECORD_WORDS
+        total = num_workers * per_worker
+        # NOTE [release words]: holder 0 is this process's own view, then each reader
+        me = -1 if ring.self_rank is None else ring.self_rank
+        holders = [me, *sorted(ring.readers)]
+        release_at = _RECORDS_AT + total * _RECORD_WORDS
+        words = release_at
+        if len(holders) <= MAX_HOLDERS:
+            words += area_words(total, len(holders))
         self.control = Segment.create_unique(
             pool_stem(ring.token), KIND_DATA, ring.token, words * 8
         )
@@ -333,6 +347,18 @@ class WorkerPool:
         self._mm = self.control.map_shared()
         self.words = np.frombuffer(self._mm, np.uint64, count=words, offset=HEADER_SIZE)
         self.words[:4] = (POOL_VERSION, num_workers, per_worker, per_worker)
+        self.release: ReleaseWords | None = None
+        self._holder_index = {rank: j for j, rank in enumerate(holders)}
+        if words > release_at:
+            self.words[[AREA_AT, HOLDER_COUNT]] = (release_at, len(holders))
+            self.release = ReleaseWords(self.words, release_at, len(holders), total)
+            known = peers or {}
+            own = (os.getpid(), _segment.MY_START, _segment.MY_PIDNS)
+            self.release.init(
+                (rank, *(own if j == 0 else known.get(rank, (0, 0, 0))))
+                for j, rank in enumerate(holders)
+            )
+            ring.on_drop(self.release.drop)  # a reader's BYE or loss ends its holds
         self._warned_size = False
         self.last_write_ns = 0  # the adopted batch's write into its slot, in its worker
         self.last_placed = 0  # bytes of it that its collate made in place
@@ -382,11 +408,19 @@ class WorkerPool:
             raise ProtocolError(
                 f"{ref!r} is stale: slot {i} is {self.state(i)} with ticket {int(rec[TICKET])}"
             )
+        # A worker claims a slot its holders released by their words, maybe before
+        # this process handled their RELEASEs: the ring's record follows here.
+        self.ring.settle_pooled(self.base + i)
         slot = self.ring.slots[self.base + i]
         if slot.gen != ref.gen:
             slot = self._install(i, ref.gen)
         if ref.nbytes > slot.capacity:
             raise ProtocolError(f"{ref!r} overruns slot {i} of {slot.capacity} bytes")
+        if self.release is not None:  # before HELD: NOTE [release words]
+            holders = set(self.ring.readers)
+            if self.ring.self_rank is not None:
+                holders.add(self.ring.self_rank)
+            self.release.hold(i, holders)
         rec[STATE] = HELD
         ref.adopted = True
         if not self._warned_size and int(self.words[USE]) < self.spec.per_worker:
@@ -430,12 +464,59 @@ class WorkerPool:
         return slot
 
     def sync(self) -> None:
-        """HELD -> FREE for every pool slot the ring has back (every holder released)."""
+        """HELD -> FREE for every pool slot every holder released (words or RELEASEs).
+
+        The ring's record of who holds a slot follows the release words too
+        (NOTE [release words]), so that NOTE [ring growth] names only real holders.
+        """
         slots = self.ring.slots
         for i in range(self.spec.total):
             rec = self._record(i)
-            if int(rec[STATE]) == HELD and slots[self.base + i].state == SlotState.FREE:
+            if int(rec[STATE]) != HELD:
+                continue
+            ticket, slot = int(rec[TICKET]), slots[self.base + i]
+            released = slot.state == SlotState.FREE
+            if self.release is not None:
+                self._follow_words(slot, i, ticket)
+                released = released or self.release.released(i, ticket)
+            if released:
+                self._free_held(i, ticket)
+
+    def _follow_words(self, slot: Slot, i: int, ticket: int) -> None:
+        """Drop from the ring's holders of slot ``i`` those whose word says released."""
+        assert self.release is not None
+        blocking = self.release.blocking(i, ticket)
+        for rank in list(slot.holders):
+            j = self._holder_index.get(rank)
+            if j is not None and not blocking >> j & 1:
+                self.ring.release(rank, slot.index, slot.gen, slot.seq)
+
+    def _free_held(self, i: int, ticket: int) -> None:
+        """HELD -> FREE unless a worker claimed the slot meanwhile (its partition's lock)."""
+        offset = i // self.spec.per_worker
+        fcntl.lockf(self.control.fd, fcntl.LOCK_EX, 1, offset)
+        try:
+            rec = self._record(i)
+            if int(rec[STATE]) == HELD and int(rec[TICKET]) == ticket:
                 rec[STATE] = FREE
+        finally:
+            fcntl.lockf(self.control.fd, fcntl.LOCK_UN, 1, offset)
+
+    # -- release words (NOTE [release words]) ------------------------------
+
+    def announce_fields(self, slot: Slot | None) -> dict[str, Any]:
+        """What a BATCH of ``slot`` tells readers about their release word, if any."""
+        if self.release is None or slot is None or not slot.pooled:
+            return {}
+        i = slot.index - self.base
+        return {"rel": self.control.name, "tk": int(self._record(i)[TICKET])}
+
+    def own_release(self, slot: Slot | None) -> Callable[[], None] | None:
+        """For this process's own view of ``slot``'s batch: store its word when it is gone."""
+        if self.release is None or slot is None or not slot.pooled:
+            return None
+        i = slot.index - self.base
+        return functools.partial(self.release.release, i, 0, int(self._record(i)[TICKET]))
 
     def abandon(self, ref: SlotRef) -> None:
         """A SlotRef died unpublished: FILLED -> FREE (from ``SlotRef.__del__``)."""
@@ -457,6 +538,7 @@ class WorkerPool:
             rec = self._record(i)
             state, pid = int(rec[STATE]), int(rec[PID])
             if state in (WRITING, FILLED) and not process_alive(pid, 0):
+                self.ring.settle_pooled(self.base + i)
                 slot = self.ring.slots[self.base + i]
                 if int(rec[GEN]) != slot.gen:
                     self._adopt_orphan(i, int(rec[GEN]))
@@ -546,6 +628,9 @@ class WorkerSlots:
         self.control = Segment.attach(spec.control, kind=KIND_DATA, token=spec.token)
         mm = self.control.map_shared()
         self.words = np.frombuffer(mm, np.uint64, offset=HEADER_SIZE)
+        self.release = ReleaseWords.of(self.words, spec.total)  # NOTE [release words]
+        self.dead = 0  # holders this worker saw dead (mask of release-word columns)
+        self.last_filled = -1  # the slot of this worker's newest batch
         self.maps: dict[int, tuple[int, Segment, mmap.mmap, np.ndarray]] = {}
         self.grown = False  # has this worker checked /dev/shm for the pool's size yet
         self.last_nbytes = 0  # this worker's last batch: the size to claim for the next
@@ -582,14 +667,16 @@ class WorkerSlots:
         """
         now = time.monotonic()
         deadline, check = now + self.spec.timeout, now + OWNER_CHECK_S
+        patient_until = now + GROW_GRACE_S
         delay = POLL_FIRST_S
         while True:
-            got = self._try_claim(nbytes)
+            got = self._try_claim(nbytes, patient=now < patient_until)
             if got is not None:
                 return got
             now = time.monotonic()
             if now >= check:
                 check = now + OWNER_CHECK_S
+                self._check_holders()
                 if not process_alive(self.spec.owner_pid, self.spec.owner_start):
                     raise PeerLostError(
                         None,
@@ -608,14 +695,27 @@ class WorkerSlots:
             time.sleep(delay)
             delay = min(delay * 2, POLL_MAX_S)
 
-    def _try_claim(self, nbytes: int) -> tuple[int, int] | None:
+    def _try_claim(self, nbytes: int, *, patient: bool = False) -> tuple[int, int] | None:
+        """Claim the smallest free slot that fits, else grow the largest free one.
+
+        A HELD slot whose every holder released its batch (NOTE [release
+        words]) is free. ``patient``: rather than grow another slot, wait
+        while a slot that fits is HELD by ranks that are about to drop it (a
+        batch older than this worker's newest: ranks take that one next).
+        """
         offset = self.worker_id  # one byte of the control file per partition
         fcntl.lockf(self.control.fd, fcntl.LOCK_EX, 1, offset)
         try:
             best = None
+            coming = False  # a slot that fits will be released soon
             for i in self.partition:
                 rec = self._record(i)
-                if int(rec[STATE]) != FREE or self._kept_elsewhere(int(rec[KEPT])):
+                state = int(rec[STATE])
+                if state == HELD and self._released(i, int(rec[TICKET])):
+                    state = FREE
+                if state != FREE or self._kept_elsewhere(int(rec[KEPT])):
+                    fits = int(rec[CAPACITY]) >= nbytes
+                    coming |= patient and state == HELD and fits and i != self.last_filled
                     continue
                 cap = int(rec[CAPACITY])
                 if best is None:
@@ -628,6 +728,8 @@ class WorkerSlots:
                     best = i  # none fits yet: grow the largest
             if best is None:
                 return None
+            if coming and int(self._record(best)[CAPACITY]) < nbytes:
+                return None  # NOTE [pool size]: wait for it rather than grow another slot
             rec = self._record(best)
             ticket = int(rec[TICKET]) + 1
             rec[TICKET] = ticket
@@ -636,6 +738,22 @@ class WorkerSlots:
             return best, ticket
         finally:
             fcntl.lockf(self.control.fd, fcntl.LOCK_UN, 1, offset)
+
+    def _released(self, i: int, ticket: int) -> bool:
+        """Every holder of slot ``i``'s batch ``ticket`` dropped it (NOTE [release words])."""
+        return self.release is not None and self.release.released(i, ticket, self.dead)
+
+    def _check_holders(self) -> None:
+        """Count as released the holds of readers whose process died (liveness)."""
+        if self.release is None:
+            return
+        waiting = 0
+        for i in self.partition:
+            rec = self._record(i)
+            if int(rec[STATE]) == HELD:
+                waiting |= self.release.blocking(i, int(rec[TICKET]), self.dead)
+        if waiting:
+            self.dead |= self.release.dead_among(waiting)
 
     def _kept_elsewhere(self, keeper: int) -> bool:
         """A live worker other than this one still references the slot's memory."""
@@ -788,6 +906,7 @@ class WorkerSlots:
 
     def filled(self, i: int, write_ns: int, placed: int = 0) -> None:
         self.unsent.pop(i, None)
+        self.last_filled = i
         rec = self._record(i)
         rec[WRITE_NS] = write_ns
         rec[PLACED] = placed

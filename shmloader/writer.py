@@ -58,8 +58,18 @@ class _Writer:
         """The writer's private view of a slot it just published; releases itself."""
         if slot is None:
             return np.empty(0, np.uint8)
-        release = functools.partial(self._self_releases.append, (slot.index, slot.gen))
-        return private_view(slot.segment, nbytes, release)
+        release = functools.partial(self._self_releases.append, (slot.index, slot.gen, slot.seq))
+        return private_view(slot.segment, nbytes, release, self._own_release_word(slot))
+
+    def _own_release_word(self, slot: Slot) -> Callable[[], None] | None:
+        """Our own view's release word of a pooled slot (NOTE [release words] in ``release``)."""
+        pool = getattr(self, "_pool", None)
+        return pool.own_release(slot) if pool is not None else None
+
+    def _release_fields(self, slot: Slot | None) -> dict[str, Any]:
+        """What a BATCH tells readers about their release word of a pooled slot, if any."""
+        pool = getattr(self, "_pool", None)
+        return pool.announce_fields(slot) if pool is not None else {}
 
     def _fail(self, it: int, exc: BaseException) -> None:
         """Tell every reader (and from the leader every node leader) that this iteration failed.
@@ -107,6 +117,7 @@ class _Writer:
             nbytes=nbytes,
             draws=draws,
             crc=crc,
+            **self._release_fields(slot),
         )
         self._pos += 1
         if self._xnode is not None:
@@ -247,7 +258,7 @@ class _Writer:
             elif msg.kind == Kind.ACK:
                 self._acked[rank] = max(self._acked[rank], msg.seq + 1)
             elif msg.kind == Kind.RELEASE:
-                ring.release(rank, msg["slot"], msg["gen"])
+                ring.release(rank, msg["slot"], msg["gen"], msg.seq)
             elif msg.kind == Kind.ATTACHED:
                 ring.attached(rank, msg["seg"])
             elif msg.kind == Kind.BYE:
@@ -264,9 +275,9 @@ class _Writer:
         while (got := self._hub.receive(0)) is not None:
             self._handle(*got)
         while self._self_releases:
-            index, gen = self._self_releases.popleft()
+            index, gen, seq = self._self_releases.popleft()
             with contextlib.suppress(ProtocolError):
-                self._ring.release(self._me, index, gen)
+                self._ring.release(self._me, index, gen, seq)
 
     def _wait_for(self, waiting: Callable[[], list[int]], timeout: float, doing: str) -> None:
         """Handle reader messages until ``waiting()`` is empty (NOTE [bounded waits], channel)."""

@@ -13,7 +13,10 @@ per worker, plus this worker's share of the batches ranks still hold
 (``ceil((SHMLOADER_SLOTS + 2) / num_workers)``: the reader window, the
 leader's own batch and one in transit), plus one. The DataLoader hands tasks
 to workers round robin and a worker runs its tasks in order, so that is what
-a worker needs to never wait in a lockstep job.
+a worker needs to never wait in a lockstep job. That is the partition's
+most: slots start one granule small and grow only when a worker finds no
+free slot that fits, and with release words a lockstep job grows
+``prefetch_factor + 1`` per worker (NOTE [pool size]).
 
 Control segment (``/shml-<token>-pool``, one page of header, then)::
 
@@ -22,8 +25,11 @@ Control segment (``/shml-<token>-pool``, one page of header, then)::
     8           num_workers
     16          per_worker
     24          in use: the slots per worker that workers claim (NOTE [pool size])
+    32, 40      where the release words start, how many holders they have
+                (NOTE [release words] in ``release``; 0: none)
     64 + 128*i  slot i: state, gen, capacity, writer pid, ticket, write ns,
                 name (random part), bytes collated in place, keeper pid
+    after the records: the release words (HOLDERS and one ticket per holder per slot)
 
 Pool slot state machine (the ``state`` word; the ring's own FREE/HELD runs
 beside it, see ``ring.py``)::
@@ -31,34 +37,59 @@ beside it, see ``ring.py``)::
                claim (worker, under its          encode + write done,
                partition's lockf lock)           SlotRef sent
     FREE ---------------------------> WRITING ------------------> FILLED
-     ^  ^                                |                          |
-     |  |  writer dead (reclaim, main)   |           adopt (main):  |
-     |  +--------------------------------+           ring.publish   v
-     |  +--------------------------------------------------------- HELD
-     |  |  the SlotRef died unpublished (abandon, main)             |
-     |  +---- FILLED                                                |
+     ^  ^                              ^ |                          |
+     |  |  writer dead (reclaim, main) | |           adopt (main):  |
+     |  +------------------------------|-+           HOLDERS, then  v
+     |  |                              +--------------------------- HELD
+     |  |      claim (worker, lock): every holder's release word     |
+     |  |      says this ticket, or GONE, or dead                    |
+     |  +---- FILLED  the SlotRef died unpublished (abandon, main)   |
      +--------------------------------------------------------------+
-                 every rank released it (the ring slot is FREE again: sync, main)
+            every holder released it (words, or RELEASEs: sync, main, lock)
 
     FREE -> WRITING   worker only; ticket += 1, pid = the worker
+    HELD -> WRITING   worker only, the same, once every holder released the
+                      current ticket (NOTE [release words] in ``release``): the
+                      main process need not have seen the releases yet
     WRITING -> FILLED worker only
-    FILLED -> HELD    main only, when it publishes the SlotRef (ticket checked)
-    HELD -> FREE      main only, once the ring slot is FREE (every holder released)
+    FILLED -> HELD    main only, when it publishes the SlotRef (ticket checked);
+                      the slot's HOLDERS word first
+    HELD -> FREE      main only, at its next ``next()`` (sync), when every holder
+                      released (words, or the ring slot FREE by RELEASEs), under
+                      the partition's lock and only if the ticket is unchanged
     FILLED -> FREE    main only, a SlotRef dropped by the DataLoader (resume skip,
                       a persistent iterator's reset drain)
     WRITING/FILLED -> FREE  main only, at iter(), when the writer pid is dead
 
-Each transition has exactly one writer process, every word is one aligned
-8-byte store, and a worker claims under a POSIX record lock on its
-partition's byte of the control file (released by the kernel if the worker
-dies), so two live workers with the same id (two DataLoader iterators alive
-at once) never take the same slot.
+Every word is one aligned 8-byte store; a worker claims under a POSIX record
+lock on its partition's byte of the control file (released by the kernel if
+the worker dies), so two live workers with the same id (two DataLoader
+iterators alive at once) never take the same slot, and HELD, the one state
+two processes may leave (a worker claiming it, the main process freeing it),
+is left only under that lock.
 
 NOTE [pool size]
     ``per_worker`` slots per worker let every worker run ``prefetch_factor``
     batches ahead while ranks hold theirs; but the fewest a worker can run
     with is ``MIN_PER_WORKER`` = 2: one the ranks hold (the batch the user is
-    on), one it writes next. A rank that lags behind holds more, yet it only
+    on), one it writes next.
+
+    How many a job really uses (each grown once, to the batch size): a
+    worker takes the smallest free slot that fits, a HELD one every holder
+    released counting as free (NOTE [release words]). When none fits but
+    one that fits is HELD by ranks about to drop it (a batch older than the
+    one this worker wrote last: ranks drop it as they take that one), the
+    worker waits for it, up to ``GROW_GRACE_S``, before it grows another.
+    A worker gets its next task the moment the main process takes a batch,
+    while every rank still holds the one before; without that wait, a
+    lockstep job would grow a third slot per worker. With it, a lockstep
+    job cycles through ``prefetch_factor + 1`` slots per worker (two for
+    one worker with ``prefetch_factor=1``: base PyTorch's ``num_workers x
+    prefetch_factor`` in flight plus the one the loop holds); a job whose
+    ranks keep more (a prefetch queue, device copies in flight) pays the
+    grace once per extra slot it grows, never more than ``per_worker``.
+
+    Fitting /dev/shm: A rank that lags behind holds more, yet it only
     moves forward through batches already announced, releasing them, so the
     worker's wait always ends. When a worker first learns the batch size
     (``check_capacity``) and the whole pool at that size does not fit

@@ -662,6 +662,8 @@ class WorkerSlots:
         self.release = ReleaseWords.of(self.words, spec.total)  # NOTE [release words]
         self.dead = 0  # holders this worker saw dead (mask of release-word columns)
         self.last_filled = -1  # the slot of this worker's newest batch
+        self.patient = True  # wait for a slot about to be released before growing one
+        self.took_released = False  # the last claim took a slot its holders released
         self.maps: dict[int, tuple[int, Segment, mmap.mmap, np.ndarray]] = {}
         self.grown = False  # has this worker checked /dev/shm for the pool's size yet
         self.last_nbytes = 0  # this worker's last batch: the size to claim for the next
@@ -692,17 +694,28 @@ class WorkerSlots:
         Waits, polling with backoff, at most ``spec.timeout`` seconds for a
         FREE slot (NOTE [bounded waits] in ``channel``), and raises
         :class:`PeerLostError` within ``OWNER_CHECK_S`` of the leader's main
-        process dying (it alone frees slots): the DataLoader worker then ends
-        as its own parent watchdog sees the parent gone, instead of holding
-        the pool's memory for the rest of the timeout.
+        process dying (its own view holds every batch, and it frees what
+        readers left): the DataLoader worker then ends as its own parent
+        watchdog sees the parent gone, instead of holding the pool's memory
+        for the rest of the timeout. Every ``OWNER_CHECK_S`` it also looks
+        for holders that died (NOTE [release words]).
+
+        Waits up to ``GROW_GRACE_S`` for a slot ranks are about to drop
+        before it grows another (NOTE [pool size]); once such a wait ran
+        out (ranks keep batches), it grows at once until a claim finds a
+        slot released again.
         """
         now = time.monotonic()
         deadline, check = now + self.spec.timeout, now + OWNER_CHECK_S
-        patient_until = now + GROW_GRACE_S
+        patient_until = now + GROW_GRACE_S if self.patient else now
         delay = POLL_FIRST_S
         while True:
             got = self._try_claim(nbytes, patient=now < patient_until)
             if got is not None:
+                if self.took_released:
+                    self.patient = True  # ranks release as they go: worth waiting for
+                elif self.patient and now >= patient_until:
+                    self.patient = False  # they kept it past the grace: grow without waiting
                 return got
             now = time.monotonic()
             if now >= check:
@@ -762,6 +775,7 @@ class WorkerSlots:
             if coming and int(self._record(best)[CAPACITY]) < nbytes:
                 return None  # NOTE [pool size]: wait for it rather than grow another slot
             rec = self._record(best)
+            self.took_released = int(rec[STATE]) == HELD
             ticket = int(rec[TICKET]) + 1
             rec[TICKET] = ticket
             rec[PID] = self.pid

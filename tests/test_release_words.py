@@ -298,3 +298,24 @@ def test_a_lockstep_job_cycles_through_two_slots():
     assert lead["filled_after_s"] is not None, "the worker wrote nothing while the leader waited"
     assert lead["filled_after_s"] < 1.5, lead  # released by words, not after the grow grace
     assert lead["grown"] == 2, lead
+
+
+def test_after_a_wait_ran_out_a_worker_grows_at_once_until_ranks_release_again(node, monkeypatch):
+    import shmloader.pool as pool_mod
+
+    i, ticket, views = node.publish()
+    for k in node.worker.partition:
+        if k != i:
+            node.worker._record(k)[CAPACITY] = 0
+    node.worker.last_filled = -1
+    monkeypatch.setattr(pool_mod, "GROW_GRACE_S", 0.05)
+    first = node.worker.claim(NBYTES)  # ranks keep slot i past the grace: grows another
+    assert first[0] != i and not node.worker.patient
+    monkeypatch.setattr(pool_mod, "GROW_GRACE_S", 30.0)
+    t0 = time.monotonic()
+    second = node.worker.claim(NBYTES)
+    assert second[0] not in (i, first[0])
+    assert time.monotonic() - t0 < 10, "waited again for ranks that keep their batches"
+    views.clear()
+    assert node.worker.claim(NBYTES) == (i, ticket + 1)
+    assert node.worker.patient, "a slot released again: waiting pays off again"

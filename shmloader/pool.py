@@ -195,7 +195,7 @@ from .errors import (
     ShmLoaderError,
     human_bytes,
 )
-from .release import AREA_AT, HOLDER_COUNT, MAX_HOLDERS, ReleaseWords, area_words
+from .release import AREA_AT, HOLDER_COUNT, MAX_HOLDERS, NOBODY, ReleaseWords, area_words
 from .ring import (
     GRANULE,
     RingWriter,
@@ -349,7 +349,7 @@ class WorkerPool:
         per_worker = per_worker_slots(prefetch_factor, ring_slots, num_workers)
         total = num_workers * per_worker
         # NOTE [release words]: holder 0 is this process's own view, then each reader
-        me = -1 if ring.self_rank is None else ring.self_rank
+        me = NOBODY if ring.self_rank is None else ring.self_rank
         holders = [me, *sorted(ring.readers)]
         release_at = _RECORDS_AT + total * _RECORD_WORDS
         words = release_at

@@ -75,6 +75,8 @@ from .segment import HEADER_SIZE, KIND_DATA, MY_PIDNS, Segment, process_alive
 MAX_HOLDERS = 64
 #: Words of the pool control segment that locate the area (0 when there is none).
 AREA_AT, HOLDER_COUNT = 4, 5
+#: The rank of a holder column no rank owns (a writer that holds no view of its own).
+NOBODY = (1 << 64) - 1
 _GONE = 0
 _TABLE = 8  # words before the holder table
 _ENTRY = 4  # rank, pid, start, pid namespace
@@ -99,6 +101,7 @@ class ReleaseWords:
         self.holders = holders
         self.total = total
         self._slots = at + _TABLE + _ENTRY * holders
+        self._index: dict[int, int] | None = None  # rank -> j, read once from the table
 
     @classmethod
     def of(cls, words: np.ndarray, total: int) -> ReleaseWords | None:
@@ -113,6 +116,7 @@ class ReleaseWords:
         for j, entry in enumerate(table):
             base = self.at + _TABLE + _ENTRY * j
             self.words[base : base + _ENTRY] = entry
+        self._index = None
 
     def holder(self, j: int) -> tuple[int, int, int, int]:
         base = self.at + _TABLE + _ENTRY * j
@@ -121,10 +125,11 @@ class ReleaseWords:
 
     def index_of(self, rank: int) -> int | None:
         """Holder ``j`` of ``rank``, or None when it is not one."""
-        for j in range(self.holders):
-            if self.holder(j)[RANK] == rank:
-                return j
-        return None
+        if self._index is None:
+            self._index = {}
+            for j in range(self.holders):
+                self._index.setdefault(self.holder(j)[RANK], j)
+        return self._index.get(rank)
 
     def hold(self, i: int, ranks: Iterable[int]) -> None:
         """Slot ``i``'s new batch is held by ``ranks`` (before its state says HELD)."""
@@ -226,4 +231,4 @@ class ReaderWords:
         self.segment.close()
 
 
-__all__ = ["MAX_HOLDERS", "ReaderWords", "ReleaseWords", "announced_words", "area_words"]
+__all__ = ["MAX_HOLDERS", "NOBODY", "ReaderWords", "ReleaseWords", "announced_words", "area_words"]

@@ -319,3 +319,12 @@ def test_after_a_wait_ran_out_a_worker_grows_at_once_until_ranks_release_again(n
     views.clear()
     assert node.worker.claim(NBYTES) == (i, ticket + 1)
     assert node.worker.patient, "a slot released again: waiting pays off again"
+
+
+def test_a_malformed_announcement_means_releases_by_message_only():
+    from shmloader.release import announced_words
+
+    good = {"rel": "/shml-x-pool.1", "slot": 3, "tk": 9}
+    assert announced_words(good) == ("/shml-x-pool.1", 3, 9)
+    for bad in ({"slot": 3, "tk": 9}, {**good, "tk": "9"}, {**good, "tk": 0}, {**good, "slot": -1}):
+        assert announced_words(bad) is None, bad

@@ -16,12 +16,17 @@ Phase A, *follower time to a usable batch*::
        broadcast: loaded;
        base: own worker has it queued)
     settle(): the leader's worker has
-      produced the next one too (idle)
+      produced the next one too (idle;
+      shmloader: refill() below)
     ------------- barrier(group) -------------
     take() (broadcast: send)          t0 = now; batch = take(); t1 = now
                                       follower_ms = t1 - t0
     ------------- barrier(group) -------------
     drop the previous batch           drop_ms = time to drop the previous batch
+    refill(): shmloader's worker has
+      produced the next one (into the
+      slot every rank just dropped)
+    ------------- barrier(group) -------------
                                       touch_ms = time to touch every page of it
                                         (even steps) or read_ms = time to read
                                         every byte once (odd steps): both on
@@ -271,6 +276,14 @@ class Way:
         for it keeps their work out of the followers' measured ``take``.
         """
 
+    def refill(self) -> None:
+        """Phase A, once every rank dropped its previous batch: wait for the next one.
+
+        For a way whose workers write into slots the ranks release (shmloader's
+        pool of two slots), the next batch can only be written once the
+        previous one is dropped everywhere.
+        """
+
     def take(self) -> tuple[Any, dict[str, Any]]:
         raise NotImplementedError
 
@@ -434,7 +447,9 @@ class Shared(Way):
         self.pending, fields = self._leader_next()
         return fields
 
-    def settle(self) -> None:
+    def refill(self) -> None:
+        # Not in ``settle``: while every rank still holds its previous batch, the
+        # worker has no slot to write the next one into (two slots in lockstep).
         if self.leader and self.stamped is not None and self.stamped.it is not None:
             wait_ready(self.stamped.it, timeout=600)  # type: ignore[arg-type]
 
@@ -549,9 +564,12 @@ def phase_a(way: Way, case: Case, rec: Recorder) -> None:
     the barrier followers take it (timed); after a second barrier every rank
     drops its previous batch (``drop_ms``: like ``for batch in loader``, a
     rank still holds its previous batch while asking for the next; for
-    shmloader dropping it unmaps it) and followers read the new one once
-    (``read_ms``); a closing barrier keeps the leader's next publish from
-    competing with them for the cores.
+    shmloader dropping it unmaps it); shmloader's leader then waits for its
+    worker's next batch (``refill``: in a lockstep job the pool has two
+    slots, so the worker writes it into the slot every rank just dropped,
+    not while they still hold it); after a barrier followers read the new
+    batch once (``read_ms``); a closing barrier keeps the leader's next
+    publish from competing with them for the cores.
     On every other measured step the shmloader leader first measures the
     memcpy floor on the batch (:class:`Floor`).
     """
@@ -569,6 +587,8 @@ def phase_a(way: Way, case: Case, rec: Recorder) -> None:
         t0 = now_ns()
         prev = None
         fields["drop_ms"] = ms_since(t0)
+        way.refill()
+        dist.barrier(way.group)  # the next batch's write does not compete with the read
         if "follower_ms" in fields:  # a fresh batch: the first access pays its page faults
             if i % 2 == 0:
                 fields["touch_ms"] = touch_pages(batch)

@@ -35,6 +35,7 @@ from . import rng, wire
 from .channel import Spoke
 from .errors import PeerLostError, ProtocolError, ShmLoaderError
 from .reader import Reader
+from .release import announced_words
 from .ring import RingReader
 from .roles import CLOSE_WAIT_S, Context, _check_crc, _leader_error, log
 from .topology import GroupTopology
@@ -258,6 +259,9 @@ class Follower:
         self.out.send(wire.frames(Kind.ACK, msg.seq, rank=self.topo.me))
         if msg["slot"] >= 0:
             self._attach(msg["seg"])
+            words = announced_words(msg.body)
+            if words is not None:  # never mapped: nothing of it can change under us
+                self.ring.release_now(words)
             self.out.pending.append((msg["slot"], msg["gen"], msg.seq))
             self.out.send([])
 
@@ -321,7 +325,7 @@ class Follower:
             return np.empty(0, np.uint8)
         self._attach(msg["seg"])
         release = functools.partial(self.out.release, (msg["slot"], msg["gen"], msg.seq))
-        payload = self.ring.view(msg["seg"], nbytes, release)
+        payload = self.ring.view(msg["seg"], nbytes, release, announced_words(msg.body))
         if msg["crc"] >= 0:
             _check_crc(payload, msg["crc"], msg.seq)
         return payload

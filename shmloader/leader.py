@@ -43,12 +43,19 @@ from .xnode import KIND_BATCH, KIND_END, CrossNode
 
 
 def worker_pool(
-    loader: Iterable[Any], ring: RingWriter, config: Config, daemon: DaemonClient | None
+    loader: Iterable[Any],
+    ring: RingWriter,
+    config: Config,
+    daemon: DaemonClient | None,
+    peers: dict[int, tuple[int, int, int]],
 ) -> WorkerPool | None:
     """A slot pool written by the leader's DataLoader workers (``worker``), or None.
 
     Only for a ``torch.utils.data.DataLoader`` with ``num_workers > 0``;
-    any other loader is written by the leader's main process.
+    any other loader is written by the leader's main process. ``peers``:
+    pid, start time and pid namespace of this node's readers, for a
+    worker's liveness check of a holder that never released (NOTE [release
+    words] in ``release``).
     """
     workers = getattr(loader, "num_workers", 0)
     if not isinstance(loader, torch.utils.data.DataLoader) or not workers:
@@ -62,6 +69,7 @@ def worker_pool(
         allow_pickle=config.allow_pickle,
         collate_in_slot=config.collate_in_slot,
         daemon=daemon,
+        peers=peers,
     )
     try:
         installed = worker_writer.install(loader, pool)

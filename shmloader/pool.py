@@ -13,7 +13,10 @@ per worker, plus this worker's share of the batches ranks still hold
 (``ceil((SHMLOADER_SLOTS + 2) / num_workers)``: the reader window, the
 leader's own batch and one in transit), plus one. The DataLoader hands tasks
 to workers round robin and a worker runs its tasks in order, so that is what
-a worker needs to never wait in a lockstep job.
+a worker needs to never wait in a lockstep job. That is the partition's
+most: slots start one granule small and grow only when a worker finds no
+free slot that fits, and with release words a lockstep job grows
+``prefetch_factor + 1`` per worker (NOTE [pool size]).
 
 Control segment (``/shml-<token>-pool``, one page of header, then)::
 
@@ -22,8 +25,11 @@ Control segment (``/shml-<token>-pool``, one page of header, then)::
     8           num_workers
     16          per_worker
     24          in use: the slots per worker that workers claim (NOTE [pool size])
+    32, 40      where the release words start, how many holders they have
+                (NOTE [release words] in ``release``; 0: none)
     64 + 128*i  slot i: state, gen, capacity, writer pid, ticket, write ns,
                 name (random part), bytes collated in place, keeper pid
+    after the records: the release words (HOLDERS and one ticket per holder per slot)
 
 Pool slot state machine (the ``state`` word; the ring's own FREE/HELD runs
 beside it, see ``ring.py``)::
@@ -31,34 +37,59 @@ beside it, see ``ring.py``)::
                claim (worker, under its          encode + write done,
                partition's lockf lock)           SlotRef sent
     FREE ---------------------------> WRITING ------------------> FILLED
-     ^  ^                                |                          |
-     |  |  writer dead (reclaim, main)   |           adopt (main):  |
-     |  +--------------------------------+           ring.publish   v
-     |  +--------------------------------------------------------- HELD
-     |  |  the SlotRef died unpublished (abandon, main)             |
-     |  +---- FILLED                                                |
+     ^  ^                              ^ |                          |
+     |  |  writer dead (reclaim, main) | |           adopt (main):  |
+     |  +------------------------------|-+           HOLDERS, then  v
+     |  |                              +--------------------------- HELD
+     |  |      claim (worker, lock): every holder's release word     |
+     |  |      says this ticket, or GONE, or dead                    |
+     |  +---- FILLED  the SlotRef died unpublished (abandon, main)   |
      +--------------------------------------------------------------+
-                 every rank released it (the ring slot is FREE again: sync, main)
+            every holder released it (words, or RELEASEs: sync, main, lock)
 
     FREE -> WRITING   worker only; ticket += 1, pid = the worker
+    HELD -> WRITING   worker only, the same, once every holder released the
+                      current ticket (NOTE [release words] in ``release``): the
+                      main process need not have seen the releases yet
     WRITING -> FILLED worker only
-    FILLED -> HELD    main only, when it publishes the SlotRef (ticket checked)
-    HELD -> FREE      main only, once the ring slot is FREE (every holder released)
+    FILLED -> HELD    main only, when it publishes the SlotRef (ticket checked);
+                      the slot's HOLDERS word first
+    HELD -> FREE      main only, at its next ``next()`` (sync), when every holder
+                      released (words, or the ring slot FREE by RELEASEs), under
+                      the partition's lock and only if the ticket is unchanged
     FILLED -> FREE    main only, a SlotRef dropped by the DataLoader (resume skip,
                       a persistent iterator's reset drain)
     WRITING/FILLED -> FREE  main only, at iter(), when the writer pid is dead
 
-Each transition has exactly one writer process, every word is one aligned
-8-byte store, and a worker claims under a POSIX record lock on its
-partition's byte of the control file (released by the kernel if the worker
-dies), so two live workers with the same id (two DataLoader iterators alive
-at once) never take the same slot.
+Every word is one aligned 8-byte store; a worker claims under a POSIX record
+lock on its partition's byte of the control file (released by the kernel if
+the worker dies), so two live workers with the same id (two DataLoader
+iterators alive at once) never take the same slot, and HELD, the one state
+two processes may leave (a worker claiming it, the main process freeing it),
+is left only under that lock.
 
 NOTE [pool size]
     ``per_worker`` slots per worker let every worker run ``prefetch_factor``
     batches ahead while ranks hold theirs; but the fewest a worker can run
     with is ``MIN_PER_WORKER`` = 2: one the ranks hold (the batch the user is
-    on), one it writes next. A rank that lags behind holds more, yet it only
+    on), one it writes next.
+
+    How many a job really uses (each grown once, to the batch size): a
+    worker takes the smallest free slot that fits, a HELD one every holder
+    released counting as free (NOTE [release words]). When none fits but
+    one that fits is HELD by ranks about to drop it (a batch older than the
+    one this worker wrote last: ranks drop it as they take that one), the
+    worker waits for it, up to ``GROW_GRACE_S``, before it grows another.
+    A worker gets its next task the moment the main process takes a batch,
+    while every rank still holds the one before; without that wait, a
+    lockstep job would grow a third slot per worker. With it, a lockstep
+    job cycles through ``prefetch_factor + 1`` slots per worker (two for
+    one worker with ``prefetch_factor=1``: base PyTorch's ``num_workers x
+    prefetch_factor`` in flight plus the one the loop holds); a job whose
+    ranks keep more (a prefetch queue, device copies in flight) pays the
+    grace once per extra slot it grows, never more than ``per_worker``.
+
+    Fitting /dev/shm: A rank that lags behind holds more, yet it only
     moves forward through batches already announced, releasing them, so the
     worker's wait always ends. When a worker first learns the batch size
     (``check_capacity``) and the whole pool at that size does not fit
@@ -142,6 +173,7 @@ import ctypes
 import dataclasses
 import errno
 import fcntl
+import functools
 import itertools
 import logging
 import math
@@ -163,6 +195,7 @@ from .errors import (
     ShmLoaderError,
     human_bytes,
 )
+from .release import AREA_AT, HOLDER_COUNT, MAX_HOLDERS, NOBODY, ReleaseWords, area_words
 from .ring import (
     GRANULE,
     RingWriter,
@@ -209,6 +242,10 @@ OWNER_CHECK_S = 0.2
 #: The fewest slots a worker runs with (NOTE [pool size]); word 3 holds how many are in use.
 MIN_PER_WORKER = 2
 USE = 3
+#: How long a worker waits for a slot that fits to be released before it grows
+#: another one (NOTE [pool size]): a lockstep job's ranks drop their previous
+#: batch within one delivery; a job that keeps more pays this once per slot.
+GROW_GRACE_S = 2.0
 
 #: Pools of this process by ring token, for SlotRef.__del__ (abandon).
 _POOLS: weakref.WeakValueDictionary[str, WorkerPool] = weakref.WeakValueDictionary()
@@ -307,11 +344,19 @@ class WorkerPool:
         allow_pickle: bool,
         collate_in_slot: bool = True,
         daemon: DaemonClient | None = None,
+        peers: dict[int, tuple[int, int, int]] | None = None,
     ) -> None:
         self.ring = ring
         self.daemon = daemon
         per_worker = per_worker_slots(prefetch_factor, ring_slots, num_workers)
-        words = _RECORDS_AT + num_workers * per_worker * _RECORD_WORDS
+        total = num_workers * per_worker
+        # NOTE [release words]: holder 0 is this process's own view, then each reader
+        me = NOBODY if ring.self_rank is None else ring.self_rank
+        holders = [me, *sorted(ring.readers)]
+        release_at = _RECORDS_AT + total * _RECORD_WORDS
+        words = release_at
+        if len(holders) <= MAX_HOLDERS:
+            words += area_words(total, len(holders))
         self.control = Segment.create_unique(
             pool_stem(ring.token), KIND_DATA, ring.token, words * 8
         )
@@ -336,6 +381,18 @@ class WorkerPool:
         self._mm = self.control.map_shared()
         self.words = np.frombuffer(self._mm, np.uint64, count=words, offset=HEADER_SIZE)
         self.words[:4] = (POOL_VERSION, num_workers, per_worker, per_worker)
+        self.release: ReleaseWords | None = None
+        self._holder_index = {rank: j for j, rank in enumerate(holders)}
+        if words > release_at:
+            self.words[[AREA_AT, HOLDER_COUNT]] = (release_at, len(holders))
+            self.release = ReleaseWords(self.words, release_at, len(holders), total)
+            known = peers or {}
+            own = (os.getpid(), _segment.MY_START, _segment.MY_PIDNS)
+            self.release.init(
+                (rank, *(own if j == 0 else known.get(rank, (0, 0, 0))))
+                for j, rank in enumerate(holders)
+            )
+            ring.on_drop(self.release.drop)  # a reader's BYE or loss ends its holds
         self._warned_size = False
         self.last_write_ns = 0  # the adopted batch's write into its slot, in its worker
         self.last_placed = 0  # bytes of it that its collate made in place
@@ -385,11 +442,19 @@ class WorkerPool:
             raise ProtocolError(
                 f"{ref!r} is stale: slot {i} is {self.state(i)} with ticket {int(rec[TICKET])}"
             )
+        # A worker claims a slot its holders released by their words, maybe before
+        # this process handled their RELEASEs: the ring's record follows here.
+        self.ring.settle_pooled(self.base + i)
         slot = self.ring.slots[self.base + i]
         if slot.gen != ref.gen:
             slot = self._install(i, ref.gen)
         if ref.nbytes > slot.capacity:
             raise ProtocolError(f"{ref!r} overruns slot {i} of {slot.capacity} bytes")
+        if self.release is not None:  # before HELD: NOTE [release words]
+            holders = set(self.ring.readers)
+            if self.ring.self_rank is not None:
+                holders.add(self.ring.self_rank)
+            self.release.hold(i, holders)
         rec[STATE] = HELD
         ref.adopted = True
         if not self._warned_size and int(self.words[USE]) < self.spec.per_worker:
@@ -433,12 +498,59 @@ class WorkerPool:
         return slot
 
     def sync(self) -> None:
-        """HELD -> FREE for every pool slot the ring has back (every holder released)."""
+        """HELD -> FREE for every pool slot every holder released (words or RELEASEs).
+
+        The ring's record of who holds a slot follows the release words too
+        (NOTE [release words]), so that NOTE [ring growth] names only real holders.
+        """
         slots = self.ring.slots
         for i in range(self.spec.total):
             rec = self._record(i)
-            if int(rec[STATE]) == HELD and slots[self.base + i].state == SlotState.FREE:
+            if int(rec[STATE]) != HELD:
+                continue
+            ticket, slot = int(rec[TICKET]), slots[self.base + i]
+            released = slot.state == SlotState.FREE
+            if self.release is not None:
+                self._follow_words(slot, i, ticket)
+                released = released or self.release.released(i, ticket)
+            if released:
+                self._free_held(i, ticket)
+
+    def _follow_words(self, slot: Slot, i: int, ticket: int) -> None:
+        """Drop from the ring's holders of slot ``i`` those whose word says released."""
+        assert self.release is not None
+        blocking = self.release.blocking(i, ticket)
+        for rank in list(slot.holders):
+            j = self._holder_index.get(rank)
+            if j is not None and not blocking >> j & 1:
+                self.ring.release(rank, slot.index, slot.gen, slot.seq)
+
+    def _free_held(self, i: int, ticket: int) -> None:
+        """HELD -> FREE unless a worker claimed the slot meanwhile (its partition's lock)."""
+        offset = i // self.spec.per_worker
+        fcntl.lockf(self.control.fd, fcntl.LOCK_EX, 1, offset)
+        try:
+            rec = self._record(i)
+            if int(rec[STATE]) == HELD and int(rec[TICKET]) == ticket:
                 rec[STATE] = FREE
+        finally:
+            fcntl.lockf(self.control.fd, fcntl.LOCK_UN, 1, offset)
+
+    # -- release words (NOTE [release words]) ------------------------------
+
+    def announce_fields(self, slot: Slot | None) -> dict[str, Any]:
+        """What a BATCH of ``slot`` tells readers about their release word, if any."""
+        if self.release is None or slot is None or not slot.pooled:
+            return {}
+        i = slot.index - self.base
+        return {"rel": self.control.name, "tk": int(self._record(i)[TICKET])}
+
+    def own_release(self, slot: Slot | None) -> Callable[[], None] | None:
+        """For this process's own view of ``slot``'s batch: store its word when it is gone."""
+        if self.release is None or slot is None or not slot.pooled:
+            return None
+        i = slot.index - self.base
+        return functools.partial(self.release.release, i, 0, int(self._record(i)[TICKET]))
 
     def abandon(self, ref: SlotRef) -> None:
         """A SlotRef died unpublished: FILLED -> FREE (from ``SlotRef.__del__``)."""
@@ -460,6 +572,7 @@ class WorkerPool:
             rec = self._record(i)
             state, pid = int(rec[STATE]), int(rec[PID])
             if state in (WRITING, FILLED) and not process_alive(pid, 0):
+                self.ring.settle_pooled(self.base + i)
                 slot = self.ring.slots[self.base + i]
                 if int(rec[GEN]) != slot.gen:
                     self._adopt_orphan(i, int(rec[GEN]))
@@ -551,6 +664,11 @@ class WorkerSlots:
         self.control = Segment.attach(spec.control, kind=KIND_DATA, token=spec.token)
         mm = self.control.map_shared()
         self.words = np.frombuffer(mm, np.uint64, offset=HEADER_SIZE)
+        self.release = ReleaseWords.of(self.words, spec.total)  # NOTE [release words]
+        self.dead = 0  # holders this worker saw dead (mask of release-word columns)
+        self.last_filled = -1  # the slot of this worker's newest batch
+        self.patient = True  # wait for a slot about to be released before growing one
+        self.took_released = False  # the last claim took a slot its holders released
         self.maps: dict[int, tuple[int, Segment, mmap.mmap, np.ndarray]] = {}
         self.grown = False  # has this worker checked /dev/shm for the pool's size yet
         self.last_nbytes = 0  # this worker's last batch: the size to claim for the next
@@ -581,20 +699,33 @@ class WorkerSlots:
         Waits, polling with backoff, at most ``spec.timeout`` seconds for a
         FREE slot (NOTE [bounded waits] in ``channel``), and raises
         :class:`PeerLostError` within ``OWNER_CHECK_S`` of the leader's main
-        process dying (it alone frees slots): the DataLoader worker then ends
-        as its own parent watchdog sees the parent gone, instead of holding
-        the pool's memory for the rest of the timeout.
+        process dying (its own view holds every batch, and it frees what
+        readers left): the DataLoader worker then ends as its own parent
+        watchdog sees the parent gone, instead of holding the pool's memory
+        for the rest of the timeout. Every ``OWNER_CHECK_S`` it also looks
+        for holders that died (NOTE [release words]).
+
+        Waits up to ``GROW_GRACE_S`` for a slot ranks are about to drop
+        before it grows another (NOTE [pool size]); once such a wait ran
+        out (ranks keep batches), it grows at once until a claim finds a
+        slot released again.
         """
         now = time.monotonic()
         deadline, check = now + self.spec.timeout, now + OWNER_CHECK_S
+        patient_until = now + GROW_GRACE_S if self.patient else now
         delay = POLL_FIRST_S
         while True:
-            got = self._try_claim(nbytes)
+            got = self._try_claim(nbytes, patient=now < patient_until)
             if got is not None:
+                if self.took_released:
+                    self.patient = True  # ranks release as they go: worth waiting for
+                elif self.patient and now >= patient_until:
+                    self.patient = False  # they kept it past the grace: grow without waiting
                 return got
             now = time.monotonic()
             if now >= check:
                 check = now + OWNER_CHECK_S
+                self._check_holders()
                 if not process_alive(self.spec.owner_pid, self.spec.owner_start):
                     raise PeerLostError(
                         None,
@@ -613,14 +744,27 @@ class WorkerSlots:
             time.sleep(delay)
             delay = min(delay * 2, POLL_MAX_S)
 
-    def _try_claim(self, nbytes: int) -> tuple[int, int] | None:
+    def _try_claim(self, nbytes: int, *, patient: bool = False) -> tuple[int, int] | None:
+        """Claim the smallest free slot that fits, else grow the largest free one.
+
+        A HELD slot whose every holder released its batch (NOTE [release
+        words]) is free. ``patient``: rather than grow another slot, wait
+        while a slot that fits is HELD by ranks that are about to drop it (a
+        batch older than this worker's newest: ranks take that one next).
+        """
         offset = self.worker_id  # one byte of the control file per partition
         fcntl.lockf(self.control.fd, fcntl.LOCK_EX, 1, offset)
         try:
             best = None
+            coming = False  # a slot that fits will be released soon
             for i in self.partition:
                 rec = self._record(i)
-                if int(rec[STATE]) != FREE or self._kept_elsewhere(int(rec[KEPT])):
+                state = int(rec[STATE])
+                if state == HELD and self._released(i, int(rec[TICKET])):
+                    state = FREE
+                if state != FREE or self._kept_elsewhere(int(rec[KEPT])):
+                    fits = int(rec[CAPACITY]) >= nbytes
+                    coming |= patient and state == HELD and fits and i != self.last_filled
                     continue
                 cap = int(rec[CAPACITY])
                 if best is None:
@@ -633,7 +777,10 @@ class WorkerSlots:
                     best = i  # none fits yet: grow the largest
             if best is None:
                 return None
+            if coming and int(self._record(best)[CAPACITY]) < nbytes:
+                return None  # NOTE [pool size]: wait for it rather than grow another slot
             rec = self._record(best)
+            self.took_released = int(rec[STATE]) == HELD
             ticket = int(rec[TICKET]) + 1
             rec[TICKET] = ticket
             rec[PID] = self.pid
@@ -641,6 +788,22 @@ class WorkerSlots:
             return best, ticket
         finally:
             fcntl.lockf(self.control.fd, fcntl.LOCK_UN, 1, offset)
+
+    def _released(self, i: int, ticket: int) -> bool:
+        """Every holder of slot ``i``'s batch ``ticket`` dropped it (NOTE [release words])."""
+        return self.release is not None and self.release.released(i, ticket, self.dead)
+
+    def _check_holders(self) -> None:
+        """Count as released the holds of readers whose process died (liveness)."""
+        if self.release is None:
+            return
+        waiting = 0
+        for i in self.partition:
+            rec = self._record(i)
+            if int(rec[STATE]) == HELD:
+                waiting |= self.release.blocking(i, int(rec[TICKET]), self.dead)
+        if waiting:
+            self.dead |= self.release.dead_among(waiting)
 
     def _kept_elsewhere(self, keeper: int) -> bool:
         """A live worker other than this one still references the slot's memory."""
@@ -793,6 +956,7 @@ class WorkerSlots:
 
     def filled(self, i: int, write_ns: int, placed: int = 0) -> None:
         self.unsent.pop(i, None)
+        self.last_filled = i
         rec = self._record(i)
         rec[WRITE_NS] = write_ns
         rec[PLACED] = placed

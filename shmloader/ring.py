@@ -85,6 +85,7 @@ import numpy as np
 
 from . import cleanup, ringdir
 from .errors import ProtocolError, ShmCapacityError
+from .release import ReaderWords
 from .segment import (
     HEADER_SIZE,
     KIND_CONTROL,
@@ -234,6 +235,7 @@ class RingWriter:
         self._recent: collections.deque[int] = collections.deque(maxlen=SHRINK_WINDOW)
         self._counters = dict.fromkeys(COUNTER_FIELDS, 0)
         self._counters["readers"] = len(self.readers)
+        self._on_drop: list[Callable[[int], None]] = []
         self.control = Segment.create_unique(
             control_stem(token), KIND_CONTROL, token, CONTROL_CAPACITY
         )
@@ -431,14 +433,38 @@ class RingWriter:
         c["last_publish_unix_ns"] = time.time_ns()
         self._store_counters()
 
-    def release(self, rank: int, index: int, gen: int) -> None:
-        """``rank`` dropped the batch it had from slot ``index`` generation ``gen``."""
+    def release(self, rank: int, index: int, gen: int, seq: int | None = None) -> None:
+        """``rank`` dropped the batch it had from slot ``index`` generation ``gen``.
+
+        With ``seq`` (the batch's number), a release of an earlier batch of a
+        pooled slot is ignored: its holders' release words freed the slot and
+        it carries a newer batch now (NOTE [release words] in ``release``).
+        """
         slot = self._slot(index, gen)
+        stale = slot is not None and seq is not None and seq != slot.seq
+        if slot is not None and slot.pooled and (stale or rank not in slot.holders):
+            return  # an earlier batch's: settled from the release words already
         if slot is None or rank not in slot.holders:
             raise ProtocolError(f"rank {rank} released slot {index}.{gen}, which it does not hold")
         slot.holders.discard(rank)
         if not slot.holders and slot.state == SlotState.HELD:
             slot.state = SlotState.FREE
+
+    def settle_pooled(self, index: int) -> None:
+        """Pooled slot ``index`` is free by its release words: forget who held it.
+
+        Called by the pool when a worker has claimed the slot again (only
+        once every holder's word released its batch, or the holder is gone),
+        before this process handled all their RELEASEs.
+        """
+        slot = self.slots[index]
+        if slot.pooled and slot.state == SlotState.HELD:
+            slot.holders.clear()
+            slot.state = SlotState.FREE
+
+    def on_drop(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(rank)`` whenever a reader is dropped (the pool's GONE bits)."""
+        self._on_drop.append(callback)
 
     def attached(self, rank: int, name: str) -> None:
         """``rank`` opened segment ``name``; unlink it once every reader has."""
@@ -463,6 +489,8 @@ class RingWriter:
         """Forget ``rank`` (it closed or died): its holds end, and no later batch waits for it."""
         self.readers.discard(rank)
         self._counters["readers"] = len(self.readers)
+        for callback in self._on_drop:
+            callback(rank)
         for slot in self.slots:
             slot.holders.discard(rank)
             if not slot.holders and slot.state == SlotState.HELD:
@@ -533,7 +561,12 @@ def _in_creator(creator: int, fn: Callable[[], None]) -> None:
         fn()
 
 
-def private_view(segment: Segment, nbytes: int, on_release: Callable[[], None]) -> np.ndarray:
+def private_view(
+    segment: Segment,
+    nbytes: int,
+    on_release: Callable[[], None],
+    unmapped: Callable[[], None] | None = None,
+) -> np.ndarray:
     """A copy-on-write uint8 view of ``segment``'s first ``nbytes`` of payload.
 
     ``on_release`` runs once when the last object referring to the mapping
@@ -541,6 +574,9 @@ def private_view(segment: Segment, nbytes: int, on_release: Callable[[], None]) 
     never runs in a forked child, which does not have the mapping either
     (NOTE [creator-only cleanup]). While the view lives, ``view_source``
     finds its segment from an address inside it (NOTE [device reads]).
+    ``unmapped`` (a release word's store, NOTE [release words] in
+    ``release``) runs then too, but only once the pages are unmapped: never
+    at interpreter exit, when the mapping is still there.
     """
     mm = segment.map_private(nbytes)
     view = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
@@ -549,6 +585,9 @@ def private_view(segment: Segment, nbytes: int, on_release: Callable[[], None]) 
     _VIEWS[address] = entry
     release = functools.partial(_in_creator, os.getpid(), on_release)
     weakref.finalize(mm, _view_died, address, entry, release)
+    if unmapped is not None:
+        # CPython's mmap runs munmap before it calls its weak references back
+        weakref.finalize(mm, _in_creator, os.getpid(), unmapped).atexit = False
     return view
 
 
@@ -614,10 +653,13 @@ def open_slot_for_worker(name: str, token: str) -> tuple[Segment, mmap.mmap]:
 class RingReader:
     """A reader's side: open slot segments, one private mapping per batch."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, rank: int | None = None) -> None:
         self.token = token
+        self.rank = rank
         self.segments: dict[str, Segment] = {}
         self._mappings: list[weakref.ref] = []  # of every view handed out: own_views()
+        # the writer's pool control segments by name: this reader's release words
+        self._words: dict[str, ReaderWords | None] = {}
 
     def open(self, name: str) -> bool:
         """Open and validate ``name`` if not yet open; True when newly opened.
@@ -636,16 +678,29 @@ class RingReader:
                 self.forget(other)
         return True
 
-    def view(self, name: str, nbytes: int, on_release: Callable[[], None]) -> np.ndarray:
+    def view(
+        self,
+        name: str,
+        nbytes: int,
+        on_release: Callable[[], None],
+        words: tuple[str, int, int] | None = None,
+    ) -> np.ndarray:
         """A private uint8 view of the first ``nbytes`` of slot ``name``.
 
         ``on_release`` runs once when the last object referring to the mapping
         is gone (NOTE [slot lifetime]); it must be thread-safe and cheap.
+        ``words``: (pool control, slot, ticket) of a pooled slot's batch, whose
+        release word this reader stores once the mapping is gone (NOTE
+        [release words] in ``release``).
         """
         segment = self.segments.get(name)
         if segment is None:
             raise ProtocolError(f"segment {name} was never opened")
-        view = private_view(segment, nbytes, on_release)
+        board = self._board(words[0]) if words is not None else None
+        unmapped = None
+        if board is not None and words is not None:
+            unmapped = functools.partial(board.release, words[1], words[2])
+        view = private_view(segment, nbytes, on_release, unmapped)
         mm = getattr(view.base, "obj", view.base)  # frombuffer's base: a memoryview of mm
         if isinstance(mm, mmap.mmap):
             self._mappings = [r for r in self._mappings if r() is not None]
@@ -676,6 +731,25 @@ class RingReader:
         self._mappings = []
         return owned
 
+    def release_now(self, words: tuple[str, int, int]) -> None:
+        """Store the release word of a batch this reader never mapped (a leftover)."""
+        board = self._board(words[0])
+        if board is not None:
+            board.release(words[1], words[2])
+
+    def _board(self, name: str) -> ReaderWords | None:
+        """This reader's release words in pool control ``name`` (None: releases by message only)."""
+        if name in self._words:
+            return self._words[name]
+        board = None
+        if self.rank is not None:
+            try:
+                board = ReaderWords(name, self.token, self.rank)
+            except (ProtocolError, OSError) as exc:
+                log.warning("shmloader: no release words in %s (%s): RELEASE only", name, exc)
+        self._words[name] = board
+        return board
+
     def forget(self, name: str) -> None:
         """Close the descriptor of a replaced segment (live mappings stay valid)."""
         segment = self.segments.pop(name, None)
@@ -685,3 +759,7 @@ class RingReader:
     def close(self) -> None:
         for name in list(self.segments):
             self.forget(name)
+        for board in self._words.values():
+            if board is not None:
+                board.close()
+        self._words.clear()

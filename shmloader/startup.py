@@ -195,12 +195,15 @@ def _make_role(
             made.unregister = functools.partial(daemon.unregister, topo.ring_token)
         pool = None
         if topo.is_leader:
-            pool = worker_pool(loader, ring, config, daemon)  # type: ignore[arg-type]
+            peers = {
+                f.rank: (f.pid, f.start, f.pidns) for f in topo.facts if f.rank in topo.readers
+            }
+            pool = worker_pool(loader, ring, config, daemon, peers)  # type: ignore[arg-type]
             if pool is not None:
                 made.pool = pool.close
         hub = Hub(topo.socket_path)
         made.hub = hub.close
-        writer = Writer(ctx, topo, ring, hub, xnode)
+        writer = Writer(ctx, topo, ring, hub, xnode, pool)
         reporter.writer = writer
         if topo.is_leader:
             source = Source(loader, shared.cursor, shared.boundary)  # type: ignore[arg-type]
@@ -211,7 +214,7 @@ def _make_role(
             assert xnode is not None
             role = Relay(ctx, Reader(ctx, topo), writer, xnode)
     else:
-        ring_reader = RingReader(topo.ring_token)
+        ring_reader = RingReader(topo.ring_token, topo.me)
         made.reader = ring_reader.close
         spoke = Spoke(topo.socket_path, topo.me)
         made.spoke = spoke.close

@@ -30,7 +30,11 @@ anything that shows the ranks iterate differently (``loader``, NOTE
 number; readers ACK that number, so the writer knows its last word arrived
 before its process may exit. ``draws`` is the number of
 default-generator draws the leader's loader made (see ``rng``). ``crc`` is the
-payload's CRC-32 with ``SHMLOADER_VERIFY=1``, else -1.
+payload's CRC-32 with ``SHMLOADER_VERIFY=1``, else -1. A BATCH of a slot
+that DataLoader workers write also carries ``rel`` (the pool control
+segment's name) and ``tk`` (the batch's ticket): where and what the reader
+stores once its view is gone (NOTE [release words] in ``release``); a
+malformed pair only means the reader releases by RELEASE alone.
 
 ``parse`` checks magic, version, kind and every field's type, and raises
 :class:`~shmloader.errors.ProtocolError` on anything else; receivers log and

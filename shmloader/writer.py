@@ -51,6 +51,7 @@ import numpy as np
 from . import wire
 from .channel import BYE_GRACE_S, Hub
 from .errors import PeerLostError, ProtocolError, human_bytes
+from .pool import WorkerPool
 from .ring import RingWriter, Slot, SlotState, private_view
 from .roles import CLOSE_WAIT_S, Context, _error_body, log
 from .topology import GroupTopology
@@ -68,6 +69,7 @@ class Writer:
         ring: RingWriter,
         hub: Hub,
         xnode: CrossNode | None,
+        pool: WorkerPool | None = None,
     ) -> None:
         self.ctx = ctx
         self.config = ctx.config
@@ -75,6 +77,7 @@ class Writer:
         self.ring = ring
         self.hub = hub
         self.xnode = xnode  # its position follows the stamps (the leader's cross-node stamps)
+        self.pool = pool  # the leader's: release words of pooled slots (NOTE [release words])
         self.hello: set[int] = set()
         self.acked = dict.fromkeys(topo.readers, 0)
         self.gone: set[int] = set()
@@ -101,8 +104,9 @@ class Writer:
         """The writer's private view of a slot it just published; releases itself."""
         if slot is None:
             return np.empty(0, np.uint8)
-        release = functools.partial(self.self_releases.append, (slot.index, slot.gen))
-        return private_view(slot.segment, nbytes, release)
+        release = functools.partial(self.self_releases.append, (slot.index, slot.gen, slot.seq))
+        word = self.pool.own_release(slot) if self.pool is not None else None
+        return private_view(slot.segment, nbytes, release, word)
 
     def fail(self, it: int, exc: BaseException, *, forward: bool = False) -> None:
         """Tell every reader (and with ``forward``, the leader's, every node leader) that
@@ -151,6 +155,8 @@ class Writer:
             nbytes=nbytes,
             draws=draws,
             crc=crc,
+            # a pooled slot: where each reader writes its release word (NOTE [release words])
+            **(self.pool.announce_fields(slot) if self.pool is not None else {}),
         )
         self.pos += 1
         self.follow_epoch()
@@ -290,7 +296,7 @@ class Writer:
             elif msg.kind == Kind.ACK:
                 self.acked[rank] = max(self.acked[rank], msg.seq + 1)
             elif msg.kind == Kind.RELEASE:
-                ring.release(rank, msg["slot"], msg["gen"])
+                ring.release(rank, msg["slot"], msg["gen"], msg.seq)
             elif msg.kind == Kind.ATTACHED:
                 ring.attached(rank, msg["seg"])
             elif msg.kind == Kind.BYE:
@@ -307,9 +313,9 @@ class Writer:
         while (got := self.hub.receive(0)) is not None:
             self.handle(*got)
         while self.self_releases:
-            index, gen = self.self_releases.popleft()
+            index, gen, seq = self.self_releases.popleft()
             with contextlib.suppress(ProtocolError):
-                self.ring.release(self.topo.me, index, gen)
+                self.ring.release(self.topo.me, index, gen, seq)
 
     def wait_for(self, waiting: Callable[[], list[int]], timeout: float, doing: str) -> None:
         """Handle reader messages until ``waiting()`` is empty (NOTE [bounded waits], channel)."""

@@ -36,8 +36,8 @@ def verified(rank: int, world: int, *, corrupt: bool) -> dict:
     if corrupt and rank == 2:
         real = ring_module.RingReader.view
 
-        def flipped(self, name, nbytes, on_release):
-            payload = real(self, name, nbytes, on_release)
+        def flipped(self, name, nbytes, on_release, *words):
+            payload = real(self, name, nbytes, on_release, *words)
             payload[nbytes // 2] ^= 0xFF  # a bit flipped between write and read
             return payload
 

@@ -255,25 +255,32 @@ class Writer:
         NOTE [one announcement] (``channel``): one send whatever the group's
         size; a reader whose socket closed shows in ``hub.left``.
         """
-        hub = self.hub
-        assert hub is not None and self.topo is not None
-        hub.publish(parts)
+        self.hub.publish(parts)
+        lost = self.settle_left()
+        if lost is not None and not best_effort:
+            raise lost
+
+    def settle_left(self) -> PeerLostError | None:
+        """Readers whose socket closed: a goodbye, or lost (then dropped and returned).
+
+        A reader that said BYE and left is not lost: its BYE travels on the
+        other socket and may trail the unsubscription that shows it left, so
+        each is given ``BYE_GRACE_S`` for it. Either way it is dropped, and
+        the slots it held are free again.
+        """
         lost: PeerLostError | None = None
-        for rank in sorted(hub.left - self.gone):
-            # A reader that said BYE and left is not lost: its BYE travels on the
-            # other socket and may trail the unsubscription that shows it left.
+        for rank in sorted(self.hub.left - self.gone):
             deadline = time.monotonic() + BYE_GRACE_S
             self.pump()
             while rank not in self.gone and time.monotonic() < deadline:
-                if (got := hub.receive(0.02)) is not None:
+                if (got := self.hub.receive(0.02)) is not None:
                     self.handle(*got)
             if rank not in self.gone:
                 self.drop_reader(rank)
                 lost = lost or PeerLostError(
                     rank, self.topo.role(rank), "its socket closed without a BYE"
                 )
-        if lost is not None and not best_effort:
-            raise lost
+        return lost
 
     def drop_reader(self, rank: int) -> None:
         """``rank`` said BYE or is unreachable: stop waiting for it and sending to it."""
@@ -341,8 +348,8 @@ class Writer:
         slots = self.config.slots
 
         def waiting() -> list[int]:
-            # A reader whose socket closed is not waited for: the announcement that
-            # follows (tell_readers) names it lost, or takes its trailing BYE.
+            # A reader whose socket closed is not waited for (it will take no batch):
+            # settle_left takes its trailing BYE, or names it lost, right after.
             live = [r for r in topo.readers if r not in self.gone and r not in self.hub.left]
             # NOTE [one announcement] (channel): arrived = HELLO and subscribed
             late = [r for r in live if r not in self.hello or r not in self.hub.subscribed]
@@ -355,6 +362,9 @@ class Writer:
             self.config.timeout if timeout is None else timeout,
             f"waiting for followers to take batch {self.seq}",
         )
+        lost = self.settle_left()  # before anything is acquired: a goodbye frees its slots
+        if lost is not None:
+            raise lost
 
     def await_attach(self) -> None:
         """Before unlinking at close: let readers open the segments they were told about.

@@ -228,7 +228,7 @@ def _fs_magic(path: str) -> int:
     """``statfs(path).f_type`` (0 when it cannot be read)."""
     buf = ctypes.create_string_buffer(256)  # struct statfs: f_type is its first word
     try:
-        if _LIBC.statfs(os.fsencode(path), buf) != 0:
+        if LIBC.statfs(os.fsencode(path), buf) != 0:
             return 0
     except (AttributeError, OSError):
         return 0
@@ -252,15 +252,15 @@ def _probe(path: str, *, advise: bool) -> bool:
         if not advise:
             os.pwrite(fd, b"\0", 0)
         else:
-            addr = _LIBC.mmap(None, HUGE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+            addr = LIBC.mmap(None, HUGE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
             if addr in (None, ctypes.c_void_p(-1).value):
                 return False
             try:
-                if _LIBC.madvise(ctypes.c_void_p(addr), HUGE, MADV_HUGEPAGE) != 0:
+                if LIBC.madvise(ctypes.c_void_p(addr), HUGE, MADV_HUGEPAGE) != 0:
                     return False
                 ctypes.memset(addr, 0, 1)
             finally:
-                _LIBC.munmap(ctypes.c_void_p(addr), HUGE)
+                LIBC.munmap(ctypes.c_void_p(addr), HUGE)
         return os.fstat(fd).st_blocks * 512 >= HUGE
     except OSError:
         return False
@@ -285,4 +285,6 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-_LIBC = _libc()
+#: libc with ``mmap``, ``munmap``, ``madvise`` and ``statfs`` prototyped, resolved at import
+#: (a forked child must not ``dlopen``/``dlsym``); ``segment`` maps through it too.
+LIBC = _libc()

@@ -771,40 +771,13 @@ _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def _libc_mmap() -> Callable[..., int] | None:
-    """libc's ``mmap``, resolved now: a forked child must not ``dlopen``/``dlsym``
-    (another thread of the parent may have held the loader's lock at the fork)."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).mmap
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_void_p
-    fn.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
-    return fn
+#: libc's ``mmap``, prototyped and resolved at import in ``ringdir`` (a forked child
+#: must not ``dlopen``/``dlsym``: another thread of the parent may have held the
+#: loader's lock at the fork); the pool uses it too.
+LIBC_MMAP: Callable[..., int] | None = ringdir.LIBC.mmap
 
 
-#: libc's ``mmap`` (None where it cannot be resolved); the pool uses it too.
-LIBC_MMAP = _libc_mmap()
-
-
-def _libc_munmap() -> Callable[..., int] | None:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).munmap
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return fn
-
-
-LIBC_MUNMAP = _libc_munmap()
+LIBC_MUNMAP: Callable[..., int] | None = ringdir.LIBC.munmap
 
 
 def _reserve_in_child() -> None:

@@ -20,6 +20,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import sys
 import tempfile
 import time
 
@@ -110,7 +111,14 @@ def _shm_entries() -> set[tuple[str, str]]:
 
 
 def _children() -> set[int]:
-    """Live (non-zombie) child processes of this pytest process."""
+    """Live (non-zombie) child processes of this pytest process, and its ranks.
+
+    Ranks are forked by the warm forkserver (NOTE [warm ranks] in
+    tests/harness.py), so they are its children, not ours: the harness lists
+    every one it started (``STARTED``), and those still alive count too.
+    """
+    from tests.harness import STARTED
+
     me = os.getpid()
     out = set()
     for entry in os.listdir("/proc"):
@@ -124,16 +132,80 @@ def _children() -> set[int]:
         except OSError:
             continue
         fields = raw[raw.rindex(b")") + 2 :].split()
+        pid = int(entry)
         helper = b"resource_tracker" in cmd or b"multiprocessing.forkserver" in cmd
-        if int(fields[1]) == me and fields[0] != b"Z" and not helper:
-            out.add(int(entry))
+        alive = fields[0] != b"Z"
+        if alive and ((int(fields[1]) == me and not helper) or pid in STARTED):
+            out.add(pid)
     return out
 
 
-def pytest_configure(config) -> None:
-    from tests.harness import fork_safe_workers
+#: Names whose use makes a test start other processes (marker ``procs``).
+PROCESS_STARTERS = frozenset(
+    {"run_ranks", "Popen", "subprocess", "get_context", "Process", "Daemon", "spawn", "fork"}
+)
 
-    fork_safe_workers()  # this process starts DataLoader workers too (tests/test_forks.py)
+
+def _starts_processes(fn, module, seen: set) -> bool:
+    """Whether ``fn``, or a function or class of ``module`` it names, starts processes.
+
+    Followed through the module's own functions, classes and methods, so a
+    test that calls a helper calling ``run_ranks`` counts too.
+    """
+    code = getattr(fn, "__code__", None)
+    if code is None or code in seen:
+        return False
+    seen.add(code)
+    names = set(code.co_names)
+    stack = [c for c in code.co_consts if hasattr(c, "co_names")]
+    while stack:  # nested functions and comprehensions
+        inner = stack.pop()
+        names |= set(inner.co_names)
+        stack += [c for c in inner.co_consts if hasattr(c, "co_names")]
+    if names & PROCESS_STARTERS:
+        return True
+    for name in names:
+        obj = getattr(module, name, None)
+        if isinstance(obj, type) and getattr(obj, "__module__", None) == module.__name__:
+            if any(_starts_processes(m, module, seen) for m in vars(obj).values()):
+                return True
+        elif (
+            getattr(obj, "__module__", None) == module.__name__
+            and callable(obj)
+            and _starts_processes(obj, module, seen)
+        ):
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark ``procs`` every test that starts processes (itself or through its fixtures).
+
+    ``pytest -m "not procs"`` is the fast inner loop: pure and in-process tests.
+    """
+    for item in items:
+        fn = getattr(item, "function", None)
+        module = getattr(item, "module", None)
+        if fn is None or module is None:
+            continue
+        fixtures = getattr(item, "_fixtureinfo", None)
+        funcs = [fn]
+        if fixtures is not None:
+            for defs in fixtures.name2fixturedefs.values():
+                funcs += [d.func for d in defs]
+        if any(
+            _starts_processes(f, sys.modules.get(getattr(f, "__module__", "")) or module, set())
+            for f in funcs
+        ):
+            item.add_marker(pytest.mark.procs)
+
+
+def pytest_configure(config) -> None:
+    from tests.harness import WARM_MODULES, fork_safe_workers
+
+    # This process starts DataLoader workers too (tests/test_forks.py); its
+    # forkserver is also the one ranks are forked from (NOTE [warm ranks]).
+    fork_safe_workers(WARM_MODULES)
 
 
 @pytest.fixture(autouse=True)

@@ -11,6 +11,23 @@ node 1. Every node but node 0 gets its own ``/dev/shm``: the rank enters a
 private mount namespace and bind-mounts a per-node tmpfs over ``/dev/shm``,
 so ranks of different nodes really cannot map each other's segments (as on
 two hosts or two containers), and ``SHMLOADER_NODE`` is set to the node id.
+
+NOTE [warm ranks]
+    A rank is a real process (its own pid, signals, death, mount namespace),
+    but it does not pay torch's import: ``run_ranks`` forks it from a
+    forkserver that imported ``WARM_MODULES`` once (torch, torch.distributed,
+    numpy, zmq), about 50 ms a rank instead of 2-5 s of a cold interpreter on
+    2 cores. What a fork would carry over from the server is given anew to
+    every rank: the test's whole environment (``os.environ`` as it is at the
+    call, plus the rank's variables), its process group (a fresh TCPStore and
+    gloo group per run), its ring directory and node namespace. shmloader and
+    the test's own modules are not preloaded: shmloader reads
+    ``SHMLOADER_SHM_DIR`` and ``SHMLOADER_HEADER_SIZE`` at import, so every
+    rank imports it after its environment is set. The server is restarted
+    when the pytest process has entered another mount namespace since it
+    started (``huge_dir``), so ranks always see the mounts the test sees.
+    ``cold=True`` starts cold interpreters (spawn) instead, for tests whose
+    subject is a fresh process (what importing the package does).
 """
 
 from __future__ import annotations
@@ -71,6 +88,42 @@ def huge_tmpfs(size: str = "1g") -> str:
     return path
 
 
+#: What the warm forkserver imports once (NOTE [warm ranks]); never shmloader.
+WARM_MODULES = ["torch", "torch.distributed", "torch.utils.data", "numpy", "zmq"]
+_warm_ns: list[str] = []  # the mount namespace the running forkserver was started in
+
+
+def _mount_ns() -> str:
+    return os.readlink("/proc/self/ns/mnt")
+
+
+def rank_context(cold: bool = False) -> Any:
+    """The multiprocessing context ranks start from (NOTE [warm ranks])."""
+    if cold:
+        return mp.get_context("spawn")
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if _warm_ns and _warm_ns[0] != _mount_ns():
+        server._stop()  # started outside the namespace this process is in now
+        _warm_ns.clear()
+    if not _warm_ns:
+        mp.set_forkserver_preload(WARM_MODULES)
+        server.ensure_running()
+        _warm_ns.append(_mount_ns())
+    return mp.get_context("forkserver")
+
+
+#: Pids of every process this harness started from the warm forkserver.
+STARTED: set[int] = set()
+
+
+def started(p: Any) -> Any:
+    """Record a started process of ``rank_context()`` (the leak check counts it)."""
+    STARTED.add(p.pid)
+    return p
+
+
 def _rank_main(
     rank: int,
     world: int,
@@ -80,12 +133,18 @@ def _rank_main(
     outdir: str,
     env: dict[str, str],
     shm_dir: str | None,
+    cold: bool = False,
 ) -> None:
+    # The whole environment, not an update: a warm rank was forked from a
+    # server started with an earlier test's environment (NOTE [warm ranks]).
+    os.environ.clear()
     os.environ.update(env)
     fork_safe_workers()
     try:
         if shm_dir is not None:
             _enter_private_shm(shm_dir)
+        if not cold:
+            _fork_worker_server()
         import datetime
 
         import torch.distributed as dist
@@ -105,7 +164,45 @@ def _rank_main(
         raise SystemExit(1) from None
 
 
-def fork_safe_workers() -> None:
+def _fork_worker_server() -> None:
+    """Start this rank's forkserver (its DataLoader workers') by forking the rank.
+
+    A rank's workers come from a forkserver of its own, as in any job: it is
+    the rank's child, in the rank's mount namespace and environment, and
+    exits when the rank does. ``multiprocessing`` would exec a fresh
+    interpreter for it and import torch again; forked from the rank while
+    the rank is still single-threaded (before gloo or ZeroMQ start a thread)
+    it is the same server with torch already imported (NOTE [warm ranks]).
+    """
+    import socket
+    from multiprocessing import connection, forkserver, resource_tracker
+
+    resource_tracker.ensure_running()
+    listener = socket.socket(socket.AF_UNIX)
+    address = connection.arbitrary_address("AF_UNIX")
+    listener.bind(address)
+    os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()  # the server exits at EOF: when this rank is gone
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(alive_w)
+            forkserver.main(listener.fileno(), alive_r, [])
+        except SystemExit:
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(alive_r)
+    listener.close()
+    server = forkserver._forkserver
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
+
+
+def fork_safe_workers(preload: list[str] | None = None) -> None:
     """Make forkserver the default start method of this process.
 
     DataLoader workers (and any ``multiprocessing`` child without an explicit
@@ -114,17 +211,20 @@ def fork_safe_workers() -> None:
     the pytest process after earlier tests did: a fork from a multi-threaded
     process can deadlock the child (Python 3.12 warns). forkserver forks from
     a clean single-threaded server instead; preloading torch there keeps a
-    worker's start as fast as a fork's.
+    worker's start as fast as a fork's. The pytest process passes
+    ``WARM_MODULES``: its forkserver also starts the ranks (NOTE [warm ranks]).
     """
     mp.set_start_method("forkserver", force=True)
-    mp.set_forkserver_preload(["torch", "tests.ranks"])
+    mp.set_forkserver_preload(preload or ["torch", "tests.ranks"])
 
 
 class RankFailure(AssertionError):
     pass
 
 
-def _gc_main(shm_dir: str | None, owners: set[int] | None) -> None:
+def _gc_main(shm_dir: str | None, owners: set[int] | None, env: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(env)
     if shm_dir is not None:
         _enter_private_shm(shm_dir)
     from shmloader import admin
@@ -138,12 +238,14 @@ def gc_on_node(shm_dir: str | None, owners: set[int] | None = None) -> None:
     ``owners``: only what these (dead) processes left, so that a test never
     collects other runs' leftovers in the host's ``/dev/shm``.
     """
-    p = mp.get_context("spawn").Process(target=_gc_main, args=(shm_dir, owners))
+    p = rank_context().Process(target=_gc_main, args=(shm_dir, owners, dict(os.environ)))
     p.start()
+    started(p)
     p.join(60)
     if p.is_alive():
         p.kill()
         p.join()
+    STARTED.discard(p.pid)
     if p.exitcode != 0:
         raise RankFailure(f"gc on node {shm_dir or '/dev/shm'} failed with exit code {p.exitcode}")
 
@@ -183,6 +285,7 @@ def run_ranks(
     expect_failure: bool = False,
     gc_after: bool = False,
     node_shm_size: str = "2g",
+    cold: bool = False,
 ) -> list[Any]:
     """Run ``fn`` on ``world`` real ranks and return their results in rank order.
 
@@ -190,9 +293,11 @@ def run_ranks(
         text (a ``str``) instead of raising. ``gc_after`` runs ``shmloader gc`` on
         every node once the ranks are gone (for runs where a rank was SIGKILLed).
     ``node_shm_size`` sizes the simulated nodes' tmpfs (Docker's default is 64m).
+    ``cold``: start each rank as a fresh interpreter instead of a warm fork
+    (NOTE [warm ranks]).
     """
     target = fn if isinstance(fn, str) else f"{fn.__module__}:{fn.__qualname__}"
-    ctx = mp.get_context("spawn")
+    ctx = rank_context(cold)
     import torch.distributed as dist
 
     # Hosted here rather than by rank 0, so that rank 0 finishing (or dying)
@@ -205,7 +310,7 @@ def run_ranks(
     with simulated_nodes(max(node_of) + 1, node_shm_size) as shm_dirs:
         try:
             for rank in range(world):
-                rank_vars = dict(env or {})
+                rank_vars = {**os.environ, **(env or {})}
                 if nodes is not None:
                     rank_vars["SHMLOADER_NODE"] = f"node{node_of[rank]}"
                 rank_vars.update((rank_env or {}).get(rank, {}))
@@ -220,11 +325,12 @@ def run_ranks(
                         outdir,
                         rank_vars,
                         shm_dirs[node_of[rank]],
+                        cold,
                     ),
                     daemon=False,
                 )
                 p.start()
-                procs.append(p)
+                procs.append(started(p))
             deadline = time.monotonic() + timeout
             for p in procs:
                 p.join(max(0.1, deadline - time.monotonic()))
@@ -234,6 +340,8 @@ def run_ranks(
                 if p.is_alive():
                     p.kill()
                 p.join(5)
+                if not p.is_alive():
+                    STARTED.discard(p.pid)  # reaped: its pid may be reused
             if gc_after:
                 for d in shm_dirs:
                     gc_on_node(d, {p.pid for p in procs if p.pid is not None})

@@ -118,8 +118,9 @@ class CudaOps:
     def unpin(self, buffer: torch.Tensor) -> None:
         own = self._own.pop(buffer.data_ptr(), None)
         if own is None:
-            # torch's allocator: hand its cached page-locked blocks back where it can
-            del buffer
+            # torch's allocator: drop the storage (the caller still holds the tensor
+            # object), then hand its cached page-locked blocks back where it can
+            buffer.set_()
             empty = getattr(torch._C, "_host_emptyCache", None)
             if empty is not None:
                 empty()
@@ -128,8 +129,10 @@ class CudaOps:
         error = self._cudart.unregister(array.__array_interface__["data"][0])
         if error is not None:  # never unmap a range the driver still holds
             log.warning("shmloader: %s for a staging buffer; it stays mapped", error)
+            self._own[buffer.data_ptr()] = own
             return
-        del buffer, array
+        buffer.set_()  # the storage held the array, which holds the mapping
+        del array, own
         with contextlib.suppress(BufferError):
             mm.close()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -583,12 +584,98 @@ def test_gpu_benchmark_runs_every_way_on_a_host_stand_in(tmp_path):
     assert set(rows) == set(WAYS)
     for row in rows.values():
         assert row["usable_p50"] is not None and row["step_p50"] > 0 and row["h2d_gbs"]
+        assert row["bytes_checked"] > 0  # every way's delivered bytes compared with the loader's
     dev = rows["shm_device"]
     assert dev["registered"] is True  # every rank's copies read its registered mapping
     assert 0 < dev["registrations"] <= dev["ring_slots"] * 2  # once per slot per rank
     assert len(result["targets"]) == 4
     assert "figures meaningless" in (tmp_path / "gpu.md").read_text()
     assert (tmp_path / "gpu.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
+def test_the_device_check_fails_and_says_why_on_a_machine_without_a_gpu(tmp_path):
+    """``.ci/device-check`` cannot pass by running nothing."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), ".ci", "device-check")
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)}
+    run = subprocess.run([script], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stdout[-2000:]
+    assert "DEVICE CHECK FAILED" in run.stdout and "no CUDA GPU here" in run.stdout
+    assert "tests_gpu not run" in run.stdout and "bench not run" in run.stdout
+    assert (tmp_path / "summary.txt").read_text() == run.stdout
+
+
+def _marked(mark: str) -> list[int]:
+    """Live processes whose environment carries ``SHML_TEST_MARK=mark``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if f"SHML_TEST_MARK={mark}".encode() in f.read().split(b"\0"):
+                        with open(f"/proc/{entry}/stat", "rb") as st:
+                            if st.read().rpartition(b")")[2].split()[0] != b"Z":
+                                found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def _maps_torch(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(240)
+def test_gpu_benchmark_ranks_stay_under_their_launchers_cap(tmp_path):
+    """``.ci/device-check`` caps a part with timeout(1), which signals the part's
+    process group: the benchmark's ranks must neither leave it nor outlive it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    mark = uuid.uuid4().hex
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "SHML_TEST_MARK": mark}
+    argv = ["--cpu-smoke", "--ways", "base", "--sizes", "1", "--sp", "2", "--steps", "100000"]
+    argv += ["--warmup", "1", "--workers", "0", "--gpu-ms", "50", "--timeout", "200"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.gpu", *argv, "--out", str(tmp_path)],
+        env=env,
+        start_new_session=True,  # its own group, as timeout(1) makes one
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        # launcher + 2 ranks, each past its start: a rank loads torch only in
+        # run_rank, after whatever _rank_main does to its process group
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            running = [pid for pid in _marked(mark) if _maps_torch(pid)]
+            if len(running) >= 3:
+                break
+            time.sleep(0.5)
+        assert len(running) >= 3, "the benchmark's ranks never started"
+        os.killpg(proc.pid, signal.SIGTERM)  # what timeout(1) sends at the cap
+        proc.wait(60)
+        deadline = time.monotonic() + 30
+        while _marked(mark) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _marked(mark), "benchmark ranks outlived their group's SIGTERM"
+    finally:
+        for pid in _marked(mark):
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, 9)
+        proc.wait(30)
 
 
 def test_cuda_ops_and_the_fake_implement_the_same_seam():

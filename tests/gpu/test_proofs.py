@@ -189,6 +189,8 @@ def test_the_consumer_stream_reads_a_batch_only_after_its_copy(source):
     it must read stale memory at least once."""
 
     def run(wait: bool, base: int) -> list[bool]:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # no block of an earlier run can hold the right bytes
         ops = Watched(cuda0(), delay=BUSY // 4, wait=wait)
         stage = device.DeviceStage(ops, prefetch=2)
         sums = []
@@ -208,6 +210,11 @@ def test_a_batch_dropped_under_a_queued_kernel_keeps_its_bytes(source):
     before that read ran (record_stream). Control: without it, they do."""
 
     def run(record: bool, base: int) -> bool:
+        # An empty cache: the caching allocator's best fit for the next batch of
+        # the same size is then the dropped batch's block, unless record_stream
+        # holds it back until the consumer stream's work ran.
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         ops = Watched(cuda0(), record_stream=record)
         stage = device.DeviceStage(ops, prefetch=2)
         it = stage.wrap(_ring_batches(source, 8, base))

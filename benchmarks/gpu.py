@@ -27,12 +27,20 @@ One step, every rank::
 Per way and size: next/usable/step p50 and p99 (over every rank's steps),
 host-to-device bandwidth (device way: the stage's event timings; other ways:
 bytes / (usable - next); the stage's counters are reset after the warm-up
-steps), a pinned tensor's bandwidth for reference (every rank copying at the
-same time, as the ranks copy from the ring; the median over ranks), node
+steps), a pinned tensor's bandwidth for reference (every rank allocates and
+pins its tensor first, then the ranks meet and copy at the same time, as they
+copy from the ring; only the copies are timed; the median over ranks), node
 CPU seconds (ranks and workers), node memory (PSS), pinned host bytes
 allocated by torch (``torch.cuda.host_memory_stats``) and, for the device
-way, registrations against ring slots. Writes ``gpu.json``,
-``gpu.md`` and ``gpu.png`` into ``--out``.
+way, registrations against ring slots. The batches of the first measured and
+the last step are compared, leaf by leaf, with the loader's own
+(``bytes_checked``; a difference fails the configuration). Writes
+``gpu.json``, ``gpu.md`` and ``gpu.png`` into ``--out``.
+
+The ranks stay in the launcher's process group and die with it
+(``PR_SET_PDEATHSIG``), so a time cap that signals the group (timeout(1),
+``.ci/device-check``) ends every one of them; a configuration past its
+``--timeout`` has its ranks and their workers killed by pid.
 
 Every CUDA call a rank makes goes through :class:`Cuda`. ``--cpu-smoke``
 swaps in :class:`HostStandIn` (host copies, a sleep for the GPU work,
@@ -180,12 +188,23 @@ class Cuda:
                 return int(stats[key])
         return None
 
-    def pinned_gbs(self, nbytes: int) -> float:
-        """Host-to-device bandwidth of a pinned tensor of ``nbytes`` here (reference)."""
+    def pinned_ref(self, nbytes: int) -> Any:
+        """A pinned tensor of ``nbytes`` and its device destination, allocated and pinned
+        (about 220 ms per 256 MiB) before the ranks meet to time the copies."""
         import torch
 
         src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
         dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst.copy_(src, non_blocking=True)  # first-touch costs out of the timed copies
+        torch.cuda.synchronize()
+        return src, dst
+
+    def pinned_gbs(self, ref: Any) -> float:
+        """Host-to-device bandwidth of ``pinned_ref``'s copy, the copies alone timed."""
+        import torch
+
+        src, dst = ref
+        nbytes = src.numel()
         times = []
         for _ in range(5):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -232,14 +251,17 @@ class HostStandIn(Cuda):
     def host_pinned(self) -> int | None:
         return 0  # nothing is pinned without CUDA
 
-    def pinned_gbs(self, nbytes: int) -> float:
+    def pinned_ref(self, nbytes: int) -> Any:
         import torch
 
         src = torch.empty(nbytes, dtype=torch.uint8)
-        dst = torch.empty_like(src)
+        return src, torch.empty_like(src)
+
+    def pinned_gbs(self, ref: Any) -> float:
+        src, dst = ref
         t0 = time.perf_counter()
         dst.copy_(src)
-        return nbytes / max(time.perf_counter() - t0, 1e-9) / 1e9
+        return src.numel() / max(time.perf_counter() - t0, 1e-9) / 1e9
 
     def memory_allocated(self) -> int:
         return 0
@@ -270,6 +292,12 @@ class HostOps:
         import torch
 
         return torch.empty(nbytes, dtype=torch.uint8)
+
+    def unpin(self, buffer: Any) -> None:
+        pass
+
+    def is_pinned(self, tensor: Any) -> bool:
+        return False
 
     def copy(self, dst: Any, src: Any) -> None:
         dst.copy_(src)
@@ -352,6 +380,7 @@ def run_rank(rank: int, cfg: dict[str, Any], port: int) -> dict[str, Any]:
             loader = ShmLoader(make, group, config=config, device=device)
         it = iter(loader)
         rows: dict[str, list[float]] = {"next_ms": [], "usable_ms": [], "step_ms": [], "h2d": []}
+        kept: dict[int, Any] = {}  # step -> the batch as delivered, for _check_bytes
         mem_peak = 0
         for step in range(length):
             t0 = time.perf_counter()
@@ -362,6 +391,8 @@ def run_rank(rank: int, cfg: dict[str, Any], port: int) -> dict[str, Any]:
             gpu.ready()
             t2 = time.perf_counter()
             gpu.work(int(cycles))
+            if step in (cfg["warmup"], length - 1):
+                kept[step] = batch  # on the device: holds no slot; checked after the loop
             del batch
             dist.barrier(group)
             t3 = time.perf_counter()
@@ -377,11 +408,16 @@ def run_rank(rank: int, cfg: dict[str, Any], port: int) -> dict[str, Any]:
                     mem_peak = max(mem_peak, procstat.tree_memory(os.getpid()).pss)
         next(it, None)
         cpu = procstat.tree_cpu_seconds(os.getpid()) - cpu0
+        checked = _check_bytes(kept, TemplatedBatches(spec, length))
+        kept.clear()
         pinned_host = gpu.host_pinned()  # before the reference below pins its own tensor
         # The reference under the ring's contention: every rank copies its own
-        # pinned tensor at the same time, as every rank copies from the ring.
+        # pinned tensor at the same time, as every rank copies from the ring;
+        # allocated and pinned before the barrier, so that the copies overlap.
+        ref = gpu.pinned_ref(spec.nbytes)
         dist.barrier(group)
-        pinned_ref = gpu.pinned_gbs(spec.nbytes)
+        pinned_ref = gpu.pinned_gbs(ref)
+        del ref
         out: dict[str, Any] = {
             "rank": rank,
             **rows,
@@ -390,6 +426,7 @@ def run_rank(rank: int, cfg: dict[str, Any], port: int) -> dict[str, Any]:
             "pinned_host_bytes": pinned_host,
             "pinned_ref_gbs": pinned_ref,
             "payload_bytes": spec.nbytes,
+            "bytes_checked": checked,
             "device_mem_allocated": gpu.memory_allocated(),
         }
         if isinstance(loader, ShmLoader):
@@ -402,9 +439,56 @@ def run_rank(rank: int, cfg: dict[str, Any], port: int) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
+def _check_bytes(kept: dict[int, Any], source: Any) -> int:
+    """Compare the batches a rank kept with the loader's own; the leaves checked.
+
+    Raises when a byte differs: the benchmark's figures are about batches that
+    arrived intact (every way, the device way included).
+    """
+    import torch
+
+    checked = 0
+    for step, got in kept.items():
+        want = _by_path(source.batch(step))
+        have = _by_path(got)
+        if set(have) != set(want):
+            raise AssertionError(f"step {step}: leaves {sorted(have)} instead of {sorted(want)}")
+        for path, w in want.items():
+            if not torch.equal(have[path].cpu(), w):
+                raise AssertionError(f"step {step}: {path} ({tuple(w.shape)}) arrived changed")
+            checked += 1
+    return checked
+
+
+def _by_path(batch: Any, path: str = "") -> dict[str, Any]:
+    """The tensor leaves of ``batch`` by where they are (aliases counted at each place)."""
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return {path: batch}
+    out: dict[str, Any] = {}
+    if isinstance(batch, dict):
+        for k, v in batch.items():
+            out.update(_by_path(v, f"{path}/{k}"))
+    elif isinstance(batch, list | tuple):
+        for k, v in enumerate(batch):
+            out.update(_by_path(v, f"{path}/{k}"))
+    return out
+
+
+def _die_with_parent() -> None:
+    """PR_SET_PDEATHSIG: this rank gets SIGKILL when the launching process dies."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _rank_main(rank: int, cfg: dict[str, Any], port: int, outdir: str) -> None:
-    with contextlib.suppress(OSError):
-        os.setpgid(0, 0)
+    # Stays in the launcher's process group (no setpgid): a time cap that
+    # signals the group (timeout(1), .ci/device-check) reaches every rank.
+    _die_with_parent()
     os.environ.pop("SHMLOADER_DAEMON", None)
     try:
         result = run_rank(rank, cfg, port)
@@ -417,6 +501,15 @@ def _rank_main(rank: int, cfg: dict[str, Any], port: int, outdir: str) -> None:
 
 
 # ------------------------------------------------------------------ parent
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every descendant (its DataLoader workers), by pid."""
+    from .procstat import descendants
+
+    for victim in [*descendants(pid), pid]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(victim, 9)
 
 
 def _free_port() -> int:
@@ -440,8 +533,7 @@ def launch(cfg: dict[str, Any]) -> tuple[list[dict] | None, str]:
     for p in procs:
         if p.is_alive():
             why = why or f"timed out after {cfg['timeout']:.0f} s"
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, 9)
+            _kill_tree(p.pid)
             p.join(5)
     results = []
     for r in range(cfg["sp"]):
@@ -480,6 +572,8 @@ def aggregate(cfg: dict[str, Any], ranks: list[dict]) -> dict[str, Any]:
         ),
         # median over ranks that copied at the same time (NOTE in run_rank)
         "pinned_ref_gbs": _median([r["pinned_ref_gbs"] for r in ranks]),
+        # leaves compared with the loader's own batch, every rank (_check_bytes)
+        "bytes_checked": sum(r.get("bytes_checked", 0) for r in ranks),
     }
     if cfg["way"] == "shm_device":
         stats = [r.get("stats", {}) for r in ranks]

@@ -5,22 +5,28 @@ iterator of every role (local, leader, node leader, follower) in one
 :class:`DeviceStage`; the roles' loops do not change. The stage runs in the
 consuming thread (no background thread: a follower's ZeroMQ socket belongs to
 the thread that iterates, and releases are sent from it, NOTE [prompt release]
-in ``follower``).
+in ``follower``). Three modules: this one (which GPU, the stage, the walk over
+a batch's containers), ``cudaops`` (the ``DeviceOps`` seam and its CUDA
+implementation) and ``hostmem`` (the page-locked host memory copies read:
+registered slots, staging buffers).
 
 One ``next()`` on a CUDA rank::
 
-    reap      poll the end event of every copy whose CPU view still holds a slot;
-              completed: drop the view -> weakref.finalize -> RELEASE (slot FREE)
-    pull      while fewer than 1 + prefetch batches are in flight:
-                cpu = select(next(inner))           shared CPU views, still HOLDING their slots
+    reap      poll the end event of every copy whose CPU leaves still hold a slot;
+              completed: drop the leaves -> weakref.finalize -> RELEASE (slot FREE),
+              give its staging buffer back
+    pull      while fewer than 1 + prefetch batches are queued:
+                bound: at most 1 + prefetch copies in flight (NOTE [copies in flight])
+                cpu = select(next(inner)[, step=k])  shared CPU views, HOLDING their slots
                 on the side stream:
                   per tensor leaf: slot = ring.view_source(ptr)
                                    mapping = registered read-only MAP_SHARED map of slot
                                              (made and cudaHostRegister'ed once per slot)
-                                   or, in no registered slot: into the pinned staging buffer
+                                   or the leaf itself, when it is pinned already,
+                                   or, else: into a reused pinned staging buffer
                   start event (NOTE [copy timing])
-                  per leaf:        device bytes <- mapping or staging buffer  (async DMA)
-                end event; keep cpu until the end event completes
+                  per leaf:        device bytes <- mapping, leaf or staging  (async DMA)
+                end event; keep the CPU leaves until the end event completes
     reap      again (copies issued a step ago have usually completed)
     hand over the oldest: current stream waits for its end event (no host sync),
               record_stream(current) on its tensors; return it
@@ -29,7 +35,7 @@ Life of one batch in the stage (zero is invalid, as for slots)::
 
         pull + issue copies          end event completed (polled)
     PULLED ------------------> COPYING -----------------------------> COPIED
-                                  |      CPU view dropped: the slot is RELEASEd
+                                  |      CPU leaves dropped: the slot is RELEASEd
                                   |
                                   +-- hand-over may happen in COPYING or COPIED:
                                       the consumer stream waits on the event
@@ -62,70 +68,6 @@ NOTE [checkpoints under prefetch]
     with random augmentation in the dataset or ``collate_fn``), which a
     resume under prefetch cannot replay exactly: give it its own generator.
 
-NOTE [registration]
-    Each rank maps each slot segment once, read-only and MAP_SHARED
-    (``ring.map_shared_readonly``), and registers that mapping once with
-    ``cudaHostRegisterReadOnly | cudaHostRegisterPortable`` (measured on an
-    H200: 51-108 ms per GiB, once; copies at 53 GB/s, like a pinned tensor;
-    default flags on a read-only mapping are refused; registering the
-    private copy-on-write view instead breaks copy-on-write or costs 5-10x).
-    Whether the GPU can register read-only memory at all is asked once
-    (``cudaDevAttrHostRegisterReadOnlySupported``); where it cannot, nothing
-    is registered and every leaf is staged (NOTE [no pageable copies]).
-    The mapping lives while its segment does: when the slot is retired
-    (grown; the segment's descriptor is closed) and no copy uses it, or on
-    close, it is unregistered first and unmapped after. A refusal costs its
-    slot only: that segment is never asked again and its batches are
-    staged, while slots registered before or after keep their DMA (ordinary
-    causes: the driver cannot page-lock one more large slot, a range still
-    registered; ``ulimit -l`` does not apply to ``cudaHostRegister``). An
-    unregister that fails leaves its mapping mapped for the process's life
-    (``Registrar.stuck``): unmapping a range the driver still holds would
-    let the address come back in a later mapping, which CUDA then refuses
-    as registered already.
-
-    Binding: ``ctypes`` on the ``libcudart`` that torch itself loaded (found
-    in ``/proc/self/maps``), so the calls run in torch's CUDA runtime
-    instance; of several mapped copies (another extension may bring a newer
-    runtime, whose registrations an older driver refuses) the one whose
-    major version is ``torch.version.cuda``'s (``pick_cudart``). Chosen over
-    ``torch.cuda.cudart()`` because that binding has no ``cudaGetLastError``:
-    a refused ``cudaHostRegister`` leaves the error pending in the runtime,
-    and torch's next kernel-launch check would raise it from an unrelated
-    operation; here it is cleared at once. So where no matching
-    ``libcudart`` is mapped (a static build) nothing is registered at all.
-    Chosen over ``cuda-bindings`` because it needs no new dependency and no
-    second runtime.
-
-NOTE [no pageable copies]
-    A host-to-device copy from pageable memory is staged by the driver and
-    may synchronise with the stream: ``next()`` would wait for the whole
-    batch's DMA. So the stage never issues one: every leaf that no
-    registered mapping holds (leaves of at most ``SHMLOADER_SMALL_COPY``
-    bytes, which readers decode as owned copies, e.g. ``cu_seqlens``; lazily
-    conjugated or negated views, resolved first; leaves of a refused slot;
-    sharing off) is copied on the host into one pinned buffer per batch
-    (``DeviceOps.pinned``: torch's caching host allocator) and DMA'd from
-    there. The buffer lives until the batch's copies completed.
-
-NOTE [copy timing]
-    The start event is recorded right before the batch's first copy, after
-    the host work for it (finding and registering slots, allocating device
-    memory, staging): ``device_copy_ms_total`` times the copies, not Python.
-
-NOTE [which GPU]
-    ``device="cuda"`` means this rank's GPU. torch keeps no trace of a
-    ``torch.cuda.set_device`` call other than the current device, and a
-    script that set nothing sees ``cuda:0``; so: with ``LOCAL_RANK`` unset
-    (no launcher), the current device; with ``LOCAL_RANK=L`` below
-    ``device_count()``, ``cuda:L`` when the current device is 0 or L, and a
-    ``ConfigError`` when the script made another device current (two
-    answers; neither can be assumed); with ``L`` not below the count, the
-    current device when only one GPU is visible (``CUDA_VISIBLE_DEVICES``
-    per rank) or the script chose one, else a ``ConfigError``. A script that
-    really wants rank L on ``cuda:0`` says ``device="cuda:0"``: an explicit
-    index is taken as it is.
-
 NOTE [device memory reuse]
     Device memory of each batch is allocated on the side stream (where the
     copy writes it) and, when the batch is handed over, ``record_stream``-ed
@@ -136,18 +78,9 @@ NOTE [device memory reuse]
     shapes vary (packed sequences, ``select``) and the allocator already
     recycles blocks by size; a buffer ring would need sizing and a second
     hand-back protocol. Chosen by reasoning, not by measurement (no GPU
-    here): ``python -m benchmarks.gpu`` watches device memory for growth.
-
-NOTE [select]
-    ``select(batch)`` runs on the shared CPU view before any copy, on every
-    path (CPU delivery too), so a script behaves the same without a GPU. It
-    must return views (slicing is free) and must not write into the batch:
-    the copy reads the slot through the registered mapping, which does not
-    see the rank's private in-place writes.
-
-The device copy sits behind :class:`DeviceOps` (empty/copy/record/query/
-wait/...): :class:`CudaOps` is the real one; tests drive the whole stage with
-a fake whose copies complete when the test says so.
+    here): ``python -m benchmarks.gpu`` watches device memory for growth,
+    and ``tests/gpu`` checks that a batch dropped under a queued kernel
+    keeps its bytes.
 """
 
 from __future__ import annotations
@@ -155,31 +88,32 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy as copy_module
-import ctypes
 import dataclasses
+import inspect
 import itertools
 import logging
 import math
-import mmap
 import os
-import warnings
-import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
-import numpy as np
 import torch
 
-from . import ring
 from .config import _DEVICE_ACCEPTED, valid_device
+from .cudaops import (  # noqa: F401  (the device seam, importable from here as before)
+    HOST_REGISTER_FLAGS,
+    CudaOps,
+    DeviceOps,
+    _Cudart,
+    _mapped_cudarts,
+    pick_cudart,
+)
 from .errors import ConfigError, ShmLoaderError
-from .segment import Segment
+from .hostmem import STAGING_BUFFERS, Registrar, Staging, _Mapping  # noqa: F401
 
 log = logging.getLogger(__name__)
 
-#: ``cudaHostRegisterPortable | cudaHostRegisterReadOnly``.
-HOST_REGISTER_FLAGS = 0x01 | 0x08
 #: A non-contiguous tensor is copied as this many contiguous blocks at most;
 #: beyond it, it is made contiguous on the host and copied from there.
 MAX_BLOCKS = 64
@@ -202,10 +136,10 @@ def resolve(
     ``spec`` None means ``default`` (``Config.device``). ``auto`` is ``cuda``
     when ``torch.cuda.is_available()``, else host delivery. ``cuda:N`` is
     device N. ``cuda`` is this rank's GPU: the current device when the script
-    set one, else ``cuda:$LOCAL_RANK``. Raises ``ConfigError`` for a bad
-    value, a CUDA device this rank does not have, or a current device and a
-    ``LOCAL_RANK`` that contradict each other. ``cuda`` and ``environ`` stand
-    in for ``torch.cuda`` and ``os.environ`` (tests).
+    made one other than 0 current, else ``cuda:$LOCAL_RANK``. Raises
+    ``ConfigError`` for a bad value, a CUDA device this rank does not have,
+    or a ``LOCAL_RANK`` beyond the visible GPUs. ``cuda`` and ``environ``
+    stand in for ``torch.cuda`` and ``os.environ`` (tests).
     """
     cuda = torch.cuda if cuda is None else cuda
     environ = os.environ if environ is None else environ
@@ -237,26 +171,42 @@ def resolve(
 
 
 def _this_ranks_gpu(current: int, count: int, environ: Mapping[str, str]) -> int:
-    """``device="cuda"`` on one rank: NOTE [which GPU]."""
+    """``device="cuda"`` on one rank.
+
+    NOTE [which GPU]
+        ``device="cuda"`` means this rank's GPU. torch keeps no trace of a
+        ``torch.cuda.set_device`` call but the current device, and a script
+        that set nothing sees ``cuda:0``. So:
+
+        - a current device other than 0 is the script's (or its framework's)
+          choice and wins: Lightning's ``Trainer(devices=[2, 3])`` makes
+          ``cuda:2``/``cuda:3`` current in DDP children whose ``LOCAL_RANK``
+          is 0/1; ``set_device(local_rank + 4)`` uses half a node;
+        - current device 0 means ``cuda:$LOCAL_RANK`` when ``LOCAL_RANK`` is
+          below ``device_count()`` (torchrun, no ``set_device``); without
+          ``LOCAL_RANK`` (no launcher) ``cuda:0``; with ``LOCAL_RANK`` at or
+          beyond the count ``cuda:0`` when one GPU is visible
+          (``CUDA_VISIBLE_DEVICES`` per rank), else a ``ConfigError`` (more
+          ranks on the node than GPUs).
+
+        What this cannot tell apart: a script that makes ``cuda:0`` current
+        on a rank whose ``LOCAL_RANK`` is not 0 (``devices=[1, 0]``) gets
+        ``cuda:$LOCAL_RANK``; it says ``device="cuda:0"`` (an explicit index
+        is taken as it is).
+    """
+    if current != 0:
+        return current  # the script's choice
     raw = environ.get("LOCAL_RANK", "").strip()
     try:
         local = int(raw) if raw else None
     except ValueError:
         local = None
     if local is None or local < 0:
-        return current  # not under a launcher that says: the current device
+        return 0  # not under a launcher that says
     if local < count:
-        if current in (0, local):
-            return local  # cuda:0 is also what a script that set nothing sees
-        raise ConfigError(
-            "device",
-            "cuda",
-            f"one GPU for this rank, but the script made cuda:{current} current while "
-            f"LOCAL_RANK={local} names cuda:{local}. Call torch.cuda.set_device(LOCAL_RANK) "
-            f"before ShmLoader, or pass device='cuda:{current}' if cuda:{current} is meant",
-        )
-    if count == 1 or current != 0:
-        return current  # one visible GPU per rank (CUDA_VISIBLE_DEVICES), or the script chose
+        return local
+    if count == 1:
+        return 0  # one visible GPU per rank (CUDA_VISIBLE_DEVICES)
     raise ConfigError(
         "device",
         "cuda",
@@ -287,357 +237,28 @@ def warn_pin_memory(loader: object, pool: object = None) -> bool:
     return True
 
 
-@runtime_checkable
-class DeviceOps(Protocol):
-    """The seam between the stage and a device: byte copies on a side stream, events.
-
-    Every call happens in the consuming thread. ``empty`` and ``copy`` are
-    issued inside ``side()`` so that they run on the side stream in order.
-    ``pinned`` gives page-locked host memory for the leaves no registered
-    mapping holds (NOTE [no pageable copies]); ``registration`` says why
-    ring slots cannot be registered at all (None: they can);
-    ``register``/``unregister`` return an error text or None.
-    """
-
-    device: torch.device
-
-    def side(self) -> contextlib.AbstractContextManager[Any]: ...
-    def empty(self, nbytes: int) -> torch.Tensor: ...
-    def pinned(self, nbytes: int) -> torch.Tensor: ...
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
-    def record(self) -> Any: ...
-    def query(self, event: Any) -> bool: ...
-    def wait(self, event: Any) -> None: ...
-    def synchronize(self, event: Any) -> None: ...
-    def elapsed_ms(self, start: Any, end: Any) -> float: ...
-    def hand_over(self, tensor: torch.Tensor) -> None: ...
-    def registration(self) -> str | None: ...
-    def register(self, address: int, nbytes: int) -> str | None: ...
-    def unregister(self, address: int) -> str | None: ...
-
-
-class CudaOps:
-    """:class:`DeviceOps` on a CUDA device: one side stream, timing events."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        with torch.cuda.device(device):
-            self.stream = torch.cuda.Stream(device)
-        self._cudart = _Cudart(device)
-
-    def side(self) -> contextlib.AbstractContextManager[Any]:
-        return torch.cuda.stream(self.stream)
-
-    def empty(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
-    def pinned(self, nbytes: int) -> torch.Tensor:
-        # torch's caching host allocator: page-locked once, reused after warm-up.
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        # From page-locked memory (a registered slot, a pinned staging buffer)
-        # this returns at once and the DMA runs on the side stream.
-        dst.copy_(src, non_blocking=True)
-
-    def record(self) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(self.stream)
-        return event
-
-    def query(self, event: torch.cuda.Event) -> bool:
-        return event.query()
-
-    def wait(self, event: torch.cuda.Event) -> None:
-        torch.cuda.current_stream(self.device).wait_event(event)
-
-    def synchronize(self, event: torch.cuda.Event) -> None:
-        event.synchronize()
-
-    def elapsed_ms(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
-        return start.elapsed_time(end)
-
-    def hand_over(self, tensor: torch.Tensor) -> None:
-        tensor.record_stream(torch.cuda.current_stream(self.device))  # NOTE [device memory reuse]
-
-    def registration(self) -> str | None:
-        return self._cudart.unavailable
-
-    def register(self, address: int, nbytes: int) -> str | None:
-        return self._cudart.register(address, nbytes)
-
-    def unregister(self, address: int) -> str | None:
-        return self._cudart.unregister(address)
-
-
-#: ``cudaDevAttrHostRegisterReadOnlySupported``
-_ATTR_READ_ONLY = 113
-#: What a refusal's error code usually means (NOTE [registration]).
-_CAUSES = {
-    1: "invalid value: the address, length or flags were refused",
-    2: "the driver could not page-lock this much host memory (locked-memory limits such as "
-    "ulimit -l do not apply to cudaHostRegister)",
-    712: "this address range is registered already",
-    801: "this platform cannot register host memory",
-}
-
-
-class _Cudart:
-    """``cudaHostRegister`` / ``cudaHostUnregister`` in torch's runtime (NOTE [registration])."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        torch.cuda.init()
-        path = pick_cudart(_mapped_cudarts(), torch.version.cuda)
-        self.lib: ctypes.CDLL | None = None
-        #: why nothing is registered in this process (None: slots are registered)
-        self.unavailable: str | None = None
-        if path is None:
-            self.unavailable = (
-                f"no libcudart of torch's CUDA {torch.version.cuda} is loaded in this process "
-                "(a static build?), and torch.cuda.cudart() cannot clear the error a refused "
-                "registration leaves pending (torch's next kernel launch would raise it)"
-            )
-            return
-        lib = ctypes.CDLL(path)
-        lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-        lib.cudaHostRegister.restype = ctypes.c_int
-        lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
-        lib.cudaHostUnregister.restype = ctypes.c_int
-        lib.cudaGetLastError.restype = ctypes.c_int
-        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
-        lib.cudaGetErrorString.restype = ctypes.c_char_p
-        lib.cudaDeviceGetAttribute.argtypes = [
-            ctypes.POINTER(ctypes.c_int),
-            ctypes.c_int,
-            ctypes.c_int,
-        ]
-        lib.cudaDeviceGetAttribute.restype = ctypes.c_int
-        self.lib = lib
-        value = ctypes.c_int(0)
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        code = lib.cudaDeviceGetAttribute(ctypes.byref(value), _ATTR_READ_ONLY, index)
-        if code != 0:
-            lib.cudaGetLastError()
-        elif value.value == 0:
-            # Registering the read-only mapping with any other flags is refused.
-            self.unavailable = (
-                f"{device} cannot register read-only host memory "
-                "(cudaDevAttrHostRegisterReadOnlySupported is 0)"
-            )
-
-    def _error(self, code: int) -> str:
-        assert self.lib is not None
-        self.lib.cudaGetLastError()  # clear it: torch would raise it later
-        text = (self.lib.cudaGetErrorString(code) or b"?").decode(errors="replace")
-        cause = _CAUSES.get(code)
-        return f"error {code} ({text}{': ' + cause if cause else ''})"
-
-    def register(self, address: int, nbytes: int) -> str | None:
-        if self.unavailable is not None or self.lib is None:
-            return self.unavailable
-        with torch.cuda.device(self.device):
-            code = self.lib.cudaHostRegister(address, nbytes, HOST_REGISTER_FLAGS)
-        return None if code == 0 else f"cudaHostRegister: {self._error(code)}"
-
-    def unregister(self, address: int) -> str | None:
-        assert self.lib is not None  # only what register() registered
-        with torch.cuda.device(self.device):
-            code = self.lib.cudaHostUnregister(address)
-        return None if code == 0 else f"cudaHostUnregister: {self._error(code)}"
-
-
-def _mapped_cudarts() -> list[str]:
-    """Paths of every ``libcudart`` mapped into this process, in map order."""
-    found: list[str] = []
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line[line.find("/") :].rstrip("\n") if "/" in line else ""
-                if "/libcudart.so" in path and path not in found:
-                    found.append(path)
-    except OSError:
-        pass
-    return found
-
-
-def pick_cudart(paths: list[str], cuda_version: str | None) -> str | None:
-    """The ``libcudart`` of torch's own CUDA major version among ``paths`` (NOTE [registration]).
-
-    Another extension may have loaded a different (newer) runtime first; its
-    registrations would be refused by an older driver, or live in another
-    runtime instance than torch's. A path without a version suffix counts
-    only when it is the one candidate. None: none matches.
-    """
-    major = (cuda_version or "").partition(".")[0]
-    if not major:
-        return None
-    versioned = [p for p in paths if _soname_major(p) is not None]
-    for path in versioned:
-        if _soname_major(path) == major:
-            return path
-    bare = [p for p in paths if _soname_major(p) is None]
-    return bare[0] if len(paths) == 1 and bare else None
-
-
-def _soname_major(path: str) -> str | None:
-    """``12`` of ``.../libcudart.so.12.4.127``; None for a bare ``libcudart.so``."""
-    tail = path.rpartition("/libcudart.so")[2]
-    if not tail.startswith("."):
-        return None
-    return tail[1:].split(".")[0] or None
-
-
-# ------------------------------------------------------------- registration
-
-
-@dataclass(eq=False)
-class _Mapping:
-    """One rank's registered, read-only MAP_SHARED mapping of one slot segment."""
-
-    segment: Segment
-    mm: mmap.mmap
-    base: torch.Tensor | None  # uint8 over the whole mapping
-    address: int
-    payload_at: int
-    users: int = 0  # copies in flight that read it
-
-
-class Registrar:
-    """The registered mappings of one stage, one per slot segment (NOTE [registration])."""
-
-    def __init__(self, ops: DeviceOps) -> None:
-        self._ops = ops
-        self._maps: dict[int, _Mapping] = {}  # id(segment) -> mapping; the segment is held
-        #: slots whose registration was refused: copied through staging, never asked again
-        self._refused: weakref.WeakKeyDictionary[Segment, str] = weakref.WeakKeyDictionary()
-        #: mappings whose unregister failed: kept mapped for good (never unmapped registered)
-        self.stuck: list[_Mapping] = []
-        self.refused: str | None = None  # the last refusal, or why nothing is registered
-        self.refusals = 0
-        self.registrations = 0
-        self.unregistrations = 0
-        self._told_unavailable = False
-
-    @property
-    def live(self) -> int:
-        return len(self._maps)
-
-    def lookup(self, tensor: torch.Tensor) -> tuple[_Mapping, int] | None:
-        """The registered mapping ``tensor`` can be copied from and its byte offset there."""
-        found = ring.view_source(tensor.data_ptr())
-        if found is None:
-            return None  # not a view of a slot (sharing off, SHMLOADER_COPY, no payload)
-        segment, offset = found
-        mapping = self._maps.get(id(segment))
-        if mapping is None:
-            if segment.fd < 0 or segment in self._refused:
-                return None  # retired already, or refused: staged
-            if not self._available():
-                return None
-            mapping = self._open(segment)
-            if mapping is None:
-                return None
-        return mapping, mapping.payload_at + offset
-
-    def _available(self) -> bool:
-        reason = self._ops.registration()
-        if reason is None:
-            return True
-        self.refused = reason
-        if not self._told_unavailable:
-            self._told_unavailable = True
-            log.warning(
-                "shmloader: ring slots are not registered with CUDA: %s. Batches go to the GPU "
-                "through a pinned staging buffer (one host copy more; same bytes)",
-                reason,
-            )
-        return False
-
-    def _open(self, segment: Segment) -> _Mapping | None:
-        mm, payload_at = ring.map_shared_readonly(segment)
-        array = np.frombuffer(mm, dtype=np.uint8)
-        address = array.__array_interface__["data"][0]
-        error = self._ops.register(address, len(mm))
-        if error is not None:
-            del array
-            mm.close()
-            self._refused[segment] = error
-            self.refused = error
-            self.refusals += 1
-            log.log(
-                logging.WARNING if self.refusals == 1 else logging.DEBUG,
-                "shmloader: CUDA refused to register ring slot %s (%s); this slot's batches go "
-                "to the GPU through a pinned staging buffer (one host copy more), the other "
-                "slots are still registered",
-                segment.name,
-                error,
-            )
-            return None
-        self.registrations += 1
-        with warnings.catch_warnings():  # read-only: only the DMA engine reads it
-            warnings.simplefilter("ignore", UserWarning)
-            base = torch.from_numpy(array)
-        mapping = _Mapping(segment, mm, base, address, payload_at)
-        self._maps[id(segment)] = mapping
-        return mapping
-
-    def sweep(self) -> None:
-        """Unregister and unmap the mappings of retired slots no copy reads any more."""
-        for key, mapping in list(self._maps.items()):
-            if mapping.segment.fd < 0 and mapping.users == 0:
-                self._drop(key)
-
-    def _drop(self, key: int) -> None:
-        mapping = self._maps.pop(key)
-        try:
-            error = self._ops.unregister(mapping.address)  # before unmap, always
-        except Exception as exc:
-            error = f"cudaHostUnregister raised {exc!r}"
-        if error is not None:
-            # Unmapping a range the driver still holds registered would let the
-            # address come back in a later mapping (refused: already registered).
-            self.stuck.append(mapping)
-            log.warning(
-                "shmloader: %s for ring slot %s; its %d bytes stay mapped for the life of "
-                "this process rather than being unmapped while still registered",
-                error,
-                mapping.segment.name,
-                len(mapping.mm),
-            )
-            return
-        self.unregistrations += 1
-        mapping.base = None
-        with contextlib.suppress(BufferError):
-            mapping.mm.close()
-
-    def close(self) -> None:
-        for key in list(self._maps):
-            self._drop(key)
-
-
 # ------------------------------------------------------------------- stage
 
 
 @dataclass(eq=False)
 class _Copy:
-    """The copies of one batch: what they read and the CPU views that hold its slots."""
+    """The copies of one batch: what they read and the CPU leaves that hold its slots."""
 
     start: Any = None
-    end: Any = None
-    keep: Any = None  # the selected CPU batch: its private views HOLD the slots
+    end: Any = None  # None after a failure left no event to wait for (NOTE [errors in the copy])
+    keep: list[torch.Tensor] = field(default_factory=list)  # CPU leaves: they HOLD the slots
     nbytes: int = 0
     maps: list[_Mapping] = field(default_factory=list)
-    staged: torch.Tensor | None = None  # the pinned buffer its staged leaves are read from
+    staged: torch.Tensor | None = None  # the staging buffer its staged leaves are read from
 
 
 @dataclass(eq=False)
 class _Plan:
-    """One leaf's copy: device memory, and registered views or a host tensor to stage."""
+    """One leaf's copy: device memory, and page-locked views or a host tensor to stage."""
 
     dst: torch.Tensor
     sources: list[torch.Tensor]
-    host: torch.Tensor | None  # set: no registered mapping holds it; staged first
+    host: torch.Tensor | None  # set: no page-locked memory holds it; staged first
 
 
 @dataclass(eq=False)
@@ -653,13 +274,32 @@ class DeviceStage:
 
     ``device`` is a CUDA ``torch.device``, a :class:`DeviceOps` (the seam), or
     None for host delivery (then only ``select`` applies).
+
+    NOTE [select]
+        ``select(batch)`` runs on the shared CPU view before any copy, on
+        every path (CPU delivery too), so a script behaves the same without
+        a GPU. It must return views (slicing is free) and must not write
+        into the batch: the copy reads the slot through the registered
+        mapping, which does not see the rank's private in-place writes.
+
+        When it runs: on host delivery at the user's ``next()``; on a device
+        it must run before the copy (it decides what is copied), i.e. when
+        the batch is pulled, up to ``prefetch`` batches before the user's
+        ``next()`` for it. A ``select`` that reads per-step state of the
+        script (a curriculum, a step-keyed shard) would see an earlier step
+        there; so a ``select`` with a parameter named ``step`` is called as
+        ``select(batch, step=k)``, ``k`` the batch's position in its epoch
+        (0 for an epoch's first batch, micro-batches counted, the same on
+        every rank of the group and after a resume): the step it is for,
+        on every path. Read the step from that argument, not from state the
+        training loop updates.
     """
 
     def __init__(
         self,
         device: torch.device | DeviceOps | None,
         *,
-        select: Callable[[Any], Any] | None = None,
+        select: Callable[..., Any] | None = None,
         prefetch: int = 2,
     ) -> None:
         if select is not None and not callable(select):
@@ -667,6 +307,7 @@ class DeviceStage:
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 1:
             raise ConfigError("prefetch", prefetch, "an integer >= 1")
         self.select = select
+        self._select_step = _takes_step(select)
         self.prefetch = prefetch
         self._ops: DeviceOps | None
         if isinstance(device, DeviceOps):
@@ -677,7 +318,8 @@ class DeviceStage:
             self._ops = None
         self.device = self._ops.device if self._ops is not None else None
         self._registrar = Registrar(self._ops) if self._ops is not None else None
-        self._inflight: list[_Copy] = []  # copies whose CPU views still hold slots
+        self._staging = Staging(self._ops) if self._ops is not None else None
+        self._inflight: list[_Copy] = []  # copies whose CPU leaves still hold slots, in order
         self._stats: collections.Counter = collections.Counter()
         self._closed = False
         #: batches pulled from the role's iterator and not yet handed to the user
@@ -695,6 +337,8 @@ class DeviceStage:
         position: Callable[[], Any] | None = None,
         request: Callable[[], None] | None = None,
         settled: Callable[[], None] | None = None,
+        *,
+        start: int = 0,
     ) -> Iterator[Any]:
         """Iterate ``inner`` through ``select`` and, on a device, the prefetcher.
 
@@ -707,24 +351,32 @@ class DeviceStage:
         called at every ``next()`` of the user, before the stage pulls
         anything for it (NOTE [checkpoints under prefetch]). ``settled()``
         is called once the iteration is over and its copies have settled (the
-        counters of ``stats()`` are final for it).
+        counters of ``stats()`` are final for it). ``start`` is the epoch
+        position of ``inner``'s first batch (the ``step`` of NOTE [select]).
         """
         if self._closed:
             raise ShmLoaderError("this ShmLoader is closed; make a new one")
         if self._ops is None:
-            return self._host(inner)
-        return self._prefetching(inner, position, request, settled)
+            return self._host(inner, start)
+        return self._prefetching(inner, position, request, settled, start)
 
-    def _host(self, inner: Iterator[Any]) -> Iterator[Any]:
-        select = self.select
-        assert select is not None
+    def _select(self, batch: Any, step: int) -> Any:
+        if self.select is None:
+            return batch
+        if self._select_step:
+            return self.select(batch, step=step)
+        return self.select(batch)
+
+    def _host(self, inner: Iterator[Any], start: int) -> Iterator[Any]:
+        step = start
         while True:
             box = []  # NOTE [no batch in the frame] (roles)
             try:
                 box.append(next(inner))
             except StopIteration:
                 return
-            yield select(box.pop())
+            step += 1
+            yield self._select(box.pop(), step - 1)
 
     def _prefetching(
         self,
@@ -732,11 +384,13 @@ class DeviceStage:
         position: Callable[[], Any] | None,
         request: Callable[[], None] | None,
         settled: Callable[[], None] | None,
+        start: int,
     ) -> Iterator[Any]:
         queue: collections.deque[_Ready] = collections.deque()
         error: Exception | None = None
         done = False
         end_position: Any = None
+        step = start  # the epoch position of the next batch pulled
         self.position = None
         try:
             while True:  # one turn per next() of the user
@@ -748,7 +402,9 @@ class DeviceStage:
                 # Errors wait behind the batches already pulled, as on the host path.
                 while not done and error is None and len(queue) <= self.prefetch:
                     try:
-                        queue.append(self._start(next(inner), position))
+                        self._bound()
+                        queue.append(self._start(next(inner), position, step))
+                        step += 1
                     except StopIteration:
                         done = True
                         end_position = position() if position is not None else None
@@ -773,24 +429,61 @@ class DeviceStage:
             if settled is not None:
                 settled()
 
-    def _start(self, batch: Any, position: Callable[[], Any] | None) -> _Ready:
+    def _bound(self) -> None:
+        """Wait for the oldest copies beyond ``prefetch`` in flight, before pulling one more.
+
+        NOTE [copies in flight]
+            At most ``prefetch + 1`` batches' copies are in flight at any
+            time: before each pull the stage waits (host) for the oldest
+            beyond ``prefetch``. Copies run on the side stream, which never
+            waits for the step's compute, so they lag only when the DMA
+            itself is slower than the steps, and the wait is the
+            back-pressure. What it bounds: ring slots held for copies (at
+            most ``prefetch`` while the writer fills the next, so a ring of
+            ``prefetch + 1`` slots serves a GPU rank alone) and, with
+            ``hostmem.STAGING_BUFFERS``, page-locked staging memory.
+        """
+        while len(self._inflight) > self.prefetch:
+            self._wait_oldest(lambda copy: True)
+            self._stats["device_copy_waits"] += 1
+
+    def _wait_oldest(self, which: Callable[[_Copy], bool]) -> bool:
+        """Wait (host) for the oldest copy in flight that ``which`` picks and finish it."""
+        ops = self._ops
+        assert ops is not None
+        for k, copy in enumerate(self._inflight):
+            if which(copy):
+                if copy.end is not None:
+                    ops.synchronize(copy.end)
+                del self._inflight[k]
+                self._finish(copy)
+                return True
+        return False
+
+    def _start(self, batch: Any, position: Callable[[], Any] | None, step: int) -> _Ready:
         """Issue the copies of one pulled batch on the side stream.
 
         Everything per leaf that is host work (finding and registering its
-        slot, allocating device memory, staging what no registered mapping
+        slot, allocating device memory, staging what no page-locked memory
         holds) comes first; the start event is recorded right before the
-        first copy (NOTE [copy timing]).
+        first copy.
+
+        NOTE [copy timing]
+            The start event is recorded right before the batch's first
+            copy, after the host work for it (finding and registering slots,
+            allocating device memory, staging): ``device_copy_ms_total``
+            times the copies, not Python.
         """
         ops = self._ops
         assert ops is not None
-        if self.select is not None:
-            batch = self.select(batch)
-        copy = _Copy(keep=batch)
+        batch = self._select(batch, step)
+        copy = _Copy()
         tensors: list[torch.Tensor] = []
         plans: list[_Plan] = []
         with ops.side():
             try:
                 out = _map_tensors(batch, lambda t: self._plan(t, copy, plans, tensors), {})
+                del batch  # the leaves in copy.keep hold the slots, not the container
                 self._stage(plans, copy)
                 copy.start = ops.record()
                 for plan in plans:
@@ -799,49 +492,93 @@ class DeviceStage:
                         n = src.numel()
                         ops.copy(plan.dst[at : at + n], src)
                         at += n
-            finally:  # even a failed batch is reaped like any other: its copies may run
-                if copy.start is None:
-                    copy.start = ops.record()
-                copy.end = ops.record()
-                self._inflight.append(copy)
+            except BaseException as exc:
+                self._end(copy, exc)
+                raise
+            self._end(copy, None)
         where = position() if position is not None else None
         return _Ready(out, copy.end, tensors, where)
+
+    def _end(self, copy: _Copy, failure: BaseException | None) -> None:
+        """Record the batch's events and count it in flight, even after a failure.
+
+        NOTE [errors in the copy]
+            A batch whose copy failed midway is reaped like any other: its
+            copies issued so far may still run, so its end event is
+            recorded and its leaves are kept until it completes. After a
+            sticky CUDA error (an illegal address, say) every later CUDA
+            call fails too, recording that event included: the original
+            exception is the one raised, with the recording's failure added
+            as a note, and the batch, with no event to wait for, counts as
+            completed (the failed context runs no more copies).
+        """
+        ops = self._ops
+        assert ops is not None
+        try:
+            if copy.start is None:
+                copy.start = ops.record()
+            copy.end = ops.record()
+        except Exception as exc:
+            copy.end = None
+            if failure is None:
+                raise
+            failure.add_note(
+                f"shmloader: recording the copy's end event then failed too ({exc!r}; a sticky "
+                "CUDA error fails every later call)"
+            )
+        finally:
+            self._inflight.append(copy)
 
     def _plan(
         self, t: torch.Tensor, copy: _Copy, plans: list[_Plan], tensors: list[torch.Tensor]
     ) -> torch.Tensor:
-        """Device memory for one leaf and where its bytes come from."""
+        """Device memory for one leaf and where its bytes come from (NOTE [no pageable copies])."""
         ops = self._ops
         assert ops is not None
         if t.device.type != "cpu":
             return t
+        copy.keep.append(t)
         source = t
         if t.is_conj() or t.is_neg():
             # Lazy views: their memory holds the unconjugated, unnegated bits.
             source = t.resolve_conj().resolve_neg()
         nbytes = t.numel() * t.element_size()
         dst = ops.empty(nbytes)
-        registered = self._sources(source, copy) if source is t else None
-        plans.append(_Plan(dst, registered or [], None if registered is not None else source))
+        sources = None
+        if source is t:
+            sources = self._sources(t, copy)
+            if sources is None and t.numel() > 0 and t.is_contiguous() and ops.is_pinned(t):
+                sources = [t.reshape(-1).view(torch.uint8)]  # pinned already: as it is
+                self._stats["device_pinned_leaf_bytes"] += nbytes
+        plans.append(_Plan(dst, sources or [], None if sources is not None else source))
         copy.nbytes += nbytes
         out = dst.view(t.dtype).reshape(t.shape)
         tensors.append(out)
         return out
 
     def _stage(self, plans: list[_Plan], copy: _Copy) -> None:
-        """Copy the leaves no registered mapping holds into one pinned buffer.
+        """Copy the leaves no page-locked memory holds into one staging buffer.
 
-        NOTE [no pageable copies].
+        NOTE [no pageable copies], NOTE [pinned staging] (``hostmem``).
         """
-        ops = self._ops
-        assert ops is not None
+        staging = self._staging
+        assert staging is not None
         pending = [p for p in plans if p.host is not None and p.host.numel() > 0]
         if not pending:
             return
         sizes = [p.host.numel() * p.host.element_size() for p in pending]  # type: ignore[union-attr]
         total = sum(_align(n) for n in sizes)
-        buffer = ops.pinned(total)
-        copy.staged = buffer  # lives until the copies completed
+        staging.note(total)
+        buffer = staging.take(total)
+        if buffer is None:  # every buffer is read by a copy in flight: completed already?
+            self._reap()
+            buffer = staging.take(total)
+        while buffer is None:  # no: wait for the oldest that holds one
+            if not self._wait_oldest(lambda c: c.staged is not None):
+                raise ShmLoaderError("every staging buffer is busy but no copy holds one (a bug)")
+            self._stats["device_staging_waits"] += 1
+            buffer = staging.take(total)
+        copy.staged = buffer  # given back when the copies completed
         at = 0
         for plan, n in zip(pending, sizes, strict=True):
             host = plan.host
@@ -876,7 +613,8 @@ class DeviceStage:
     def _hand_over(self, ready: _Ready) -> Any:
         ops = self._ops
         assert ops is not None
-        ops.wait(ready.end)  # the consumer's stream waits; the host does not
+        if ready.end is not None:
+            ops.wait(ready.end)  # the consumer's stream waits; the host does not
         for tensor in ready.tensors:
             ops.hand_over(tensor)
         self.position = ready.position
@@ -884,12 +622,12 @@ class DeviceStage:
         return ready.batch
 
     def _reap(self) -> None:
-        """Drop the CPU views of completed copies: their slots are released now."""
+        """Drop the CPU leaves of completed copies: their slots are released now."""
         ops = self._ops
         assert ops is not None
         still = []
         for copy in self._inflight:
-            if ops.query(copy.end):
+            if copy.end is None or ops.query(copy.end):
                 self._finish(copy)
             else:
                 still.append(copy)
@@ -908,7 +646,9 @@ class DeviceStage:
             self._stats["device_copies_registered"] += 1
         for mapping in copy.maps:
             mapping.users -= 1
-        copy.keep = None  # the last reference to the CPU views: RELEASE
+        copy.keep = []  # the last references to the CPU leaves: RELEASE
+        if copy.staged is not None and self._staging is not None:
+            self._staging.give_back(copy.staged)
         copy.staged = None
 
     def _settle(self) -> None:
@@ -918,20 +658,21 @@ class DeviceStage:
             return
         inflight, self._inflight = self._inflight, []
         for copy in inflight:
-            with contextlib.suppress(Exception):
-                ops.synchronize(copy.end)
+            if copy.end is not None:
+                with contextlib.suppress(Exception):
+                    ops.synchronize(copy.end)
             self._finish(copy)
         if self._registrar is not None:
             self._registrar.sweep()
 
     def stats(self) -> dict[str, Any]:
-        """Device counters of this rank (empty on host delivery without ``select``)."""
+        """Device counters of this rank (``{"device": "cpu"}`` on host delivery)."""
         if self._ops is None:
             return {"device": "cpu"}
         s = self._stats
         ms = s["device_copy_ms_total"]
-        reg = self._registrar
-        assert reg is not None
+        reg, staging = self._registrar, self._staging
+        assert reg is not None and staging is not None
         return {
             "device": str(self.device),
             "device_batches": s["device_batches"],
@@ -946,10 +687,18 @@ class DeviceStage:
             "device_registration_refusals": reg.refusals,
             "device_unregister_failures": len(reg.stuck),
             "device_staged_bytes": s["device_staged_bytes"],
+            "device_pinned_leaf_bytes": s["device_pinned_leaf_bytes"],
+            "device_copy_waits": s["device_copy_waits"],
+            "device_staging_waits": s["device_staging_waits"],
+            "device_registered_bytes": reg.locked_bytes,
+            "device_staging_bytes": staging.locked,
+            "device_staging_peak_bytes": staging.peak,
+            "device_staging_buffers": staging.buffers,
+            "device_locked_bytes": reg.locked_bytes + staging.locked,
         }
 
     def reset_stats(self) -> None:
-        """Zero the copy counters (after a warm-up); registrations are kept."""
+        """Zero the copy counters (after a warm-up); registrations and buffers are kept."""
         self._stats.clear()
 
     def close(self) -> None:
@@ -960,9 +709,23 @@ class DeviceStage:
         self._settle()
         if self._registrar is not None:
             self._registrar.close()
+        if self._staging is not None:
+            self._staging.close()
 
 
 # ----------------------------------------------------------------- helpers
+
+
+def _takes_step(select: Callable[..., Any] | None) -> bool:
+    """Whether ``select`` has a parameter named ``step`` (NOTE [select])."""
+    if select is None:
+        return False
+    try:
+        parameter = inspect.signature(select).parameters.get("step")
+    except (TypeError, ValueError):
+        return False
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return parameter is not None and parameter.kind in kinds
 
 
 def _align(n: int, to: int = 64) -> int:
@@ -992,24 +755,84 @@ def _blocks(t: torch.Tensor) -> tuple[list[int], int] | None:
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], memo: dict[int, Any]) -> Any:
     """``obj`` with every tensor replaced by ``fn(tensor)``; aliases stay aliases.
 
-    Containers as in the batch contract (list, tuple, namedtuple, dict,
-    dataclass); numpy arrays and other leaves are returned as they are.
+    NOTE [containers on the device]
+        The stage walks every container the codec can deliver or ``select``
+        can return, as torch's own ``pin_memory`` does, and rebuilds each as
+        its own type: mutable mappings (``dict``, ``OrderedDict``,
+        ``defaultdict``, ``UserDict`` subclasses such as Hugging Face's
+        ``BatchEncoding``) and mutable sequences as a shallow copy
+        (``copy.copy``: a ``defaultdict``'s factory, a ``BatchEncoding``'s
+        encodings and attributes stay) with the values replaced; other
+        ``collections.abc.Mapping``/``Sequence`` types as
+        ``type(obj)(values)``, or a ``dict``/``list`` where that type cannot
+        be built from its values; tuples and namedtuples as their type;
+        dataclasses field by field. A container with no tensor in it is
+        returned as it is, as are strings, bytes, numpy arrays and other
+        leaves. The shallow copy can share state with the original only in
+        a container type whose copy does (the stage keeps the CPU leaves
+        themselves until the copy completed, never through the container).
     """
     if isinstance(obj, torch.Tensor):
         if id(obj) not in memo:
             memo[id(obj)] = fn(obj)
         return memo[id(obj)]
-    if isinstance(obj, list):
-        return [_map_tensors(v, fn, memo) for v in obj]
-    if type(obj) is tuple:
-        return tuple(_map_tensors(v, fn, memo) for v in obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_map_tensors(v, fn, memo) for v in obj))
-    if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn, memo) for k, v in obj.items()}
+    if isinstance(obj, str | bytes | bytearray | memoryview):
+        return obj
+    if isinstance(obj, tuple):
+        values = [_map_tensors(v, fn, memo) for v in obj]
+        if _same(values, obj):
+            return obj
+        if type(obj) is tuple:
+            return tuple(values)
+        if hasattr(obj, "_fields"):  # a namedtuple
+            return type(obj)(*values)
+        return _rebuild(obj, values, tuple)
+    if isinstance(obj, Mapping):
+        items = {k: _map_tensors(v, fn, memo) for k, v in obj.items()}
+        if _same(items.values(), obj.values()):
+            return obj
+        if type(obj) is dict:
+            return items
+        if isinstance(obj, MutableMapping):
+            with contextlib.suppress(Exception):
+                clone = copy_module.copy(obj)
+                for k, v in items.items():
+                    clone[k] = v
+                return clone
+        return _rebuild(obj, items, dict)
+    if isinstance(obj, Sequence):
+        values = [_map_tensors(v, fn, memo) for v in obj]
+        if _same(values, obj):
+            return obj
+        if type(obj) is list:
+            return values
+        if isinstance(obj, MutableSequence):
+            with contextlib.suppress(Exception):
+                clone = copy_module.copy(obj)
+                for k, v in enumerate(values):
+                    clone[k] = v
+                return clone
+        return _rebuild(obj, values, list)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = [f.name for f in dataclasses.fields(obj)]  # not ClassVar / InitVar pseudo-fields
+        values = [_map_tensors(getattr(obj, name), fn, memo) for name in names]
+        if _same(values, [getattr(obj, name) for name in names]):
+            return obj
         new = copy_module.copy(obj)
-        for f in dataclasses.fields(obj):  # not ClassVar / InitVar pseudo-fields
-            object.__setattr__(new, f.name, _map_tensors(getattr(obj, f.name), fn, memo))
+        for name, value in zip(names, values, strict=True):
+            object.__setattr__(new, name, value)
         return new
     return obj
+
+
+def _same(values: Any, originals: Any) -> bool:
+    """Whether every mapped value is its original object (nothing in it was a tensor)."""
+    return all(v is o for v, o in zip(values, originals, strict=True))
+
+
+def _rebuild(obj: Any, values: Any, fallback: type) -> Any:
+    """``type(obj)(values)``, or ``fallback(values)`` where that type cannot be built so."""
+    try:
+        return type(obj)(values)
+    except Exception:
+        return fallback(values)

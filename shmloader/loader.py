@@ -92,7 +92,8 @@ class ShmLoader:
             tensor of every batch arrives on it, copied from the registered
             ring on a side stream ``Config.prefetch`` batches ahead
             (``shmloader.device``).
-        select: ``select(batch) -> batch``, applied to the shared CPU view
+        select: ``select(batch) -> batch`` (or ``select(batch, step)``: the
+            batch's position in its epoch), applied to the shared CPU view
             before any device copy, on every path (NOTE [select] in
             ``shmloader.device``); e.g. this rank's sequence shard.
 
@@ -226,13 +227,14 @@ class ShmLoader:
             return inner
         stage.position = None
         if not stage.on_device:
-            return stage.wrap(inner)
+            return stage.wrap(inner, start=cursor)
         reporter = self._built.reporter
         return stage.wrap(
             inner,
             self._checkpoints.position,
             self._checkpoints.user_request,
             reporter.now if reporter is not None else None,
+            start=cursor,
         )
 
     def stats(self) -> dict[str, Any]:

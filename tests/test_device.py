@@ -13,18 +13,22 @@ stage finds slots, maps and "registers" them exactly as on a GPU rank.
 
 from __future__ import annotations
 
+import collections
+import collections.abc
+import contextlib
 import dataclasses
 import functools
 import gc
 import logging
 import os
+import types
 import typing
 
 import numpy as np
 import pytest
 import torch
 
-from shmloader import Config, ShmLoader, codec, device
+from shmloader import Config, ShmLoader, codec, cudaops, device, hostmem
 from shmloader.config import DEFAULT_PREFETCH
 from shmloader.errors import ConfigError, ShmLoaderError
 from shmloader.ring import RingWriter, SlotState, new_token, private_view, view_source
@@ -580,12 +584,98 @@ def test_gpu_benchmark_runs_every_way_on_a_host_stand_in(tmp_path):
     assert set(rows) == set(WAYS)
     for row in rows.values():
         assert row["usable_p50"] is not None and row["step_p50"] > 0 and row["h2d_gbs"]
+        assert row["bytes_checked"] > 0  # every way's delivered bytes compared with the loader's
     dev = rows["shm_device"]
     assert dev["registered"] is True  # every rank's copies read its registered mapping
     assert 0 < dev["registrations"] <= dev["ring_slots"] * 2  # once per slot per rank
     assert len(result["targets"]) == 4
     assert "figures meaningless" in (tmp_path / "gpu.md").read_text()
     assert (tmp_path / "gpu.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
+def test_the_device_check_fails_and_says_why_on_a_machine_without_a_gpu(tmp_path):
+    """``.ci/device-check`` cannot pass by running nothing."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), ".ci", "device-check")
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)}
+    run = subprocess.run([script], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stdout[-2000:]
+    assert "DEVICE CHECK FAILED" in run.stdout and "no CUDA GPU here" in run.stdout
+    assert "tests_gpu not run" in run.stdout and "bench not run" in run.stdout
+    assert (tmp_path / "summary.txt").read_text() == run.stdout
+
+
+def _marked(mark: str) -> list[int]:
+    """Live processes whose environment carries ``SHML_TEST_MARK=mark``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if f"SHML_TEST_MARK={mark}".encode() in f.read().split(b"\0"):
+                        with open(f"/proc/{entry}/stat", "rb") as st:
+                            if st.read().rpartition(b")")[2].split()[0] != b"Z":
+                                found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def _maps_torch(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(240)
+def test_gpu_benchmark_ranks_stay_under_their_launchers_cap(tmp_path):
+    """``.ci/device-check`` caps a part with timeout(1), which signals the part's
+    process group: the benchmark's ranks must neither leave it nor outlive it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    mark = uuid.uuid4().hex
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "SHML_TEST_MARK": mark}
+    argv = ["--cpu-smoke", "--ways", "base", "--sizes", "1", "--sp", "2", "--steps", "100000"]
+    argv += ["--warmup", "1", "--workers", "0", "--gpu-ms", "50", "--timeout", "200"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.gpu", *argv, "--out", str(tmp_path)],
+        env=env,
+        start_new_session=True,  # its own group, as timeout(1) makes one
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        # launcher + 2 ranks, each past its start: a rank loads torch only in
+        # run_rank, after whatever _rank_main does to its process group
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            running = [pid for pid in _marked(mark) if _maps_torch(pid)]
+            if len(running) >= 3:
+                break
+            time.sleep(0.5)
+        assert len(running) >= 3, "the benchmark's ranks never started"
+        os.killpg(proc.pid, signal.SIGTERM)  # what timeout(1) sends at the cap
+        proc.wait(60)
+        deadline = time.monotonic() + 30
+        while _marked(mark) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _marked(mark), "benchmark ranks outlived their group's SIGTERM"
+    finally:
+        for pid in _marked(mark):
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, 9)
+        proc.wait(30)
 
 
 def test_cuda_ops_and_the_fake_implement_the_same_seam():
@@ -727,7 +817,8 @@ def test_small_leaves_are_copied_from_pinned_memory_never_pageable(source):
     for g, w in zip(got, want, strict=True):
         _assert_same(g, w)
     assert ops.pageable_copies == 0, "a pageable host-to-device copy on the step's path"
-    assert len(ops.pinned_buffers) == 4  # one staging buffer per batch, not per leaf
+    # one staging buffer per batch (not per leaf), reused: never one allocation per batch
+    assert sum(what == "pinned" for what, _ in ops.timeline) <= device.STAGING_BUFFERS < 4
     assert stage.stats()["device_copies_registered"] == 4  # "big" still from the slot
     assert stage.stats()["device_staged_bytes"] == 4 * (16 + 72 + (64 << 10))
     stage.close()
@@ -829,14 +920,27 @@ def test_cuda_is_this_ranks_gpu_under_torchrun(count, current, local_rank, want)
     assert device.resolve(f"cuda:{last}", cuda=cuda, environ=env) == torch.device("cuda", last)
 
 
-def test_a_current_device_and_local_rank_that_contradict_are_refused():
+@pytest.mark.parametrize(
+    "local_rank, current, want",
+    [
+        ("0", 2, 2),  # Lightning Trainer(devices=[2, 3]): its DDP children set_device(2)/(3)
+        ("1", 3, 3),
+        ("0", 4, 4),  # set_device(local_rank + 4): the second half of the node
+        ("3", 7, 7),
+        ("5", 3, 3),  # any current device other than 0 is the script's choice
+        ("5", 0, 5),  # current 0: what a script that set nothing sees -> cuda:$LOCAL_RANK
+    ],
+)
+def test_a_current_device_other_than_0_is_the_scripts_choice(local_rank, current, want):
+    """NOTE [which GPU]: the script's (or its framework's) device choice wins."""
     cuda = FakeCuda(count=8)
-    cuda.set_device(3)
-    with pytest.raises(ConfigError, match=r"cuda:3 current while LOCAL_RANK=5") as info:
-        device.resolve("cuda", cuda=cuda, environ={"LOCAL_RANK": "5"})
-    assert "set_device(LOCAL_RANK)" in str(info.value) and "device='cuda:3'" in str(info.value)
+    cuda.set_device(current)
+    assert device.resolve("cuda", cuda=cuda, environ={"LOCAL_RANK": local_rank}).index == want
     # an explicit index is never second-guessed
-    assert device.resolve("cuda:3", cuda=cuda, environ={"LOCAL_RANK": "5"}).index == 3
+    assert device.resolve("cuda:1", cuda=cuda, environ={"LOCAL_RANK": local_rank}).index == 1
+
+
+def test_a_local_rank_beyond_the_visible_gpus_is_refused_where_it_cannot_be_resolved():
     with pytest.raises(ConfigError, match=r"LOCAL_RANK=9 and this rank sees only 8"):
         device.resolve("cuda", cuda=FakeCuda(count=8), environ={"LOCAL_RANK": "9"})
     with pytest.raises(ConfigError, match="index below 8"):
@@ -863,10 +967,415 @@ def test_without_torchs_own_runtime_nothing_is_registered(monkeypatch):
     (torch's next kernel launch would raise it): without a ``libcudart`` of
     torch's CUDA version mapped, nothing is registered at all."""
     monkeypatch.setattr(torch.cuda, "init", lambda: None)
-    monkeypatch.setattr(device, "_mapped_cudarts", lambda: ["/other/libcudart.so.99"])
+    monkeypatch.setattr(cudaops, "_mapped_cudarts", lambda: ["/other/libcudart.so.99"])
     monkeypatch.setattr(torch.version, "cuda", "12.4")
     rt = device._Cudart(torch.device("cuda", 0))
     assert rt.lib is None
     assert rt.unavailable is not None and "12.4" in rt.unavailable
     assert "cannot clear" in rt.unavailable
     assert rt.register(4096, 4096) == rt.unavailable  # never reaches a CUDA call
+
+
+# ------------------------------------------------------------ containers
+
+
+class BatchEncodingLike(collections.UserDict):
+    """What Hugging Face's ``BatchEncoding`` is: a ``UserDict`` with state of its own."""
+
+    def __init__(self, data=None, encodings=None) -> None:
+        super().__init__(data)
+        self._encodings = encodings
+
+    @property
+    def encodings(self):
+        return self._encodings
+
+
+class ReadOnlyMapping(collections.abc.Mapping):
+    """A ``Mapping`` that is no dict and cannot be written."""
+
+    def __init__(self, data) -> None:
+        self._data = dict(data)
+
+    def __getitem__(self, key):
+        return self._data[key]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+class Pair(tuple):
+    """A tuple subclass that is no namedtuple."""
+
+
+Point = collections.namedtuple("Point", "a b")
+
+
+@dataclasses.dataclass
+class Box:
+    x: torch.Tensor
+    note: str = "n"
+
+
+def every_container(batch):
+    """A ``select`` returning every kind of container ``collections.abc`` knows."""
+    x = batch["x"]
+    return {
+        "ordered": collections.OrderedDict([("b", x[:10]), ("a", x[10:20])]),
+        "default": collections.defaultdict(list, {"x": x[:5]}),
+        "encoding": BatchEncodingLike({"ids": x[:8], "mask": x[8:16]}, encodings=["e"]),
+        "readonly": ReadOnlyMapping({"x": x[:3]}),
+        "proxy": types.MappingProxyType({"x": x[:2]}),
+        "tuple": (x[:1], x[1:2]),
+        "pair": Pair((x[:1], x[2:3])),
+        "named": Point(x[:4], "text"),
+        "userlist": collections.UserList([x[:2], 1]),
+        "deque": collections.deque([x[:3]]),
+        "box": Box(x[:6]),
+        "untouched": ("no", "tensors", 1),
+        "i": batch["i"],
+    }
+
+
+def test_every_container_reaches_the_device_as_its_own_type(source):
+    """NOTE [containers on the device]: Mappings that are no dict (``BatchEncoding``),
+    ``OrderedDict``/``defaultdict``, Sequences, tuple subclasses, namedtuples and
+    dataclasses come back as their own type with every tensor on the device."""
+    ops = FakeOps(auto=True)
+    stage = device.DeviceStage(ops, prefetch=2, select=every_container)
+    batches = (source.deliver({"x": torch.arange(100) + 1000 * i, "i": i}) for i in range(3))
+    got = list(stage.wrap(batches))
+    on_device = {t.data_ptr() for t in ops.handed}
+
+    def check(t, want):
+        assert isinstance(t, torch.Tensor) and t.data_ptr() in on_device, "left on the host"
+        assert torch.equal(t, want)
+
+    for i, b in enumerate(got):
+        x = torch.arange(100) + 1000 * i
+        assert type(b["ordered"]) is collections.OrderedDict and list(b["ordered"]) == ["b", "a"]
+        check(b["ordered"]["b"], x[:10])
+        check(b["ordered"]["a"], x[10:20])
+        assert type(b["default"]) is collections.defaultdict
+        assert b["default"].default_factory is list
+        check(b["default"]["x"], x[:5])
+        assert type(b["encoding"]) is BatchEncodingLike and b["encoding"].encodings == ["e"]
+        check(b["encoding"]["ids"], x[:8])
+        check(b["encoding"]["mask"], x[8:16])
+        assert type(b["readonly"]) is ReadOnlyMapping
+        check(b["readonly"]["x"], x[:3])
+        assert type(b["proxy"]) is types.MappingProxyType
+        check(b["proxy"]["x"], x[:2])
+        assert type(b["tuple"]) is tuple
+        check(b["tuple"][1], x[1:2])
+        assert type(b["pair"]) is Pair
+        check(b["pair"][1], x[2:3])
+        assert type(b["named"]) is Point and b["named"].b == "text"
+        check(b["named"].a, x[:4])
+        assert type(b["userlist"]) is collections.UserList and b["userlist"][1] == 1
+        check(b["userlist"][0], x[:2])
+        assert type(b["deque"]) is collections.deque
+        check(b["deque"][0], x[:3])
+        assert type(b["box"]) is Box and b["box"].note == "n"
+        check(b["box"].x, x[:6])
+        assert b["untouched"] == ("no", "tensors", 1) and b["i"] == i
+    assert ops.pageable_copies == 0
+    stage.close()
+
+
+def test_what_the_codec_delivers_arrives_in_the_same_containers_on_the_device(source):
+    """Host and device delivery agree on the container types of every batch the
+    codec accepts (whatever containers it delivers: the device walk follows)."""
+    candidates = [
+        collections.OrderedDict([("b", torch.arange(4)), ("a", torch.ones(3))]),
+        collections.defaultdict(list, {"x": torch.arange(5)}),
+        BatchEncodingLike({"ids": torch.arange(6)}, encodings=["e"]),
+        Point(torch.arange(3), "text"),
+        Box(torch.arange(7)),
+        [torch.arange(2), (torch.ones(2), "s")],
+        {"nested": {"x": torch.arange(3)}, "t": (torch.zeros(1),)},
+    ]
+    delivered = 0
+    for batch in candidates:
+        try:
+            host = source.deliver(batch)
+        except Exception:  # a container this codec does not encode: nothing to deliver
+            continue
+        stage = device.DeviceStage(FakeOps(auto=True), prefetch=1)
+        (got,) = list(stage.wrap(iter([source.deliver(batch)])))
+        assert same_types(got, host), (type(got), type(host))
+        delivered += 1
+        del host, got
+        stage.close()
+    assert delivered >= 4  # dicts, lists, tuples, namedtuples, dataclasses at least
+
+
+def same_types(a, b) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, collections.abc.Mapping):
+        return list(a) == list(b) and all(same_types(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(same_types(x, y) for x, y in zip(a, b, strict=True))
+    if dataclasses.is_dataclass(a):
+        return all(
+            same_types(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)
+        )
+    return a == b
+
+
+# ------------------------------------------------------------ pinned staging
+
+
+def test_pinned_staging_is_bounded_reused_and_released_when_batches_shrink():
+    """NOTE [pinned staging]: batches no slot holds (sharing off) are staged through
+    at most STAGING_BUFFERS reused buffers sized from the batches seen, released
+    (unpinned) when the batches shrink; never one allocation per batch."""
+    ops = FakeOps(deferred=True)  # a copy lands only when its event completes
+    stage = device.DeviceStage(ops, prefetch=2)
+    sizes = [1 << 20] * 12 + [8 << 20] * 12 + [64 << 10] * 12
+
+    def batches():
+        for i, n in enumerate(sizes):
+            yield {"x": torch.full((n // 4,), i, dtype=torch.int32)}  # owned: staged
+
+    locked = []
+    for k, batch in enumerate(stage.wrap(batches())):
+        # a staging buffer rewritten while a copy still read it would show here
+        assert torch.equal(batch["x"], torch.full((sizes[k] // 4,), k, dtype=torch.int32)), k
+        locked.append(ops.locked)
+        assert stage.stats()["device_staging_bytes"] == ops.locked
+        if k % 3 == 2:
+            ops.complete()  # the DMA catches up now and then, not at once
+        del batch
+    allocations = sum(what == "pinned" for what, _ in ops.timeline)
+    assert allocations <= 3 * device.STAGING_BUFFERS < len(sizes)
+    assert max(locked) <= device.STAGING_BUFFERS * hostmem.staging_capacity(8 << 20)
+    small = hostmem.staging_capacity(64 << 10)
+    stats = stage.stats()
+    assert stats["device_staging_bytes"] == ops.locked <= device.STAGING_BUFFERS * small
+    assert ops.unpinned, "the 8 MiB buffers must go once the batches shrank"
+    assert stats["device_staging_peak_bytes"] == max(locked)
+    assert stats["device_staged_bytes"] == sum(sizes)
+    assert stats["device_locked_bytes"] == ops.locked  # nothing registered with sharing off
+    assert ops.pageable_copies == 0
+    stage.close()
+    assert ops.locked == 0 and stage.stats()["device_locked_bytes"] == 0
+
+
+def test_leaves_already_pinned_are_copied_as_they_are():
+    """A leaf pinned already (``DataLoader(pin_memory=True)``) is not copied again."""
+    ops = FakeOps(auto=True)
+    stage = device.DeviceStage(ops, prefetch=2)
+    batches = [{"x": ops.pin(torch.full((1000,), i)), "small": torch.tensor([i])} for i in range(5)]
+    got = list(stage.wrap(iter(batches)))
+    for i, b in enumerate(got):
+        assert torch.equal(b["x"], torch.full((1000,), i)) and b["small"].tolist() == [i]
+    assert ops.copies_from_pinned_leaves == 5 and ops.pageable_copies == 0
+    stats = stage.stats()
+    assert stats["device_pinned_leaf_bytes"] == 5 * 8000
+    assert stats["device_staged_bytes"] == 5 * 8  # only the unpinned leaf is staged
+    stage.close()
+
+
+def test_locked_bytes_count_registered_slots_and_staging(source):
+    source.own_below = 1024  # "s" is decoded as an owned copy: staged
+    ops = FakeOps(auto=True)
+    stage = device.DeviceStage(ops, prefetch=2)
+    batches = (source.deliver({"x": torch.ones(5000), "s": torch.ones(3)}) for _ in range(6))
+    assert len(list(stage.wrap(batches))) == 6
+    stats = stage.stats()
+    assert stats["device_registered_bytes"] == sum(ops.registered.values()) > 0
+    assert stats["device_staging_bytes"] == ops.locked > 0
+    assert stats["device_locked_bytes"] == sum(ops.registered.values()) + ops.locked
+    stage.close()
+    stats = stage.stats()
+    assert stats["device_locked_bytes"] == 0 and ops.locked == 0 and ops.registered == {}
+
+
+@pytest.mark.parametrize("prefetch", [1, 2, 3])
+def test_copies_in_flight_are_bounded_and_so_are_the_slots_they_hold(source, prefetch):
+    """NOTE [copies in flight]: a DMA that never catches up by itself does not
+    make the ring grow: at most prefetch + 1 copies are in flight."""
+    ops = FakeOps(deferred=True)  # copies complete only when the stage waits for them
+    stage = device.DeviceStage(ops, prefetch=prefetch)
+    held = []
+    for batch in stage.wrap(numbered(source, 20)):
+        held.append(batch)
+        assert len(stage._inflight) <= prefetch + 1
+    assert len(source.ring.slots) <= prefetch + 1
+    assert stage.stats()["device_copy_waits"] > 0
+    for i, batch in enumerate(held):
+        assert torch.equal(batch["x"], torch.full((1000,), i))
+    stage.close()
+
+
+def test_memory_stays_bounded_over_epochs_of_varying_sizes(source):
+    """Registered mappings follow the ring (retired slots unregistered), staging
+    stays within its bound, over several epochs of batches of varying size."""
+    source.own_below = 4096  # the small leaf is staged every batch
+    ops = FakeOps(deferred=True)
+    stage = device.DeviceStage(ops, prefetch=2)
+    g = torch.Generator().manual_seed(0)
+    # small, then large (slots grow), then small for long enough that the ring shrinks
+    for epoch, base in enumerate([1000, 400_000, 1000, 50_000]):
+        order = [base + int(n) for n in torch.randint(0, base // 4, (12,), generator=g)]
+        batches = (
+            source.deliver({"x": torch.full((n,), k, dtype=torch.int32), "s": torch.ones(4) * k})
+            for k, n in enumerate(order)
+        )
+        for k, batch in enumerate(stage.wrap(batches)):
+            assert torch.equal(batch["x"], torch.full((order[k],), k, dtype=torch.int32))
+            assert torch.equal(batch["s"], torch.ones(4) * k)
+            stats = stage.stats()
+            live = [s for s in source.ring.slots if s.state != SlotState.RETIRED]
+            assert stats["device_registered_slots"] <= len(live) + stage.prefetch + 1
+            assert ops.locked <= device.STAGING_BUFFERS * hostmem.staging_capacity(64 * 4)
+            if k % 2:
+                ops.complete()
+        live = {s.segment.name for s in source.ring.slots if s.state != SlotState.RETIRED}
+        mapped = {m.segment.name for m in stage._registrar._maps.values()}  # type: ignore[union-attr]
+        assert mapped <= live, f"epoch {epoch}: a retired slot is still registered"
+        assert len(ops.registered) == stage._registrar.live  # type: ignore[union-attr]
+    assert stage._registrar.unregistrations > 0  # type: ignore[union-attr]
+    stage.close()
+    assert ops.registered == {} and ops.locked == 0
+
+
+# ------------------------------------------------------------ libcudart
+
+
+@pytest.mark.parametrize(
+    "paths, why",
+    [
+        (["/usr/lib/libcudart.so.12.4.127 (deleted)"], "replaced or removed on disk"),
+        (["/nonexistent/shmloader-test/libcudart.so.12"], "could not be bound"),
+    ],
+)
+def test_a_runtime_that_cannot_be_bound_means_staging_with_one_warning(
+    monkeypatch, caplog, source, paths, why
+):
+    """NOTE [libcudart]: a library file replaced since it was loaded (the path in
+    /proc/self/maps ends in " (deleted)") or one ctypes cannot load is no crash."""
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(cudaops, "_mapped_cudarts", lambda: paths)
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    rt = cudaops._Cudart(torch.device("cuda", 0))
+    assert rt.lib is None and rt.unavailable is not None and why in rt.unavailable
+    assert rt.register(4096, 4096) == rt.unavailable  # never reaches a CUDA call
+    ops = FakeOps(unavailable=rt.unavailable, auto=True)
+    stage = device.DeviceStage(ops, prefetch=2)
+    with caplog.at_level(logging.WARNING, logger="shmloader.device"):
+        got = list(stage.wrap(numbered(source, 6)))
+    assert all(torch.equal(b["x"], torch.full((1000,), b["i"])) for b in got)
+    assert len(caplog.records) == 1 and why in caplog.records[0].getMessage()
+    assert ops.register_calls == [] and ops.pageable_copies == 0
+    stage.close()
+
+
+# ------------------------------------------------------------ select: which step
+
+
+def test_select_is_told_the_step_it_is_for_on_every_path():
+    """NOTE [select]: on a device select runs up to prefetch batches before the
+    user's next(); a select with a ``step`` parameter is told which batch's step
+    it runs for, on every path and after a resume."""
+    for dev in (FakeOps(auto=True), None):
+        seen: list[tuple[int, int, int]] = []  # (step, batch value, batches the user had)
+        received = []
+
+        def select(batch, step, seen=seen, received=received):
+            seen.append((step, int(batch["x"][0]), len(received)))
+            return batch
+
+        loader = ShmLoader(
+            lambda: Stateful(10), device=dev, select=select, config=Config(prefetch=3)
+        )
+        it = iter(loader)
+        for _ in range(4):
+            received.append(next(it))
+        state = loader.state_dict()
+        loader.close()
+        assert [(s, v) for s, v, _ in seen[:4]] == [(k, k) for k in range(4)]
+        if dev is not None:  # pulled ahead: before the user had batch k - prefetch
+            assert [had for *_, had in seen] == [max(0, k - 3) for k in range(len(seen))]
+        else:  # at the user's next(): after every batch before it
+            assert [had for *_, had in seen] == [0, 1, 2, 3]
+        seen.clear()
+        resumed = ShmLoader(
+            lambda: Stateful(10), device=dev, select=select, config=Config(prefetch=3)
+        )
+        resumed.load_state_dict(state)
+        assert [int(b["x"][0]) for b in resumed] == list(range(4, 10))
+        assert [(s, v) for s, v, _ in seen] == [(k, k) for k in range(4, 10)]
+        resumed.close()
+
+
+# ------------------------------------------------------------ errors, streams
+
+
+def test_a_sticky_cuda_error_does_not_mask_the_original_exception(source):
+    """NOTE [errors in the copy]: after a sticky error every CUDA call fails,
+    recording the end event in the copy's cleanup too."""
+
+    class Sticky(FakeOps):
+        broken = False
+
+        def copy(self, dst, src):
+            if len(self.copies) == 1:
+                self.broken = True
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            super().copy(dst, src)
+
+        def _sticky(self):
+            if self.broken:
+                raise RuntimeError("CUDA error: an illegal memory access (sticky, from an event)")
+
+        def record(self):
+            self._sticky()
+            return super().record()
+
+        def query(self, event):
+            self._sticky()
+            return super().query(event)
+
+        def synchronize(self, event):
+            self._sticky()
+            super().synchronize(event)
+
+    ops = Sticky(auto=True)
+    stage = device.DeviceStage(ops, prefetch=1)
+    batches = (source.deliver({"a": torch.ones(10), "b": torch.zeros(10)}) for _ in range(3))
+    with pytest.raises(RuntimeError, match="was encountered") as info:
+        next(stage.wrap(batches))
+    assert any("end event" in note for note in getattr(info.value, "__notes__", []))
+    del info
+    gc.collect()
+    assert source.held() == 0  # the failed batch's slot was let go
+    stage.close()
+
+
+def test_the_consumer_sees_the_copied_bytes_only_through_the_stages_wait(source):
+    """Stream safety on the fake: copies land at their event; a consumer reading
+    a batch at once sees its bytes because the stage made its stream wait. The
+    control run without that wait must see stale bytes, else this proves nothing."""
+
+    def run(wait: bool) -> list[bool]:
+        ops = FakeOps(deferred=True)
+        if not wait:
+            ops.wait = lambda event: None  # type: ignore[method-assign]
+        stage = device.DeviceStage(ops, prefetch=2)
+        ok = [
+            torch.equal(b["x"], torch.full((1000,), b["i"]))
+            for b in stage.wrap(numbered(source, 6))
+        ]
+        stage.close()
+        return ok
+
+    assert all(run(wait=True))
+    assert not all(run(wait=False)), "the control run read no stale byte: the check is blind"

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from shmloader import Config, ShmLoader, device
+from shmloader import Config, ShmLoader, cudaops, device
 from shmloader.errors import ConfigError
 from tests.harness import run_ranks
 from tests.test_device import RingSource, _all_dtypes_batch, _assert_same, same
@@ -85,7 +85,8 @@ def test_a_batch_held_across_many_steps_never_changes(source):
         pass  # the slot of batch 0 is rewritten about 150 times meanwhile
     torch.cuda.synchronize()
     assert torch.equal(held["x"].cpu(), expected)
-    assert len(source.ring.slots) <= 4
+    # NOTE [copies in flight]: at most prefetch copies hold slots while the next is written
+    assert len(source.ring.slots) <= stage.prefetch + 1
     stage.close()
     assert stage.stats()["device_unregister_failures"] == 0
 
@@ -165,7 +166,7 @@ def test_cuda_means_this_ranks_gpu_by_local_rank(monkeypatch):
 
 def test_refused_registration_falls_back_and_leaves_no_cuda_error(source, caplog, monkeypatch):
     # Default flags on a read-only mapping are refused by CUDA itself.
-    monkeypatch.setattr(device, "HOST_REGISTER_FLAGS", 0)
+    monkeypatch.setattr(cudaops, "HOST_REGISTER_FLAGS", 0)
     stage = device.DeviceStage(torch.device("cuda"), prefetch=2)
     with caplog.at_level(logging.WARNING, logger="shmloader.device"):
         got = list(stage.wrap(source.deliver({"x": torch.arange(1000) + i}) for i in range(10)))
@@ -185,13 +186,14 @@ def gpu_rank(rank: int, world: int, *, devices: dict, write: bool, steps: int) -
     import torch.distributed as dist
 
     calls = {"register": 0}
-    real = device._Cudart.register
+    real = cudaops._Cudart.register
 
-    def counting(self, address: int, nbytes: int):
-        calls["register"] += 1
-        return real(self, address, nbytes)
+    def counting(self, address: int, nbytes: int, flags: int = cudaops.HOST_REGISTER_FLAGS):
+        if flags == cudaops.HOST_REGISTER_FLAGS:  # a ring slot, not a staging buffer
+            calls["register"] += 1
+        return real(self, address, nbytes, flags)
 
-    device._Cudart.register = counting  # type: ignore[method-assign]
+    cudaops._Cudart.register = counting  # type: ignore[method-assign]
     from shmloader import ring
 
     mapped: list[str] = []
@@ -244,6 +246,7 @@ def gpu_rank(rank: int, world: int, *, devices: dict, write: bool, steps: int) -
 def test_every_rank_gets_bit_equal_batches_and_registers_each_slot_once():
     devices = {"0": "cuda", "1": "cuda", "2": "cuda"}
     out = run_ranks(gpu_rank, 3, kwargs={"devices": devices, "write": False, "steps": 40})
+    (leader,) = [r for r in out if r["role"] == "leader"]
     for r in out:
         assert r["seen"] == list(range(40)) and r["unchanged"]
         assert same(r["plain"], out[0]["plain"])
@@ -251,7 +254,8 @@ def test_every_rank_gets_bit_equal_batches_and_registers_each_slot_once():
         # once per slot segment per rank: never per batch
         assert r["registrations"] == r["stats"]["device_registrations"] == len(r["segments"])
         assert len(set(r["segments"])) == len(r["segments"])
-        assert 1 <= r["registrations"] <= 6
+        # equal batches: no slot grows, so the leader made no more segments than slots
+        assert 1 <= r["registrations"] <= leader["ring_slots"]
 
 
 def test_copy_on_write_intact_while_another_rank_has_the_slots_registered():

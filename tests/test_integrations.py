@@ -120,3 +120,80 @@ def test_per_rank_state_refuses_a_checkpoint_without_this_ranks_key():
         adapter.load_state_dict({"rank1": saved["rank0"]})
     with pytest.raises(TopologyMismatchError, match="not the bytes"):
         adapter.load_state_dict({"rank0": {"format": "x"}})
+
+
+# ------------------------------------------------------------------ accelerate
+
+
+def _accelerator(rank: int, world: int) -> Any:
+    """accelerate's MULTI_CPU state over the process group the harness made."""
+    import os
+
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        OMP_NUM_THREADS="1",
+    )
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    assert (accelerator.num_processes, accelerator.process_index) == (world, rank)
+    return accelerator
+
+
+def accelerate_phase(rank: int, world: int, *, phase: str, ckpt: str) -> dict:
+    from shmloader.integrations.accelerate import AllRanksState
+
+    accelerator = _accelerator(rank, world)
+    out: dict = {}
+    if phase == "first":
+        torch.manual_seed(rank)
+        with _loader(world, True) as loader:
+            out["full"] = _run(loader, 0, None, None)
+        torch.manual_seed(rank)
+        with _loader(world, True) as loader:
+            out["prepared_is_loader"] = accelerator.prepare(loader) is loader
+            accelerator.register_for_checkpointing(AllRanksState(loader))
+            out["stop"] = _run(loader, 0, STOP, lambda: accelerator.save_state(ckpt))
+    else:
+        torch.manual_seed(1000 + rank)
+        with _loader(world, True) as loader:
+            accelerator.register_for_checkpointing(AllRanksState(loader))
+            accelerator.load_state(ckpt)
+            out["resume"] = _run(loader, loader.state_dict()["epoch"], None, None)
+    return out
+
+
+def test_accelerate_save_state_and_load_state_resume_every_rank_exactly_mid_epoch():
+    pytest.importorskip("accelerate")
+    with tempfile.TemporaryDirectory() as ckpt:
+        kw = {"ckpt": f"{ckpt}/state"}
+        first = run_ranks(accelerate_phase, 4, kwargs={**kw, "phase": "first"}, timeout=280)
+        second = run_ranks(accelerate_phase, 4, kwargs={**kw, "phase": "resume"}, timeout=280)
+    for rank in range(4):
+        assert first[rank]["prepared_is_loader"]  # prepare() hands a ShmLoader back as it is
+        full = first[rank]["full"]
+        assert first[rank]["stop"] == full[:STOP]
+        assert second[rank]["resume"] == full[STOP:], f"rank {rank}"
+
+
+def test_all_ranks_state_alone_and_its_refusals():
+    from shmloader.integrations.accelerate import AllRanksState
+
+    loader = ShmLoader(lambda: [torch.ones(1)] * 3, None)
+    it = iter(loader)
+    next(it)
+    state = AllRanksState(loader).state_dict()
+    assert set(state) == {"format", "world", "rank0"} and state["world"] == 1
+    fresh = ShmLoader(lambda: [torch.ones(1)] * 3, None)
+    AllRanksState(fresh).load_state_dict(state)
+    assert len(list(fresh)) == 2  # resumed after the one batch delivered
+    with pytest.raises(TopologyMismatchError, match="not the loader itself"):
+        AllRanksState(fresh).load_state_dict(loader.state_dict())
+    with pytest.raises(TopologyMismatchError, match="no loader state for 'rank0'"):
+        AllRanksState(fresh).load_state_dict({"format": state["format"], "world": 1})
+    loader.close()
+    fresh.close()

@@ -62,8 +62,8 @@ NOTE [mappings]
     rebuild loses none: the first time it meets a type, that ``type(m)(items)``
     holds the same keys in the same order with the very same values; for
     every batch, that each instance attribute and slot equals a fresh
-    ``type(m)({})``'s, but a dict of the very items (the storage, such as a
-    ``UserDict``'s ``data``).
+    ``type(m)({})``'s, but the one that holds the items (a ``UserDict``'s
+    ``data``, else the first dict of the very same items).
     A ``BatchEncoding`` from ``tokenizer.pad`` (every padding collator)
     passes; one from calling a fast tokenizer holds ``_encodings`` and is
     refused, naming the attribute, before anything is written (or pickled
@@ -407,21 +407,28 @@ def rebuildable(obj: collections.abc.Mapping) -> bool:
 
 
 def _state(obj: Any) -> dict[str, Any]:
-    """``obj``'s instance attributes and slots, but a dict of its very items (its storage,
-    a ``UserDict``'s ``data``)."""
+    """``obj``'s instance attributes and slots."""
     state = dict(getattr(obj, "__dict__", {}))
     for klass in type(obj).__mro__:
         slots = klass.__dict__.get("__slots__", ())
         for name in (slots,) if isinstance(slots, str) else slots:
             if name not in ("__dict__", "__weakref__"):
                 state[name] = getattr(obj, name, _ABSENT)
+    return state
+
+
+def _storage(obj: collections.abc.Mapping, state: dict[str, Any]) -> str | None:
+    """The one attribute that holds ``obj``'s items: a ``UserDict``'s ``data``, else the
+    first dict of the very same items (NOTE [mappings])."""
+    if isinstance(obj, collections.UserDict):
+        return "data"
     items = None
-    for name, value in list(state.items()):
+    for name, value in state.items():
         if type(value) is dict and len(value) == len(obj):
             items = items if items is not None else [(k, id(v)) for k, v in obj.items()]
             if [(k, id(v)) for k, v in value.items()] == items:
-                del state[name]
-    return state
+                return name
+    return None
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -458,7 +465,10 @@ def _unrebuildable(obj: collections.abc.Mapping) -> str | None:
             return f"{t.__qualname__}(dict) does not hold the same items in the same order"
         template = _TEMPLATES[t] = _state(fresh)
     state = _state(obj)
+    storage = _storage(obj, state)
     for name in [*state, *(k for k in template if k not in state)]:
+        if name == storage:
+            continue
         if not _same(state.get(name, _ABSENT), template.get(name, _ABSENT)):
             held = type(state.get(name)).__name__
             return f"its attribute {name} ({held}) is state beyond its items, which would be lost"

@@ -34,6 +34,20 @@ class Encoding(collections.UserDict):
         self.tag = tag
 
 
+class WithExtras(collections.UserDict):
+    """A ``UserDict`` with a second dict of its own: that one is state, not the items."""
+
+    def __init__(self, data: Any = None) -> None:
+        super().__init__(data)
+        self.extras: dict = {}
+
+
+def _with_extras() -> WithExtras:
+    m = WithExtras({"a": 1})
+    m.extras["a"] = 1  # the same keys as the items, but not the items themselves
+    return m
+
+
 class Frozen(Mapping):
     """An immutable mapping: rebuilt as ``type(m)(items)``, as ``default_collate`` does."""
 
@@ -87,6 +101,7 @@ def test_mappings_arrive_as_their_own_type_with_key_order_and_aliases() -> None:
         collections.defaultdict(None, {"x": 1}),
         collections.UserDict({"ids": t, "mask": t.bool()}),
         Encoding({"ids": t}),
+        WithExtras({"ids": t}),
         Frozen({"k": t, (1, 2): "tuple key"}),
     ]
     for batch in cases:
@@ -106,6 +121,7 @@ def test_mappings_arrive_as_their_own_type_with_key_order_and_aliases() -> None:
         ("lambda factory", "default_factory"),
         ("chainmap of two", "attribute maps"),
         ("extra state", "attribute tag"),
+        ("a second dict", "attribute extras"),
         ("local type", "cannot be imported"),
         ("constructor changes keys", "same items"),
         ("mappingproxy", "cannot be imported"),
@@ -119,6 +135,7 @@ def test_a_mapping_that_would_not_come_back_the_same_is_refused_by_path(case, te
         "lambda factory": lambda: collections.defaultdict(lambda: 0, a=1),
         "chainmap of two": lambda: collections.ChainMap({"a": 1}, {"b": 2}),
         "extra state": lambda: Encoding({"a": 1}, tag="kept by default_collate's copy.copy"),
+        "a second dict": _with_extras,
         "local type": lambda: Local(a=1),
         "constructor changes keys": lambda: Prefixed({"a": 1}),
         "mappingproxy": lambda: types.MappingProxyType({"a": 1}),

@@ -197,3 +197,23 @@ def test_all_ranks_state_alone_and_its_refusals():
         AllRanksState(fresh).load_state_dict({"format": state["format"], "world": 1})
     loader.close()
     fresh.close()
+
+
+def test_all_ranks_state_under_another_world_size_loads_rank_0s_on_every_rank():
+    from shmloader.integrations.accelerate import FORMAT, AllRanksState
+
+    class Stub:
+        loaded = None
+
+        def load_state_dict(self, state: dict) -> None:
+            self.loaded = state
+
+    saved = {"format": FORMAT, "world": 4}
+    saved |= {f"rank{r}": shm_dcp.dumps({"saved_by": r}) for r in range(4)}
+    stub = Stub()
+    AllRanksState(stub).load_state_dict(saved)  # type: ignore[arg-type]  # this world: 1 rank
+    assert stub.loaded == {"saved_by": 0}  # a DP resize: the state ShardedSampler re-splits
+    saved["world"] = 1
+    saved["rank0"] = shm_dcp.dumps({"saved_by": "the same world"})
+    AllRanksState(stub).load_state_dict(saved)  # type: ignore[arg-type]
+    assert stub.loaded == {"saved_by": "the same world"}

@@ -784,9 +784,9 @@ def _resolve(name: Any, what: str) -> type:
     """Look up a namedtuple/dataclass/mapping type named by the leader.
 
     Only in modules already imported here, or allowed (NOTE [no imports from
-    metadata]). Only types that really are namedtuples/dataclasses are
-    accepted; nothing is called but the type's own constructor (namedtuple) or
-    ``object.__new__``.
+    metadata]). Only types that really are what ``what`` says are accepted
+    (a mapping: a ``Mapping`` class other than ``dict``); nothing is called but
+    the type's own constructor (namedtuple, mapping) or ``object.__new__``.
     """
     cls = _RESOLVED.get((what, name)) if isinstance(name, str) else None
     if cls is not None:

@@ -22,6 +22,8 @@ Metadata wire format (UTF-8 JSON, never pickle)::
           | ["D", [[node, node]...]]        dict (insertion order kept)
           | ["N", "mod:Qual", [node...]]    namedtuple
           | ["C", "mod:Qual", [[field, node]...]]   dataclass
+          | ["M", "mod:Qual", [[node, node]...]]    other mapping (NOTE [mappings])
+          | ["M", "collections:defaultdict", [[node, node]...], factory]
           | ["@", leaf_index]               array-like leaf (aliases share an index)
           | ["F", "inf" | "-inf" | "nan"]   a non-finite float (JSON has none)
           | ["I", "<hex>"]                  an int too long for a JSON number
@@ -48,6 +50,28 @@ NOTE [placed leaves]
     leaves are never read. Decoders need nothing new: every leaf carries its
     offset.
 
+NOTE [mappings]
+    A ``Mapping`` that is not a plain ``dict`` (``OrderedDict``, ``Counter``,
+    a ``UserDict`` subclass such as transformers' ``BatchEncoding``, any
+    importable mapping type) travels as its type's name and its items, and is
+    rebuilt as ``type(m)(items)``, the way ``default_collate`` rebuilds an
+    immutable mapping (a ``defaultdict`` as ``defaultdict(factory, items)``,
+    its factory ``None`` or a builtin type named in ``_FACTORIES``). A
+    mutable mapping's extra state (``default_collate`` keeps it with
+    ``copy.copy``) cannot travel without pickle, so the leader checks that the
+    rebuild loses none: the first time it meets a type, that ``type(m)(items)``
+    holds the same keys in the same order with the very same values; for
+    every batch, that each instance attribute and slot equals a fresh
+    ``type(m)({})``'s, but the one that holds the items (a ``UserDict``'s
+    ``data``, else the first dict of the very same items).
+    A ``BatchEncoding`` from ``tokenizer.pad`` (every padding collator)
+    passes; one from calling a fast tokenizer holds ``_encodings`` and is
+    refused, naming the attribute, before anything is written (or pickled
+    whole with ``allow_pickle``). The follower looks the type up as it does a
+    namedtuple's (NOTE [no imports from metadata]) and constructs it only if
+    it is a ``Mapping`` class other than ``dict``. ``rebuild_mapping`` is the
+    one rebuild every stage that walks a batch uses.
+
 NOTE [platform-dependent numpy types]
     ``np.longdouble`` / ``np.clongdouble`` (``float128``, ``complex256``) are
     the x87 80-bit extended type in 12 or 16 bytes on x86, IEEE quad on
@@ -62,6 +86,8 @@ NOTE [platform-dependent numpy types]
 
 from __future__ import annotations
 
+import collections
+import collections.abc
 import dataclasses
 import importlib
 import json
@@ -256,6 +282,20 @@ class _Encoder:
                 for f in dataclasses.fields(obj)
             ]
             return ["C", self.type_name(t, obj, path, "dataclass"), fields]
+        if isinstance(obj, collections.abc.Mapping):
+            why = _unrebuildable(obj)
+            if why is None:
+                return self.mapping(obj, path)
+            if not self.allow_pickle:
+                raise UnsupportedBatchError(
+                    path,
+                    obj,
+                    f"{why}, so a rebuilt {t.__qualname__} would differ from this one "
+                    "(NOTE [mappings] in shmloader/codec.py)",
+                    "Return a plain dict of its items from your collate_fn (dict(m)), or opt in "
+                    "to pickling it whole with ShmLoader(..., config=Config.from_env("
+                    "allow_pickle=True)) on every rank.",
+                )
         if self.allow_pickle:
             try:
                 blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
@@ -285,6 +325,19 @@ class _Encoder:
                 "define it at module level of an importable module",
             )
         return name
+
+    def mapping(self, obj: collections.abc.Mapping, path: str) -> list:
+        t = type(obj)
+        node = [
+            "M",
+            self.type_name(t, obj, path, "mapping"),
+            [[self.key(k, path), self.node(v, f"{path}[{_key_text(k)}]")] for k, v in obj.items()],
+        ]
+        if isinstance(obj, collections.defaultdict):  # _unrebuildable checked its factory
+            factory = obj.default_factory
+            name = None if factory is None else _FACTORY_NAMES[factory]
+            node.append(name)
+        return node
 
     def key(self, key: Any, path: str) -> Any:
         if type(key) in _PY_LEAVES or type(key) is tuple:
@@ -326,6 +379,100 @@ class _Encoder:
         if a.dtype.kind not in _NUMPY_KINDS or a.dtype.fields is not None:
             raise UnsupportedBatchError(path, a, f"numpy dtype {a.dtype} is not a plain value type")
         return self.leaf(a, kind, a.dtype.str, tuple(a.shape), a.nbytes)
+
+
+#: The ``default_factory`` values a ``defaultdict`` may carry (NOTE [mappings]):
+#: builtin types only, so a peer never names a callable to run here.
+_FACTORIES: dict[str, type] = {
+    f.__name__: f
+    for f in (list, dict, set, frozenset, tuple, int, float, complex, str, bytes, bool)
+}
+_FACTORY_NAMES = {f: name for name, f in _FACTORIES.items()}
+#: Per mapping type: the attributes and slots of a fresh ``type(m)({})``, once
+#: its rebuild was checked (NOTE [mappings]).
+_TEMPLATES: dict[type, dict[str, Any]] = {}
+_ABSENT = object()
+
+
+def rebuild_mapping(cls: type, items: dict, factory: Any = None) -> Any:
+    """A ``cls`` holding ``items``: the one rebuild of a mapping (NOTE [mappings])."""
+    if issubclass(cls, collections.defaultdict):
+        return cls(factory, items)
+    return cls(items)
+
+
+def rebuildable(obj: collections.abc.Mapping) -> bool:
+    """Whether ``rebuild_mapping`` gives ``obj`` back (NOTE [mappings])."""
+    return _unrebuildable(obj) is None
+
+
+def _state(obj: Any) -> dict[str, Any]:
+    """``obj``'s instance attributes and slots."""
+    state = dict(getattr(obj, "__dict__", {}))
+    for klass in type(obj).__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__"):
+                state[name] = getattr(obj, name, _ABSENT)
+    return state
+
+
+def _storage(obj: collections.abc.Mapping, state: dict[str, Any]) -> str | None:
+    """The one attribute that holds ``obj``'s items: a ``UserDict``'s ``data``, else the
+    first dict of the very same items (NOTE [mappings])."""
+    if isinstance(obj, collections.UserDict):
+        return "data"
+    items = None
+    for name, value in state.items():
+        if type(value) is dict and len(value) == len(obj):
+            items = items if items is not None else [(k, id(v)) for k, v in obj.items()]
+            if [(k, id(v)) for k, v in value.items()] == items:
+                return name
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # a tensor's == is no bool; anything else may raise anything
+        return False
+
+
+def _unrebuildable(obj: collections.abc.Mapping) -> str | None:
+    """Why ``rebuild_mapping`` would not give back ``obj``, or None (NOTE [mappings])."""
+    t = type(obj)
+    factory = None
+    if isinstance(obj, collections.defaultdict):
+        factory = obj.default_factory
+        if factory is not None and factory not in _FACTORY_NAMES:
+            return (
+                f"its default_factory {factory!r} cannot be named to another rank (only None or "
+                f"one of {', '.join(sorted(_FACTORIES))} can)"
+            )
+    template = _TEMPLATES.get(t)
+    if template is None:
+        items = dict(obj.items())
+        try:
+            fresh = rebuild_mapping(t, {}, factory)
+            again = rebuild_mapping(t, items, factory)
+        except Exception as exc:
+            return f"{t.__qualname__}(dict) raised {type(exc).__name__}: {exc}"
+        if type(again) is not t or [(k, id(v)) for k, v in again.items()] != [
+            (k, id(v)) for k, v in items.items()
+        ]:
+            return f"{t.__qualname__}(dict) does not hold the same items in the same order"
+        template = _TEMPLATES[t] = _state(fresh)
+    state = _state(obj)
+    storage = _storage(obj, state)
+    for name in [*state, *(k for k in template if k not in state)]:
+        if name == storage:
+            continue
+        if not _same(state.get(name, _ABSENT), template.get(name, _ABSENT)):
+            held = type(state.get(name)).__name__
+            return f"its attribute {name} ({held}) is state beyond its items, which would be lost"
+    return None
 
 
 def _key_text(key: Any) -> str:
@@ -557,6 +704,25 @@ class _Decoder:
                 name, items = args
                 cls = _resolve(name, "namedtuple")
                 return cls(*(self.node(v, depth + 1) for v in _list(items)))
+            if tag == "M":
+                name, items, *rest = args
+                cls = _resolve(name, "mapping")
+                factory = None
+                if issubclass(cls, collections.defaultdict):
+                    (fname,) = rest
+                    factory = None if fname is None else _FACTORIES.get(fname)
+                    if fname is not None and factory is None:
+                        raise ProtocolError(f"bad defaultdict factory {fname!r:.40}")
+                elif rest:
+                    raise ProtocolError(f"mapping node of {name} has {len(args)} fields")
+                plain = {self.node(k, depth + 1): self.node(v, depth + 1) for k, v in _pairs(items)}
+                try:
+                    return rebuild_mapping(cls, plain, factory)
+                except Exception as exc:  # the type's own constructor: it may raise anything
+                    raise ProtocolError(
+                        f"cannot rebuild the mapping type {name} on this rank "
+                        f"({type(exc).__name__}: {exc})"
+                    ) from None
             if tag == "C":
                 name, items = args
                 cls = _resolve(name, "dataclass")
@@ -615,12 +781,12 @@ _RESOLVED: dict[tuple[str, str], type] = {}
 
 
 def _resolve(name: Any, what: str) -> type:
-    """Look up a namedtuple/dataclass type named by the leader.
+    """Look up a namedtuple/dataclass/mapping type named by the leader.
 
     Only in modules already imported here, or allowed (NOTE [no imports from
-    metadata]). Only types that really are namedtuples/dataclasses are
-    accepted; nothing is called but the type's own constructor (namedtuple) or
-    ``object.__new__``.
+    metadata]). Only types that really are what ``what`` says are accepted
+    (a mapping: a ``Mapping`` class other than ``dict``); nothing is called but
+    the type's own constructor (namedtuple, mapping) or ``object.__new__``.
     """
     cls = _RESOLVED.get((what, name)) if isinstance(name, str) else None
     if cls is not None:
@@ -645,11 +811,14 @@ def _resolve(name: Any, what: str) -> type:
             f"cannot import the {what} type {name} on this rank ({exc}); define it in an "
             "importable module (not inside a function) so every rank can rebuild it"
         ) from None
-    ok = isinstance(obj, type) and (
-        issubclass(obj, tuple) and hasattr(obj, "_fields")
-        if what == "namedtuple"
-        else dataclasses.is_dataclass(obj)
-    )
+    if not isinstance(obj, type):
+        ok = False
+    elif what == "namedtuple":
+        ok = issubclass(obj, tuple) and hasattr(obj, "_fields")
+    elif what == "mapping":  # NOTE [mappings]: never dict itself ("D" carries it)
+        ok = issubclass(obj, collections.abc.Mapping) and obj is not dict
+    else:
+        ok = dataclasses.is_dataclass(obj)
     if not ok:
         raise ProtocolError(f"{name} is not a {what}")
     _RESOLVED[(what, name)] = obj

@@ -90,6 +90,8 @@ class Config:
             huge-page ring (NOTE [huge-page ring] in ``shmloader.ringdir``). Every
             rank of a group sets the same one; it must exist, belong to you or
             root, and be safe from other users (sticky when others may write).
+        quiet: no line at the first ``iter()`` saying whether sharing is on
+            (``SHMLOADER_QUIET=1``; NOTE [the sharing line] in ``shmloader.banner``).
 
     A ``Config`` built directly holds exactly its arguments: it does not read
     the environment, so ``Config(allow_pickle=True)`` means sharing off
@@ -112,6 +114,7 @@ class Config:
     job: str | None = None
     collate_in_slot: bool = True
     shm_dir: str = ringdir.DEFAULT
+    quiet: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 2:
@@ -128,7 +131,7 @@ class Config:
         small = self.small_copy_bytes
         if not isinstance(small, int) or isinstance(small, bool) or small < 0:
             raise ConfigError("small_copy_bytes", small, "an integer >= 0 (bytes)")
-        for name in ("enabled", "copy", "verify", "allow_pickle", "collate_in_slot"):
+        for name in ("enabled", "copy", "verify", "allow_pickle", "collate_in_slot", "quiet"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "True or False")
         for name in ("runtime_dir", "node", "daemon", "job"):
@@ -164,6 +167,7 @@ class Config:
             "job": _job(env),
             "collate_in_slot": _flag(env, "SHMLOADER_COLLATE_IN_SLOT", default=True),
             "shm_dir": _shm_dir(env),
+            "quiet": _flag(env, "SHMLOADER_QUIET"),
         }
         known = {f.name for f in dataclasses.fields(cls)}
         for key in overrides:

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from . import arrival, codec, wire  # noqa: F401  (tests/faults patch loader.codec, loader.wire)
+from . import arrival, banner, codec, wire  # noqa: F401  (tests/faults patch loader.codec, .wire)
 from .checkpoint import Checkpoints
 from .config import Config
 from .cursor import Boundary, Cursor
@@ -161,6 +161,18 @@ class ShmLoader:
                 self, _close_in, os.getpid(), closers + self._built.closers
             )
         self._role: Role = self._built.role
+        up = dist.is_available() and dist.is_initialized()
+        me, world = (dist.get_rank(), dist.get_world_size()) if up else (0, 1)
+        reporter = self._built.reporter
+        #: Said at the first iter() (NOTE [the sharing line] in banner), then None.
+        self._line = banner.line(
+            self.config,
+            ranks,
+            self._built.topo,
+            reporter.daemon if reporter is not None else None,
+            me,
+            world,
+        )
         self._checkpoints = Checkpoints(
             self._cursor, self._boundary, self._built.source, ranks, self._stage
         )
@@ -219,6 +231,9 @@ class ShmLoader:
     def __iter__(self) -> Iterator[Any]:
         self._check_open()
         self._role.ready()
+        if self._line is not None:
+            banner.show(self._line)
+            self._line = None
         cursor, skip = self._cursor.begin()
         self._boundary.begin(cursor)  # NOTE [RNG at the step boundary] (rng)
         inner = self._role.iterate(self._cursor.it, cursor, skip)

@@ -47,6 +47,7 @@ NOTE [small leaves]
 
 from __future__ import annotations
 
+import collections.abc
 import copy
 import dataclasses
 import json
@@ -59,6 +60,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from . import codec
 from .config import Config
 from .cursor import Boundary, Cursor
 from .errors import LeaderError, PeerLostError, ProtocolError, ShmLoaderError
@@ -141,8 +143,12 @@ def _clone(obj: Any, memo: dict[int, Any]) -> Any:
         return tuple(_clone(v, memo) for v in obj)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return type(obj)(*(_clone(v, memo) for v in obj))
-    if isinstance(obj, dict):
+    if type(obj) is dict:
         return {k: _clone(v, memo) for k, v in obj.items()}
+    if isinstance(obj, collections.abc.Mapping) and codec.rebuildable(obj):
+        # as the codec rebuilt it (NOTE [mappings]); one it could not came unpickled, owned
+        items = {k: _clone(v, memo) for k, v in obj.items()}
+        return codec.rebuild_mapping(type(obj), items, getattr(obj, "default_factory", None))
     if hasattr(obj, "__dataclass_fields__") and not isinstance(obj, type):
         new = copy.copy(obj)
         for name in obj.__dataclass_fields__:

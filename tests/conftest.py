@@ -142,7 +142,10 @@ def _children() -> set[int]:
 
 #: Names whose use makes a test start other processes (marker ``procs``).
 PROCESS_STARTERS = frozenset(
-    {"run_ranks", "Popen", "subprocess", "get_context", "Process", "Daemon", "spawn", "fork"}
+    {
+        *("run_ranks", "Popen", "subprocess", "get_context", "Process", "Daemon"),
+        *("num_workers", "multiprocessing_context"),  # DataLoader workers
+    }
 )
 
 
@@ -156,12 +159,16 @@ def _starts_processes(fn, module, seen: set) -> bool:
     if code is None or code in seen:
         return False
     seen.add(code)
-    names = set(code.co_names)
-    stack = [c for c in code.co_consts if hasattr(c, "co_names")]
-    while stack:  # nested functions and comprehensions
+    names = set(code.co_names) | set(code.co_varnames)
+    stack = [code]
+    while stack:  # nested functions and comprehensions; keyword names of calls
         inner = stack.pop()
-        names |= set(inner.co_names)
-        stack += [c for c in inner.co_consts if hasattr(c, "co_names")]
+        names |= set(inner.co_names) | set(inner.co_varnames)
+        for const in inner.co_consts:
+            if hasattr(const, "co_names"):
+                stack.append(const)
+            elif isinstance(const, tuple):
+                names |= {c for c in const if isinstance(c, str)}
     if names & PROCESS_STARTERS:
         return True
     for name in names:

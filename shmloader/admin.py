@@ -485,11 +485,26 @@ def job_from_entries(token: str, entries: list[Entry]) -> dict[str, Any]:
     return job
 
 
+def process_uid(pid: int) -> int | None:
+    """Effective uid of ``pid`` (None when it is gone or unreadable)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    return int(line.split()[2])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def job_pids(ctl: Header, desc: dict[str, Any]) -> list[int]:
     """The processes whose mappings can hold a ring's unlinked segments: its writer
     (the control segment's owner) and the ranks its description lists that run
-    now, in our pid namespace, with the start time described (not a recycled pid)."""
-    pids = [ctl.pid]
+    now, in our pid namespace, with the start time described (not a recycled pid).
+    Each runs as the control segment's owner: a header or description naming
+    another user's processes (a planted file) does not make their mappings
+    this ring's (NOTE [whose job] in ``shmloaderd.registry``)."""
+    pids = [ctl.pid] if process_uid(ctl.pid) in (None, ctl.uid) else []
     described = desc.get("pids")
     if not isinstance(described, dict):
         return pids
@@ -501,7 +516,9 @@ def job_pids(ctl: Header, desc: dict[str, Any]) -> list[int]:
             continue
         if len(pair) == 3 and pair[2] and mine and pair[2] != mine:
             continue  # NOTE [pid namespaces] in shmloaderd.registry
-        if pair[0] not in pids and process_alive(pair[0], pair[1]):
+        if pair[0] in pids or process_uid(pair[0]) != ctl.uid:
+            continue
+        if process_alive(pair[0], pair[1]):
             pids.append(pair[0])
     return pids
 
@@ -679,14 +696,14 @@ def build_document(
 ) -> dict[str, Any]:
     """The ``stat --json`` document (schema in the module docstring); ``dirs``:
     the ring directories scanned (``ring_dirs()`` by default)."""
-    by_token: dict[str, list[Entry]] = {}
+    by_job: dict[tuple[str, int], list[Entry]] = {}
     invalid = []
     for e in entries:
         if e.header is None:
             invalid.append({"name": e.name, "error": e.error})
-        else:
-            by_token.setdefault(e.header.token, []).append(e)
-    jobs = [job_from_entries(t, es) for t, es in sorted(by_token.items())]
+        else:  # one job per token and uid (NOTE [whose job] in ``shmloaderd.registry``)
+            by_job.setdefault((e.header.token, e.header.uid), []).append(e)
+    jobs = [job_from_entries(t, es) for (t, _), es in sorted(by_job.items())]
     return {
         "schema": SCHEMA,
         "source": source,

@@ -784,7 +784,7 @@ def test_a_grant_counts_from_the_bytes_the_job_already_holds() -> None:
         assert reg.admit({"token": token, "bytes": one, "pid": os.getpid(), "start": MY_START})[
             "admitted"
         ]
-        job = reg.jobs[token]
+        job = reg.find(token)
         assert job.observed == one
         assert reg.in_use() == 2 * one, "the grant was counted against bytes held before it"
         more = Segment.create_unique(f"/shml-{token}-1", KIND_DATA, token, 1 << 20)
@@ -983,13 +983,13 @@ def test_reports_of_invented_ranks_do_not_grow_the_daemon(daemons: Daemons) -> N
     for rank in range(2, 200_002):
         assert reg.report({"token": token, "rank": rank, "consumed": 1})["ok"] is False
     assert reg.report({"token": token, "rank": 1, "consumed": 3})["ok"] is True
-    assert set(reg.jobs[token].reports) == {1}
+    assert set(reg.find(token).reports) == {1}
     # admissions with invented pids and too many pending grants are bounded too
     other = new_token()
     for pid in range(1, 1000):
         reg.admit({"token": other, "bytes": 1, "pid": pid, "start": 1})
-    assert len(reg.jobs[other].owners) <= MAX_OWNERS
-    assert len(reg.jobs[other].grants) <= MAX_GRANTS
+    assert len(reg.find(other).owners) <= MAX_OWNERS
+    assert len(reg.find(other).grants) <= MAX_GRANTS
 
     # the real daemon, 20,000 pipelined reports of invented ranks
     d = daemons.start()

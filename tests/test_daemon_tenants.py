@@ -250,6 +250,11 @@ def users(path: str, *uids: int) -> Iterator[list[User]]:
             u.close()
 
 
+def _job_of(doc: dict, token: str, uid: int) -> dict | None:
+    """The job ``token`` of ``uid`` in a stat document (NOTE [whose job])."""
+    return next((j for j in doc["jobs"] if j["token"] == token and j["uid"] == uid), None)
+
+
 def _metrics(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         text = r.read().decode()
@@ -289,8 +294,8 @@ def test_node_mode_flags_and_peer_credentials() -> None:
     assert peer_of(Frame("localhost")) is None
     # no credentials: refused in node mode, never in single-user mode
     fields = {"token": "ab", "bytes": 1}
-    assert "cannot tell who" in Tenancy(True).check("admit", fields, None, lambda t: set())
-    assert Tenancy(False).check("admit", fields, None, lambda t: {5}) is None
+    assert "cannot tell who" in Tenancy(True).check("admit", fields, None)
+    assert Tenancy(False).check("admit", fields, None) is None
 
 
 # ------------------------------------------------------ two users, one daemon
@@ -373,7 +378,8 @@ def _two_users(daemons: Daemons, path: str, port: int, base: str, a_uid: int, b_
         mine = admin.format_table(sa)
         assert "other users: " in mine and f"uid {a_uid} ({a_uid}): " in mine and tb not in mine
 
-        # -- naming the other user's token or pid is refused, and logged
+        # -- naming the other user's token reaches only a job of one's own (NOTE [whose job])
+        before = _job_of(d.stats(), tb, b_uid)
         for op, fields in (
             ("report", {"token": tb, "rank": 0, "consumed": 1}),
             ("adopt", {"token": tb, "name": f"/shml-{tb}-9.0.ab", "bytes": 1, "pid": a.pid,
@@ -383,37 +389,49 @@ def _two_users(daemons: Daemons, path: str, port: int, base: str, a_uid: int, b_
             ("admit", {"token": tb, "bytes": 1}),
         ):  # fmt: skip
             reply = a.call("request", op, fields)
-            assert not reply["ok"] and f"belongs to uid {b_uid}" in reply["error"], (op, reply)
+            assert reply, (op, reply)
+            after = _job_of(d.stats(), tb, b_uid)
+            assert after is not None and after["registered"], (op, after)
+            assert after["pids"] == before["pids"] and after["job"] == before["job"], op
+            assert [j["token"] for j in b.call("stats")["jobs"]] == [tb], op
+            assert tb not in json.dumps(a.call("stats")["jobs"]) or _job_of(
+                a.call("stats"), tb, a_uid
+            ), op
+        assert not reply.get("admitted") and "no control segment" in reply["reason"], reply
+        adopted = shm_path(f"/shml-{tb}-9.0.ab")  # A's own file, if the pool had one: A's bytes
+        if os.path.exists(adopted):
+            assert os.stat(adopted).st_uid == a_uid
+            os.unlink(adopted)
+        wait_until(lambda: d.stats()["daemon"]["uids"][str(a_uid)]["bytes"] < 1 << 20, 5, "gone")
         reply = a.call("request", "register", {"token": ta, "group": [0],
                                                "pids": {"0": [b.pid, 0]}})  # fmt: skip
         assert not reply["ok"] and f"pid {b.pid} belongs to uid {b_uid}" in reply["error"]
-        assert f"refused 'report' from uid {a_uid}" in d.output()
-        assert tb in {j["token"] for j in d.stats()["jobs"]}  # B's job untouched
+        assert f"refused 'register' from uid {a_uid}" in d.output()
 
-        # -- a token claimed by B before its control segment existed goes to the segment's owner
+        # -- a token B registered before A's ring of that token existed: each keeps its own
         tc = new_token()
         claim = {"token": tc, "group": [0], "pids": {"0": [b.pid, 0]}}
         assert b.call("request", "register", claim)["ok"]
-        assert {j["token"]: j["uid"] for j in d.stats()["jobs"]}[tc] == b_uid
         rc = a.call("ring", [1], tc)  # A's ring: its control segment is A's
-        job = next(j for j in d.stats()["jobs"] if j["token"] == tc)
-        assert job["uid"] == a_uid and job["registered"] and job["job"] == f"job-of-{a_uid}"
-        reply = b.call("request", "report", {"token": tc, "rank": 0, "consumed": 1})
-        assert not reply["ok"] and f"belongs to uid {a_uid}" in reply["error"]
-        assert "the claim is dropped" in d.output()
+        job = _job_of(d.stats(), tc, a_uid)
+        assert job is not None and job["registered"] and job["job"] == f"job-of-{a_uid}"
+        assert job["bytes"] >= 100_000  # A's ring is counted to A ...
+        claimed = _job_of(d.stats(), tc, b_uid)
+        assert claimed is not None and claimed["bytes"] == 0  # ... and nothing of it to B
+        assert b.call("request", "report", {"token": tc, "rank": 0, "consumed": 1})["ok"]
 
         # -- a control segment B plants under A's token takes nothing from A
         planted = b.call("plant_control", ta)
         time.sleep(0.5)  # reaper passes see both control segments
         assert a.call("request", "report", {"token": ta, "rank": 0, "consumed": 1})["ok"]
-        reply = b.call("request", "report", {"token": ta, "rank": 0, "consumed": 1})
-        assert not reply["ok"] and f"belongs to uid {a_uid}" in reply["error"]
-        assert {j["token"]: j["uid"] for j in d.stats()["jobs"]}[ta] == a_uid
+        mine = _job_of(a.call("stats"), ta, a_uid)
+        assert mine is not None and mine["registered"] and mine["job"] == f"job-of-{a_uid}"
+        assert _job_of(d.stats(), ta, a_uid)["ranks"]["0"]["batches"] == 1
 
         # -- per-uid budget: A is refused past its 4 MiB, B (no uid budget) admitted
         refused = a.call("admit", ta, 8 << 20)
         assert refused.startswith("refused") and f"budget of uid {a_uid}" in refused
-        assert "4.0 MiB" in refused and tb not in refused, refused
+        assert "4.0 MiB" in refused and f"job-of-{b_uid}" not in refused, refused
         assert "but only 3." in refused, refused  # what is left of A's budget
         assert b.call("admit", tb, 8 << 20) == "granted"
 
@@ -425,13 +443,14 @@ def _two_users(daemons: Daemons, path: str, port: int, base: str, a_uid: int, b_
         # -- the node budget still caps the sum; its refusal shows B only totals of A's jobs
         refused = b.call("admit", tb, 64 << 20)
         assert "node budget" in refused and "job(s) of other users" in refused, refused
-        assert ta not in refused and tc not in refused and tb in refused
+        assert f"job-of-{a_uid}" not in refused and tb in refused, refused
 
         # -- metrics carry the uid (from the stats of the latest reaper pass)
         refused_key = (
             f'shmloaderd_uid_admissions_total{{result="refused",uid="{a_uid}",user="{a_uid}"}}'
         )
-        wait_until(lambda: _metrics(port).get(refused_key) == 1, 3, "uid rows in the metrics", 0.1)
+        # two: A's admit of its own job under B's token (no control segment), its budget
+        wait_until(lambda: _metrics(port).get(refused_key) == 2, 3, "uid rows in the metrics", 0.1)
         values = _metrics(port)
         assert values[f'shmloaderd_uid_budget_bytes{{uid="{a_uid}",user="{a_uid}"}}'] == 4 << 20
         assert values[f'shmloaderd_uid_reaped_bytes_total{{uid="{b_uid}",user="{b_uid}"}}'] > 0

@@ -64,6 +64,7 @@ from shmloader.segment import HEADER_SIZE
 
 from . import notify, protocol
 from ._version import __version__
+from .guard import DEFAULT_MAX_UID_CONNECTIONS, ConnectionGuard
 from .pool import Pool
 from .registry import MAX_OWNERS, Job, Registry, RegistryFull, _from_description
 from .tenants import Peer, Tenancy, UidBudgets, peer_of, user_name
@@ -126,8 +127,11 @@ class Daemon:
         tenants: bool = False,
         uid_budgets: UidBudgets | None = None,
         shm_dirs: list[str] | None = None,
+        max_uid_connections: int = DEFAULT_MAX_UID_CONNECTIONS,
     ) -> None:
         self.path = os.path.abspath(socket_path)
+        self.max_uid_connections = max_uid_connections  # NOTE [connection bound] in ``guard``
+        self.guard: ConnectionGuard | None = None
         # ring directories reaped and accounted (``--shm-dir``; NOTE [huge-page ring])
         self.shm_dirs = ring_dirs() if shm_dirs is None else shm_dirs
         self.budget = budget
@@ -214,10 +218,13 @@ class Daemon:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE)
         sock.setsockopt(zmq.SNDTIMEO, 0)
+        # before bind: no connection is accepted unseen (NOTE [connection bound] in ``guard``)
+        guard = ConnectionGuard(sock, self.path, self.max_uid_connections)
         old = os.umask(0o111 if tenants else 0o177)
         try:
             sock.bind(f"ipc://{self.path}")
         except zmq.ZMQError as exc:
+            guard.close()
             sock.close(linger=0)
             raise StartError(f"cannot bind {self.path}: {exc}") from None
         finally:
@@ -226,6 +233,8 @@ class Daemon:
             os.chmod(directory, stat.S_IMODE(os.lstat(directory).st_mode) | 0o555)
         os.chmod(self.path, 0o666 if tenants else 0o600)
         self.sock = sock
+        self.guard = guard
+        guard.start()
         self._bound = True
         self.pool.start()
         log.info(
@@ -559,6 +568,7 @@ class Daemon:
             "pool_bytes": self.pool.nbytes,
             "pool_segments": len(self.pool.items),
             "tenants": self.tenancy.enabled,
+            "connections_shed": 0 if self.guard is None else self.guard.shed,
             "uids": self._uids(doc["jobs"], now),
         }
         return doc
@@ -655,6 +665,9 @@ class Daemon:
     def close(self) -> None:
         """Close the socket and unlink the pool; live jobs' segments stay."""
         self.pool.close()
+        if self.guard is not None:
+            self.guard.close()
+            self.guard = None
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None

@@ -87,7 +87,12 @@ class Daemons:
         self.all: list[Daemon] = []
 
     def start(
-        self, *args: str, env: dict | None = None, wait: bool = True, name: str = "c.sock"
+        self,
+        *args: str,
+        env: dict | None = None,
+        wait: bool = True,
+        name: str = "c.sock",
+        preexec=None,
     ) -> Daemon:
         path = os.path.join(self.dir, name)
         log = os.path.join(self.dir, f"log{len(self.all)}")
@@ -100,6 +105,7 @@ class Daemons:
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **(env or {})},
                 cwd=REPO,
+                preexec_fn=preexec,
             )
         d = Daemon(proc, path, log)
         self.all.append(d)

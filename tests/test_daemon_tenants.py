@@ -37,7 +37,7 @@ from shmloader import admin, channel, segment
 from shmloader.daemon_client import DaemonClient
 from shmloader.errors import ShmCapacityError, human_bytes
 from shmloader.ring import RingWriter, control_stem, new_token
-from shmloader.segment import KIND_CONTROL, KIND_DATA, Segment, shm_path
+from shmloader.segment import KIND_CONTROL, KIND_DATA, KIND_PROBE, Segment, shm_path
 from tests.test_daemon import Daemons, daemons, exists, wait_until  # noqa: F401 (fixture)
 
 #: Two uids no account or process of this machine uses (checked by ``free_uids``).
@@ -94,6 +94,99 @@ def cmd_ring(readers: list[int], token: str = "") -> dict:
     _client().register(desc)
     names = [n for n in segment.list_segments() if n.startswith(f"/shml-{token}-")]
     return {"token": token, "names": names}
+
+
+def cmd_probe(token: str) -> str:
+    """A ring's probe segment, as topology discovery makes it: its token is now listable."""
+    seg = Segment.create_unique(f"/shml-{token}-probe", KIND_PROBE, token, 0)
+    _state.setdefault("held", []).append(seg)
+    return seg.name
+
+
+def cmd_victim_ring(token: str, slots: int, nbytes: int) -> dict:
+    """A ring told to the daemon as a job does (each slot admitted before it is made):
+    ``slots`` batches of ``nbytes`` published and held. Stops at the first refusal."""
+    pid, start, ns = os.getpid(), segment.MY_START, segment.MY_PIDNS
+    desc = {
+        "token": token, "group": [0, 1], "leader": 0, "writer": 0, "node": [0, 1],
+        "pids": {"0": [pid, start, ns]}, "world": 2, "job": f"job-of-{os.getuid()}",
+    }  # fmt: skip
+    ring = RingWriter(token, frozenset([1]), desc, daemon=_client())
+    _state.setdefault("rings", []).append(ring)
+    _client().register(desc)
+    made = 0
+    try:
+        for i in range(slots):
+            slot = ring.acquire(nbytes)
+            ring.publish(slot, i, nbytes, 1_000_000)
+            made += 1
+    except ShmCapacityError as exc:
+        return {"made": made, "refused": str(exc)}
+    return {"made": made, "refused": None}
+
+
+def cmd_steal(victim_uid: int) -> list:
+    """The hostile user: for every probe segment of ``victim_uid`` in /dev/shm, plant a
+    control segment of its own under that token, then admit and register it."""
+    stolen = []
+    for name in segment.list_segments():
+        token = name[len("/shml-") :].split("-", 1)[0]
+        if "-probe." not in name or os.stat(shm_path(name)).st_uid != victim_uid:
+            continue
+        planted = Segment.create_unique(control_stem(token), KIND_CONTROL, token, 4096)
+        _state.setdefault("held", []).append(planted)
+        replies = [
+            _client().request("admit", token=token, bytes=1, pid=os.getpid(),
+                              start=segment.MY_START, pidns=segment.MY_PIDNS),
+            _client().request("register", token=token, group=[0],
+                              pids={"0": [os.getpid(), segment.MY_START, segment.MY_PIDNS]}),
+        ]  # fmt: skip
+        stolen.append({"token": token, "replies": replies})
+    return stolen
+
+
+def cmd_flood(path: str, n: int) -> int:
+    """Open ``n`` idle unix connections to the daemon's socket (no ZeroMQ handshake)."""
+    conns = _state.setdefault("flood", [])
+    deadline = time.monotonic() + 15
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        while True:  # blocking: waits while the listen backlog is full
+            try:
+                s.connect(path)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, "the daemon stopped accepting"
+                time.sleep(0.01)
+        conns.append(s)
+    return len(conns)
+
+
+def cmd_flood_closed() -> int:
+    """How many of the flood's connections the daemon has closed (EOF after its greeting)."""
+    closed = 0
+    for s in _state.get("flood", []):
+        s.setblocking(False)
+        try:
+            while s.recv(4096):
+                pass
+            closed += 1
+        except BlockingIOError:
+            continue
+    return closed
+
+
+def cmd_flood_end() -> None:
+    for s in _state.pop("flood", []):
+        s.close()
+
+
+def cmd_subdir_ring() -> dict:
+    """SHMLOADER_SHM_DIR=/dev/shm/<a 0700 directory of our own>, then a job's ring."""
+    where = tempfile.mkdtemp(prefix="shml-sub-", dir="/dev/shm")  # 0700, ours
+    segment.use_dir(where)
+    got = cmd_victim_ring(new_token(), 2, 3 << 20)
+    return {"dir": where, **got}
 
 
 def cmd_stats() -> dict:
@@ -467,3 +560,184 @@ def _two_users(daemons: Daemons, path: str, port: int, base: str, a_uid: int, b_
             assert f"uid {uid} {uid}, job job-of-{uid} (ring {token})): owner pid" in log, log
     for name in (a_left, b_left, b_left2):
         assert not os.path.exists(shm_path(name))
+
+
+# ------------------------------------------------------------- a hostile user
+
+
+def _node_daemon(daemons: Daemons, *args: str, **kw):  # noqa: F811
+    os.chmod(daemons.dir, 0o755)  # the users reach the socket through it
+    path = os.path.join(daemons.dir, "c.sock")
+    return path, daemons.start("--tenants", "--reap-interval", "0.2", *args, **kw)
+
+
+@pytest.mark.timeout(90)
+def test_a_planted_control_segment_and_an_admit_naming_a_token_take_no_ring(
+    daemons: Daemons,  # noqa: F811
+) -> None:
+    """A watches /dev/shm; the moment B's probe shows B's token, A plants a control
+    segment of its own under it and admits and registers that token. B's ring is
+    still B's: B's budget still binds it, its stats are B's, A sees nothing of it.
+    Before, B's own requests were refused from then on, B's client took the refused
+    admissions as grants and ran past its budget, and A's stats listed B's job."""
+    a_uid, b_uid = free_uids()
+    path, d = _node_daemon(daemons, "--uid-budget", f"{b_uid}=4M")
+    with users(path, a_uid, b_uid) as (a, b):
+        token = new_token()
+        b.call("probe", token)
+        stolen = a.call("steal", b_uid)
+        assert [t["token"] for t in stolen] == [token], stolen
+        time.sleep(0.5)  # reaper passes see the planted control segment alive
+        got = b.call("victim_ring", token, 8, 3 << 20)
+        assert got["made"] == 1, f"B ran past its 4 MiB budget: {got}"
+        assert f"budget of uid {b_uid}" in got["refused"], got
+        mine = _job_of(b.call("stats"), token, b_uid)
+        assert mine is not None and mine["registered"] and mine["job"] == f"job-of-{b_uid}"
+        assert mine["bytes"] >= 3 << 20, mine  # B's slot counts to B
+        seen = a.call("stats")
+        assert f"job-of-{b_uid}" not in json.dumps(seen), seen
+        assert str(b.pid) not in json.dumps(seen["jobs"]), seen["jobs"]
+        assert all(j["bytes"] < 1 << 20 for j in seen["jobs"]), seen["jobs"]  # nothing of B's
+        full = d.stats()
+        theirs = _job_of(full, token, a_uid)
+        assert theirs is None or theirs["bytes"] < 1 << 20, theirs
+        assert _job_of(full, token, b_uid)["pids"]["0"][0] == b.pid
+
+
+@pytest.mark.timeout(30)
+def test_a_refused_admit_is_a_refusal(tmp_path) -> None:
+    """A daemon answering ``admit`` with ``ok: false`` refused it: ShmCapacityError
+    naming its reason (read as a grant before, the job ran past its budget)."""
+    import threading
+
+    import zmq
+
+    path = str(tmp_path / "c.sock")
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(f"ipc://{path}")
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if router.poll(50):
+                ident, empty, body = router.recv_multipart()
+                op = json.loads(body)["op"]
+                reply = {"v": 1, "ok": op == "hello", "daemon_id": "x"}
+                if op != "hello":
+                    reply["error"] = "refused: pid 1 belongs to uid 0, not to uid 5"
+                router.send_multipart([ident, empty, json.dumps(reply).encode()])
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    client = DaemonClient(path, timeout=5.0)
+    try:
+        assert client.connect()
+        with pytest.raises(ShmCapacityError, match="pid 1 belongs to uid 0") as info:
+            client.admit("abc123", 3 << 20)
+        assert "refused ring abc123" in str(info.value)
+    finally:
+        client.close()
+        stop.set()
+        t.join(5)
+        router.close(linger=0)
+        ctx.term()
+
+
+@pytest.mark.timeout(90)
+def test_idle_connections_of_one_user_do_not_take_the_daemon_down(
+    daemons: Daemons,  # noqa: F811
+) -> None:
+    """600 idle unix connections of one user (no ZeroMQ handshake), in two waves,
+    to a daemon whose open-file limit is 128 soft, 400 hard. Before, libzmq
+    aborted the daemon at its soft limit (EMFILE in accept); now it raises its
+    limit to the hard one and closes a uid's connections past the bound, and
+    another user is still served."""
+    a_uid, b_uid = free_uids()
+    path, d = _node_daemon(daemons, "--max-uid-connections", "32", preexec=_low_fd_limit)
+    with users(path, a_uid, b_uid) as (a, b):
+        for wave in (1, 2):
+            assert a.call("flood", path, 300) == 300 * wave
+            wait_until(
+                lambda w=wave: a.call("flood_closed") >= 300 * w - 32,
+                20,
+                f"the daemon closed the connections past the bound (wave {wave})",
+                0.2,
+            )
+            assert d.proc.poll() is None, d.output()
+            assert b.call("stats")["daemon"]["tenants"] is True  # another user is served
+        assert a.call("flood_closed") <= 600 - 32  # the first 32 stay: the bound, not a ban
+        a.call("flood_end")
+        assert "closed a connection of uid" in d.output()
+        assert d.stats()["daemon"]["connections_shed"] >= 600 - 32
+
+
+def _low_fd_limit() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (128, 400))
+
+
+@pytest.mark.timeout(90)
+def test_a_ring_in_a_directory_the_daemon_does_not_watch_is_refused(
+    daemons: Daemons,  # noqa: F811
+) -> None:
+    """SHMLOADER_SHM_DIR=/dev/shm/<own 0700 directory>: the daemon scans only its
+    ring directories, so such a ring counted 0 bytes and a second job went past
+    the uid's budget. Now its admission is refused, naming the directories."""
+    a_uid, _ = free_uids()
+    path, _d = _node_daemon(daemons, "--uid-budget", f"{a_uid}=8M")
+    with users(path, a_uid) as (a,):
+        got = a.call("subdir_ring")
+        try:
+            assert got["made"] == 0, f"a ring in {got['dir']} was admitted: {got}"
+            assert "no control segment in the ring directories" in got["refused"], got
+            assert f"its ring directory is {got['dir']}" in got["refused"], got
+            assert "/dev/shm" in got["refused"] and "--shm-dir" in got["refused"]
+        finally:
+            a.close()
+            shutil.rmtree(got["dir"], ignore_errors=True)
+
+
+@pytest.mark.timeout(90)
+def test_the_default_uid_budget_bounds_every_uid_without_its_own(
+    daemons: Daemons,  # noqa: F811
+) -> None:
+    a_uid, b_uid = free_uids()
+    path, _d = _node_daemon(daemons, "--default-uid-budget", "4M", "--uid-budget", f"{b_uid}=16M")
+    with users(path, a_uid, b_uid) as (a, b):
+        ta, tb = a.call("ring", [1])["token"], b.call("ring", [1])["token"]
+        refused = a.call("admit", ta, 6 << 20)
+        assert refused.startswith("refused") and f"budget of uid {a_uid}" in refused, refused
+        assert "4.0 MiB" in refused, refused
+        assert b.call("admit", tb, 6 << 20) == "granted"  # its own, larger budget applies
+
+
+@pytest.mark.timeout(90)
+def test_a_pid_said_to_be_in_our_namespace_is_checked_against_the_caller(
+    daemons: Daemons,  # noqa: F811
+) -> None:
+    """Only a pid of another pid namespace may skip the check of its uid."""
+    a_uid, b_uid = free_uids()
+    path, _d = _node_daemon(daemons)
+    with users(path, a_uid, b_uid) as (a, b):
+        b.call("stats")  # B runs as its uid by now
+        token = new_token()
+        start = segment.proc_start_time(b.pid)
+        for pair in ([b.pid, start], [b.pid, start, 0], [b.pid, start, segment.MY_PIDNS]):
+            reply = a.call("request", "register", {"token": token, "group": [0],
+                                                   "pids": {"0": pair}})  # fmt: skip
+            assert not reply["ok"] and f"pid {b.pid} belongs to uid {b_uid}" in reply["error"]
+            for op in ("admit", "adopt"):
+                fields = {"token": token, "bytes": 1, "pid": b.pid, "start": start,
+                          "name": f"/shml-{token}-0.0.ab"}  # fmt: skip
+                if len(pair) == 3:
+                    fields["pidns"] = pair[2]
+                reply = a.call("request", op, fields)
+                assert (
+                    not reply["ok"] and f"pid {b.pid} belongs to uid {b_uid}" in reply["error"]
+                ), (op, pair, reply)
+        foreign = [b.pid, start, segment.MY_PIDNS + 1]  # cannot be checked: never judged
+        reply = a.call("request", "register", {"token": token, "group": [0],
+                                               "pids": {"0": foreign}})  # fmt: skip
+        assert reply["ok"], reply

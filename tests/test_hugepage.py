@@ -230,9 +230,7 @@ def test_stat_gc_and_the_daemon_follow_the_ring_directory(huge_dir, monkeypatch,
 
 
 @pytest.mark.parametrize("mode", [0o770, 0o775, 0o730, 0o777, 0o722])
-def test_a_directory_its_group_or_others_may_write_without_sticky_bit_is_refused(
-    tmp_path, mode
-):
+def test_a_directory_its_group_or_others_may_write_without_sticky_bit_is_refused(tmp_path, mode):
     """Writable by its group alone is as unsafe as by everyone: a member of the
     group could remove or replace our segments. The sticky bit makes it safe."""
     d = tmp_path / "shared"

@@ -27,6 +27,18 @@ What counts as ours (NOTE [reaping rule])
     ``gc`` sees only its own uid's files (the rule above); the opportunistic
     reaping of a starting loader stays on its own uid even as root.
 
+NOTE [every ring directory]
+    ``gc`` and ``stat`` look in every ring directory the node's jobs may use,
+    without being told: /dev/shm, ``SHMLOADER_SHM_DIR`` when set, the
+    daemon's ``--shm-dir`` list (its ``hello`` says them, when the daemon
+    answers) and the directory of the shipped systemd mount
+    (``ringdir.SYSTEMD_RING_DIR``) when it exists (``node_ring_dirs``).
+    Before, ``gc`` without ``SHMLOADER_SHM_DIR`` reported "nothing to
+    collect" while dead jobs' segments sat in the huge-page directory. The
+    table names each directory with its own size and room in its header,
+    and where a job's ring is on the job's own lines, never a directory it
+    is not in (nor ``None`` for a dead job's record, which has none).
+
 Where ``stat`` gets its document
     ``--daemon PATH``, else ``SHMLOADER_DAEMON``, else the system daemon's
     default socket (``/run/shmloader/control.sock``) when it exists; if none
@@ -326,6 +338,32 @@ def ring_dirs(extra: list[str] | tuple[str, ...] = ()) -> list[str]:
             seen.add(real)
             out.append(d)
     return out
+
+
+def node_ring_dirs(daemon: str | None = None, timeout: float = 1.0) -> list[str]:
+    """Every ring directory this node's jobs may use (NOTE [every ring directory]):
+    ``ring_dirs`` plus the daemon's ``--shm-dir`` list (from its ``hello``, when
+    ``daemon`` names a socket that answers) and the systemd mount's directory."""
+    extra: list[str] = []
+    if daemon:
+        client = daemon_client.DaemonClient(daemon, timeout=timeout)
+        try:
+            hello = client.request("hello")
+        finally:
+            client.close()
+        dirs = (hello or {}).get("shm_dirs")
+        if isinstance(dirs, list):
+            extra += [d for d in dirs if isinstance(d, str) and os.path.isabs(d)]
+    return ring_dirs([*extra, ringdir.SYSTEMD_RING_DIR])
+
+
+def daemon_path(daemon: str | None = None) -> str | None:
+    """The daemon socket ``stat``/``gc`` ask: ``--daemon``, ``SHMLOADER_DAEMON``, else
+    the system daemon's default socket when it exists."""
+    path = daemon or os.environ.get("SHMLOADER_DAEMON") or None
+    if path is None and os.path.exists(daemon_client.DEFAULT_SOCKET):
+        path = daemon_client.DEFAULT_SOCKET
+    return path
 
 
 def dir_row(directory: str) -> dict[str, Any]:
@@ -746,12 +784,14 @@ def notes(jobs: list[dict[str, Any]], source: str) -> list[str]:
     return out
 
 
-def scan() -> dict[str, Any]:
-    """The stat document built from /dev/shm headers alone (``source: "scan"``).
+def scan(dirs: list[str] | None = None) -> dict[str, Any]:
+    """The stat document built from segment headers alone (``source: "scan"``), of
+    ``dirs`` (default: ``node_ring_dirs()``, NOTE [every ring directory]).
 
     Root sees every uid's jobs (``uid``/``user`` say whose); a user its own.
     """
-    return build_document(scan_entries(every_uid=os.geteuid() == 0), "scan")
+    dirs = node_ring_dirs() if dirs is None else dirs
+    return build_document(scan_entries(every_uid=os.geteuid() == 0, dirs=dirs), "scan", dirs)
 
 
 # -------------------------------------------------------------------------- gc
@@ -966,8 +1006,10 @@ def register(subparsers: Any) -> None:
     g = subparsers.add_parser(
         "gc",
         help="remove segments and sockets left by dead processes",
-        description="Remove shmloader segments in /dev/shm whose owner process is gone "
-        "(header validated first; live owners are never touched) and stale sockets.",
+        description="Remove shmloader segments whose owner process is gone from every ring "
+        "directory of the node (/dev/shm, SHMLOADER_SHM_DIR, the daemon's --shm-dir, "
+        "/mnt/shmloader; headers validated first, live owners never touched) and stale "
+        "sockets.",
     )
     g.add_argument("--dry-run", action="store_true", help="list what would go, remove nothing")
     g.add_argument("--json", action="store_true", help="print the list as JSON")
@@ -994,15 +1036,20 @@ def register(subparsers: Any) -> None:
         metavar="PID",
         help="only what this (dead) process owned (repeatable)",
     )
+    g.add_argument(
+        "--daemon",
+        default=None,
+        metavar="PATH",
+        help="shmloaderd control socket whose --shm-dir directories to look in too "
+        "(default: SHMLOADER_DAEMON, else /run/shmloader/control.sock when it exists)",
+    )
     g.set_defaults(func=cmd_gc)
 
 
 def get_stats(daemon: str | None, timeout: float = 1.0) -> tuple[dict[str, Any], str]:
     """The stat document and a note saying where it came from."""
     default_socket = daemon_client.DEFAULT_SOCKET
-    path = daemon or os.environ.get("SHMLOADER_DAEMON") or None
-    if path is None and os.path.exists(default_socket):
-        path = default_socket
+    path = daemon_path(daemon)
     if path:
         client = daemon_client.DaemonClient(path, timeout=timeout)
         try:
@@ -1011,9 +1058,9 @@ def get_stats(daemon: str | None, timeout: float = 1.0) -> tuple[dict[str, Any],
             client.close()
         if doc is not None:
             return doc, f"from shmloaderd at {path}"
-        return scan(), f"shmloaderd at {path} did not answer; scanning /dev/shm headers instead"
+        return scan(), f"shmloaderd at {path} did not answer; scanning the ring directories"
     return scan(), (
-        f"no daemon (SHMLOADER_DAEMON unset, no {default_socket}); scanning /dev/shm headers"
+        f"no daemon (SHMLOADER_DAEMON unset, no {default_socket}); scanning the ring directories"
     )
 
 
@@ -1059,6 +1106,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         owners=set(args.owner_pid) if args.owner_pid else None,
         jobs=set(args.job) if args.job else None,
         every_uid=os.geteuid() == 0,  # root: every user's leftovers (NOTE [reaping rule])
+        dirs=node_ring_dirs(daemon_path(getattr(args, "daemon", None))),
     )
     if args.json:
         print(json.dumps(items, indent=2))
@@ -1124,12 +1172,17 @@ def _pct(share: float | None) -> str:
 def format_table(doc: dict[str, Any]) -> str:
     """The human view of a stat document."""
     node = doc["node"]
-    size, free = node.get("shm_size_bytes"), node.get("shm_free_bytes")
-    lines = [
-        f"node {node['hostname']}: {node['shm_dir']} "
-        f"{_dash(size and human_bytes(size))} total, {_dash(free and human_bytes(free))} free, "
-        f"{human_bytes(node['shmloader_bytes'])} held by shmloader"
-    ]
+    rows = node.get("shm_dirs") or [
+        {"path": node["shm_dir"], "size_bytes": node.get("shm_size_bytes"),
+         "free_bytes": node.get("shm_free_bytes")}
+    ]  # fmt: skip
+    where = "; ".join(
+        f"{r['path']} {_dash(r.get('size_bytes') and human_bytes(r['size_bytes']))} total, "
+        f"{_dash(r.get('free_bytes') and human_bytes(r['free_bytes']))} free"
+        for r in rows
+    )  # NOTE [every ring directory]: each directory says its own room
+    held = human_bytes(node["shmloader_bytes"])
+    lines = [f"node {node['hostname']}: {where}; {held} held by shmloader"]
     daemon = doc.get("daemon")
     if daemon:
         budget = daemon.get("budget_bytes")
@@ -1190,12 +1243,13 @@ def format_table(doc: dict[str, Any]) -> str:
                 lines.append(
                     f"    dead: `shmloader gc` frees {human_bytes(j['reclaimable_bytes'])}"
                 )
-            if j.get("huge_pages") or j.get("shm_dir", node["shm_dir"]) != node["shm_dir"]:
+            ring_dir = j.get("shm_dir")  # None: not known (a dead job's record, nothing named)
+            if ring_dir and (j.get("huge_pages") or len(rows) > 1 or ring_dir != ringdir.DEFAULT):
                 pages = "2 MiB pages" if j.get("huge_pages") else "4 KiB pages"
-                lines.append(f"    ring in {j.get('shm_dir')}: {pages}")
+                lines.append(f"    ring in {ring_dir}: {pages}")
             if j.get("granted_pending_bytes"):
                 lines.append(
-                    f"    admitted, not in {node['shm_dir']} yet: "
+                    f"    admitted, not in {ring_dir or 'its ring directory'} yet: "
                     f"{human_bytes(j['granted_pending_bytes'])} (counted against the budget)"
                 )
             rows = _merged_ranks(j)
@@ -1220,9 +1274,10 @@ def format_table(doc: dict[str, Any]) -> str:
         lines.append("† writer process is gone: `shmloader gc` (or shmloaderd) frees its segments")
     if any(_merged_ranks(j) for j in jobs):
         lines.append(
-            "HELD: bytes in /dev/shm now. WAIT P50/P95/P99: wait for a batch over recent "
-            "batches. WAITING: share of wall time spent waiting since the first batch (high on "
-            "the leader: the input pipeline is the bottleneck). TRAFFIC: payload bytes "
+            "HELD: bytes the job holds in its ring directory now. WAIT P50/P95/P99: wait for "
+            "a batch over recent batches. WAITING: share of wall time spent waiting since the "
+            "first batch (high on the leader: the input pipeline is the bottleneck). TRAFFIC: "
+            "payload bytes "
             "published or received so far, not memory"
         )
     for row in node.get("shm_dirs") or []:  # NOTE [huge-page ring] in ``ringdir``

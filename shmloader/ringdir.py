@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 
 #: The default ring directory.
 DEFAULT = "/dev/shm"
+#: The huge-page ring directory of the shipped systemd mount (systemd/mnt-shmloader.mount):
+#: ``shmloader gc`` and ``stat`` look there too when it exists.
+SYSTEMD_RING_DIR = "/mnt/shmloader"
 #: The huge page size slots are sized and aligned to (x86-64 and most arm64 kernels).
 HUGE = 2 << 20
 #: ``statfs.f_type`` of a tmpfs, and of a hugetlbfs (which takes no ``write()``).

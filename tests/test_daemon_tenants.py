@@ -741,3 +741,35 @@ def test_a_pid_said_to_be_in_our_namespace_is_checked_against_the_caller(
         reply = a.call("request", "register", {"token": token, "group": [0],
                                                "pids": {"0": foreign}})  # fmt: skip
         assert reply["ok"], reply
+
+
+def cmd_junk_jobs(n: int) -> int:
+    """Admit ``n`` invented tokens, each a job of its own for the daemon; how many answered."""
+    answered = 0
+    for _ in range(n):
+        reply = _client().request("admit", token=new_token(), bytes=1, pid=os.getpid(),
+                                  start=segment.MY_START, pidns=segment.MY_PIDNS)  # fmt: skip
+        answered += reply is not None
+    return answered
+
+
+@pytest.mark.timeout(120)
+def test_one_users_invented_jobs_do_not_fill_the_daemon_for_the_others(
+    daemons: Daemons,  # noqa: F811
+) -> None:
+    """4,100 admits of invented tokens by A (each made a job, up to the registry's
+    4,096): B's ring was then neither registered nor admitted. Now one user's jobs
+    are bounded (MAX_UID_JOBS), and B's ring is registered and admitted."""
+    from shmloaderd.registry import MAX_JOBS, MAX_UID_JOBS
+
+    a_uid, b_uid = free_uids()
+    path, d = _node_daemon(daemons)
+    with users(path, a_uid, b_uid) as (a, b):
+        assert a.call("junk_jobs", MAX_JOBS + 4, timeout=100) == MAX_JOBS + 4
+        mine = d.stats()["daemon"]["uids"][str(a_uid)]["jobs"]
+        assert mine <= MAX_UID_JOBS, mine
+        token = new_token()
+        got = b.call("victim_ring", token, 1, 1 << 20)
+        assert got == {"made": 1, "refused": None}, got
+        job = _job_of(b.call("stats"), token, b_uid)
+        assert job is not None and job["registered"], b.call("stats")["jobs"]

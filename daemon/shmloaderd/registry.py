@@ -95,7 +95,9 @@ NOTE [dead jobs stay visible]
 
 NOTE [bounded state]
     Whatever clients send, the daemon's memory stays bounded: at most
-    ``MAX_JOBS`` jobs and ``MAX_ENDED`` ended ones; per job, ``report`` rows only for ranks of its
+    ``MAX_JOBS`` jobs (in node mode at most ``MAX_UID_JOBS`` of one uid but
+    root's, so that one user cannot fill it for the others) and ``MAX_ENDED``
+    ended ones; per job, ``report`` rows only for ranks of its
     registered group (or, for a job not registered, of the group its control
     segment describes), at most ``MAX_OWNERS`` owner pids, ``MAX_GRANTS``
     pending grants and ``MAX_SEGMENTS`` declared segment names.
@@ -130,6 +132,10 @@ log = logging.getLogger("shmloaderd")
 GRANT_TTL_S = 30.0
 #: Jobs the registry tracks at most: a runaway client cannot grow it without bound.
 MAX_JOBS = 4096
+#: Jobs one uid other than root may have tracked at once in node mode: one user's
+#: junk (admits of invented tokens, planted control segments) cannot fill the
+#: registry for the others (NOTE [bounded state]).
+MAX_UID_JOBS = 256
 #: Per job (NOTE [bounded state]).
 MAX_OWNERS = 64
 MAX_GRANTS = 256
@@ -287,7 +293,8 @@ class Registry:
         uid = self.me if uid is None else uid
         job = self.jobs.get((uid, token))
         if job is None and any_uid:
-            job = next((j for (_, t), j in sorted(self.jobs.items()) if t == token), None)
+            same = [j for (_, t), j in self.jobs.items() if t == token]
+            job = min(same, key=lambda j: -1 if j.uid is None else j.uid, default=None)
         return job
 
     def job(self, token: str, uid: int | None = None, *, any_uid: bool = False) -> Job:
@@ -308,9 +315,20 @@ class Registry:
             raise RegistryFull(
                 f"shmloaderd already tracks {MAX_JOBS} jobs; unregister finished ones"
             )
+        if self._uid_full(uid):
+            raise RegistryFull(
+                f"shmloaderd already tracks {MAX_UID_JOBS} jobs of uid {uid}, the most one "
+                "user may have at once; end (or unregister) some of them"
+            )
         job = self.jobs[(uid, token)] = Job(token, uid=uid)
         self.ended.pop((uid, token), None)  # alive again (a restart that kept its token)
         return job
+
+    def _uid_full(self, uid: int) -> bool:
+        """Whether ``uid`` has its most jobs (node mode; NOTE [bounded state])."""
+        if not self.tenants or uid == 0:
+            return False
+        return sum(1 for u, _ in self.jobs if u == uid) >= MAX_UID_JOBS
 
     def _control_owners(self, token: str) -> set[int]:
         """Uids of the valid control segments of ``token`` in the ring directories."""
@@ -556,6 +574,8 @@ class Registry:
             if job is None:
                 if ctl is None or not ctl.alive or len(self.jobs) >= MAX_JOBS:
                     continue  # probes and dead leftovers are not jobs
+                if self._uid_full(key[0]):
+                    continue  # NOTE [bounded state]
                 job = self.jobs[key] = Job(key[1], uid=key[0])
                 _from_description(job, ctl)
                 log.info(

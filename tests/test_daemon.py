@@ -414,11 +414,11 @@ def test_register_admit_refuse_report_stats_metrics(daemons: Daemons, capsys) ->
         return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines()
                                           if ln[:1] != "#")}  # fmt: skip
 
-    lag_key = f'shmloaderd_follower_lag_batches{{rank="5",token="{token}"}}'
+    uid = f'uid="{os.geteuid()}"'  # whose job: its control segment's owner
+    lag_key = f'shmloaderd_follower_lag_batches{{rank="5",token="{token}",{uid}}}'
     wait_until(lambda: lag_key in metrics(), 3, "the report reaches the metrics", step=0.1)
     values = metrics()
     assert values[lag_key] == 2
-    uid = f'uid="{os.geteuid()}"'  # whose job: its control segment's owner
     share_key = f'shmloaderd_rank_wait_share{{job="",rank="4",role="leader",token="{token}",{uid}}}'
     assert values[share_key] == 0.75
     # the rank's waits as a Prometheus histogram, labelled by job and rank

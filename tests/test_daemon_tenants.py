@@ -581,7 +581,10 @@ def test_a_planted_control_segment_and_an_admit_naming_a_token_take_no_ring(
     Before, B's own requests were refused from then on, B's client took the refused
     admissions as grants and ran past its budget, and A's stats listed B's job."""
     a_uid, b_uid = free_uids()
-    path, d = _node_daemon(daemons, "--uid-budget", f"{b_uid}=4M")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path, d = _node_daemon(daemons, "--uid-budget", f"{b_uid}=4M", "--metrics-port", str(port))
     with users(path, a_uid, b_uid) as (a, b):
         token = new_token()
         b.call("probe", token)
@@ -602,6 +605,13 @@ def test_a_planted_control_segment_and_an_admit_naming_a_token_take_no_ring(
         theirs = _job_of(full, token, a_uid)
         assert theirs is None or theirs["bytes"] < 1 << 20, theirs
         assert _job_of(full, token, b_uid)["pids"]["0"][0] == b.pid
+        # two jobs of one token are two series (a duplicate one fails the whole scrape)
+        time.sleep(0.5)  # the metrics come from the latest reaper pass
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            series = [ln.rsplit(" ", 1)[0] for ln in r.read().decode().splitlines()
+                      if ln and not ln.startswith("#")]  # fmt: skip
+        mine = [x for x in series if token in x]
+        assert len(mine) == len(set(mine)) and any(f'uid="{b_uid}"' in x for x in mine), mine
 
 
 @pytest.mark.timeout(30)

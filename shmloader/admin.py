@@ -103,12 +103,14 @@ directories and what backs them, NOTE [huge-page ring] in ``ringdir``)::
                "uptime_s": float,
                "reaped_segments": int, "reaped_bytes": int, "reaped_sockets": int,
                "pool_bytes": int, "pool_segments": int,
+               "connections_shed": int,  # closed past --max-uid-connections
                "budget_left_bytes": int|null,   # of the node budget
                "tenants": bool,                 # node mode: every user of the node served
                "uids": {"<uid>": {"user": str, "jobs": int, "bytes": int,
                                   "budget_bytes": int|null, "budget_left_bytes": int|null,
                                   "reaped_segments": int, "reaped_bytes": int,
-                                  "admissions_granted": int, "admissions_refused": int}}},
+                                  "admissions_granted": int, "admissions_refused": int,
+                                  "connections": int}}},  # to the control socket now
                                         # a user's view: its own uid's row only
       "others": {"jobs": int, "bytes": int},   # only in a user's view of a node-mode
                                         # daemon: the rest of the node, as totals

@@ -565,6 +565,21 @@ def _two_users(daemons: Daemons, path: str, port: int, base: str, a_uid: int, b_
 # ------------------------------------------------------------- a hostile user
 
 
+def _left_by(*uids: int) -> list[str]:
+    """Names in /dev/shm owned by ``uids``."""
+    out = []
+    for e in os.scandir("/dev/shm"):
+        with contextlib.suppress(FileNotFoundError):
+            if e.stat(follow_symlinks=False).st_uid in uids:
+                out.append(e.name)
+    return out
+
+
+def _reaped(*uids: int) -> None:
+    """The users are gone: the (still running) daemon reaps what their jobs left."""
+    wait_until(lambda: not _left_by(*uids), 10, f"what uids {uids} left reaped", 0.1)
+
+
 def _node_daemon(daemons: Daemons, *args: str, **kw):  # noqa: F811
     os.chmod(daemons.dir, 0o755)  # the users reach the socket through it
     path = os.path.join(daemons.dir, "c.sock")
@@ -612,6 +627,7 @@ def test_a_planted_control_segment_and_an_admit_naming_a_token_take_no_ring(
                       if ln and not ln.startswith("#")]  # fmt: skip
         mine = [x for x in series if token in x]
         assert len(mine) == len(set(mine)) and any(f'uid="{b_uid}"' in x for x in mine), mine
+    _reaped(a_uid, b_uid)
 
 
 @pytest.mark.timeout(30)
@@ -676,10 +692,13 @@ def test_idle_connections_of_one_user_do_not_take_the_daemon_down(
             )
             assert d.proc.poll() is None, d.output()
             assert b.call("stats")["daemon"]["tenants"] is True  # another user is served
+            held = d.stats()["daemon"]["uids"][str(a_uid)]["connections"]
+            assert 32 <= held <= 34, held  # its bound (and the two of its own clients)
         assert a.call("flood_closed") <= 600 - 32  # the first 32 stay: the bound, not a ban
         a.call("flood_end")
         assert "closed a connection of uid" in d.output()
         assert d.stats()["daemon"]["connections_shed"] >= 600 - 32
+    _reaped(a_uid, b_uid)
 
 
 def _low_fd_limit() -> None:
@@ -721,6 +740,7 @@ def test_the_default_uid_budget_bounds_every_uid_without_its_own(
         assert refused.startswith("refused") and f"budget of uid {a_uid}" in refused, refused
         assert "4.0 MiB" in refused, refused
         assert b.call("admit", tb, 6 << 20) == "granted"  # its own, larger budget applies
+    _reaped(a_uid, b_uid)
 
 
 @pytest.mark.timeout(90)
@@ -751,6 +771,7 @@ def test_a_pid_said_to_be_in_our_namespace_is_checked_against_the_caller(
         reply = a.call("request", "register", {"token": token, "group": [0],
                                                "pids": {"0": foreign}})  # fmt: skip
         assert reply["ok"], reply
+    _reaped(a_uid, b_uid)
 
 
 def cmd_junk_jobs(n: int) -> int:
@@ -783,3 +804,4 @@ def test_one_users_invented_jobs_do_not_fill_the_daemon_for_the_others(
         assert got == {"made": 1, "refused": None}, got
         job = _job_of(b.call("stats"), token, b_uid)
         assert job is not None and job["registered"], b.call("stats")["jobs"]
+    _reaped(a_uid, b_uid)

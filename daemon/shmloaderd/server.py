@@ -593,6 +593,7 @@ class Daemon:
         uids = {j["uid"] for j in jobs if j.get("uid") is not None} | set(self.reaped_by_uid)
         uids |= {uid for uid, _ in self.registry.admissions if uid >= 0}
         uids |= set(self.uid_budgets.per_uid)
+        uids |= set(self.guard.counts() if self.guard is not None else ())
         return {str(uid): self._uid_row(uid, jobs, now) for uid in sorted(uids)}
 
     def _uid_row(self, uid: int, jobs: list[dict[str, Any]], now: float) -> dict[str, Any]:
@@ -611,6 +612,8 @@ class Daemon:
             "reaped_bytes": reaped[1],
             "admissions_granted": self.registry.admissions.get((uid, "granted"), 0),
             "admissions_refused": self.registry.admissions.get((uid, "refused"), 0),
+            # NOTE [connection bound] in ``guard``: its connections to the socket now
+            "connections": 0 if self.guard is None else self.guard.counts().get(uid, 0),
         }
 
     def view(self, doc: dict[str, Any], peer: Peer | None) -> dict[str, Any]:

@@ -27,6 +27,18 @@ What counts as ours (NOTE [reaping rule])
     ``gc`` sees only its own uid's files (the rule above); the opportunistic
     reaping of a starting loader stays on its own uid even as root.
 
+NOTE [every ring directory]
+    ``gc`` and ``stat`` look in every ring directory the node's jobs may use,
+    without being told: /dev/shm, ``SHMLOADER_SHM_DIR`` when set, the
+    daemon's ``--shm-dir`` list (its ``hello`` says them, when the daemon
+    answers) and the directory of the shipped systemd mount
+    (``ringdir.SYSTEMD_RING_DIR``) when it exists (``node_ring_dirs``).
+    Before, ``gc`` without ``SHMLOADER_SHM_DIR`` reported "nothing to
+    collect" while dead jobs' segments sat in the huge-page directory. The
+    table names each directory with its own size and room in its header,
+    and where a job's ring is on the job's own lines, never a directory it
+    is not in (nor ``None`` for a dead job's record, which has none).
+
 Where ``stat`` gets its document
     ``--daemon PATH``, else ``SHMLOADER_DAEMON``, else the system daemon's
     default socket (``/run/shmloader/control.sock``) when it exists; if none
@@ -91,12 +103,14 @@ directories and what backs them, NOTE [huge-page ring] in ``ringdir``)::
                "uptime_s": float,
                "reaped_segments": int, "reaped_bytes": int, "reaped_sockets": int,
                "pool_bytes": int, "pool_segments": int,
+               "connections_shed": int,  # closed past --max-uid-connections
                "budget_left_bytes": int|null,   # of the node budget
                "tenants": bool,                 # node mode: every user of the node served
                "uids": {"<uid>": {"user": str, "jobs": int, "bytes": int,
                                   "budget_bytes": int|null, "budget_left_bytes": int|null,
                                   "reaped_segments": int, "reaped_bytes": int,
-                                  "admissions_granted": int, "admissions_refused": int}}},
+                                  "admissions_granted": int, "admissions_refused": int,
+                                  "connections": int}}},  # to the control socket now
                                         # a user's view: its own uid's row only
       "others": {"jobs": int, "bytes": int},   # only in a user's view of a node-mode
                                         # daemon: the rest of the node, as totals
@@ -328,6 +342,32 @@ def ring_dirs(extra: list[str] | tuple[str, ...] = ()) -> list[str]:
     return out
 
 
+def node_ring_dirs(daemon: str | None = None, timeout: float = 1.0) -> list[str]:
+    """Every ring directory this node's jobs may use (NOTE [every ring directory]):
+    ``ring_dirs`` plus the daemon's ``--shm-dir`` list (from its ``hello``, when
+    ``daemon`` names a socket that answers) and the systemd mount's directory."""
+    extra: list[str] = []
+    if daemon:
+        client = daemon_client.DaemonClient(daemon, timeout=timeout)
+        try:
+            hello = client.request("hello")
+        finally:
+            client.close()
+        dirs = (hello or {}).get("shm_dirs")
+        if isinstance(dirs, list):
+            extra += [d for d in dirs if isinstance(d, str) and os.path.isabs(d)]
+    return ring_dirs([*extra, ringdir.SYSTEMD_RING_DIR])
+
+
+def daemon_path(daemon: str | None = None) -> str | None:
+    """The daemon socket ``stat``/``gc`` ask: ``--daemon``, ``SHMLOADER_DAEMON``, else
+    the system daemon's default socket when it exists."""
+    path = daemon or os.environ.get("SHMLOADER_DAEMON") or None
+    if path is None and os.path.exists(daemon_client.DEFAULT_SOCKET):
+        path = daemon_client.DEFAULT_SOCKET
+    return path
+
+
 def dir_row(directory: str) -> dict[str, Any]:
     """A ring directory as the stat document shows it: what backs it, its size and room."""
     row: dict[str, Any] = ringdir.describe(directory).as_dict()
@@ -485,11 +525,26 @@ def job_from_entries(token: str, entries: list[Entry]) -> dict[str, Any]:
     return job
 
 
+def process_uid(pid: int) -> int | None:
+    """Effective uid of ``pid`` (None when it is gone or unreadable)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    return int(line.split()[2])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def job_pids(ctl: Header, desc: dict[str, Any]) -> list[int]:
     """The processes whose mappings can hold a ring's unlinked segments: its writer
     (the control segment's owner) and the ranks its description lists that run
-    now, in our pid namespace, with the start time described (not a recycled pid)."""
-    pids = [ctl.pid]
+    now, in our pid namespace, with the start time described (not a recycled pid).
+    Each runs as the control segment's owner: a header or description naming
+    another user's processes (a planted file) does not make their mappings
+    this ring's (NOTE [whose job] in ``shmloaderd.registry``)."""
+    pids = [ctl.pid] if process_uid(ctl.pid) in (None, ctl.uid) else []
     described = desc.get("pids")
     if not isinstance(described, dict):
         return pids
@@ -501,7 +556,9 @@ def job_pids(ctl: Header, desc: dict[str, Any]) -> list[int]:
             continue
         if len(pair) == 3 and pair[2] and mine and pair[2] != mine:
             continue  # NOTE [pid namespaces] in shmloaderd.registry
-        if pair[0] not in pids and process_alive(pair[0], pair[1]):
+        if pair[0] in pids or process_uid(pair[0]) != ctl.uid:
+            continue
+        if process_alive(pair[0], pair[1]):
             pids.append(pair[0])
     return pids
 
@@ -679,14 +736,14 @@ def build_document(
 ) -> dict[str, Any]:
     """The ``stat --json`` document (schema in the module docstring); ``dirs``:
     the ring directories scanned (``ring_dirs()`` by default)."""
-    by_token: dict[str, list[Entry]] = {}
+    by_job: dict[tuple[str, int], list[Entry]] = {}
     invalid = []
     for e in entries:
         if e.header is None:
             invalid.append({"name": e.name, "error": e.error})
-        else:
-            by_token.setdefault(e.header.token, []).append(e)
-    jobs = [job_from_entries(t, es) for t, es in sorted(by_token.items())]
+        else:  # one job per token and uid (NOTE [whose job] in ``shmloaderd.registry``)
+            by_job.setdefault((e.header.token, e.header.uid), []).append(e)
+    jobs = [job_from_entries(t, es) for (t, _), es in sorted(by_job.items())]
     return {
         "schema": SCHEMA,
         "source": source,
@@ -729,12 +786,14 @@ def notes(jobs: list[dict[str, Any]], source: str) -> list[str]:
     return out
 
 
-def scan() -> dict[str, Any]:
-    """The stat document built from /dev/shm headers alone (``source: "scan"``).
+def scan(dirs: list[str] | None = None) -> dict[str, Any]:
+    """The stat document built from segment headers alone (``source: "scan"``), of
+    ``dirs`` (default: ``node_ring_dirs()``, NOTE [every ring directory]).
 
     Root sees every uid's jobs (``uid``/``user`` say whose); a user its own.
     """
-    return build_document(scan_entries(every_uid=os.geteuid() == 0), "scan")
+    dirs = node_ring_dirs() if dirs is None else dirs
+    return build_document(scan_entries(every_uid=os.geteuid() == 0, dirs=dirs), "scan", dirs)
 
 
 # -------------------------------------------------------------------------- gc
@@ -949,8 +1008,10 @@ def register(subparsers: Any) -> None:
     g = subparsers.add_parser(
         "gc",
         help="remove segments and sockets left by dead processes",
-        description="Remove shmloader segments in /dev/shm whose owner process is gone "
-        "(header validated first; live owners are never touched) and stale sockets.",
+        description="Remove shmloader segments whose owner process is gone from every ring "
+        "directory of the node (/dev/shm, SHMLOADER_SHM_DIR, the daemon's --shm-dir, "
+        "/mnt/shmloader; headers validated first, live owners never touched) and stale "
+        "sockets.",
     )
     g.add_argument("--dry-run", action="store_true", help="list what would go, remove nothing")
     g.add_argument("--json", action="store_true", help="print the list as JSON")
@@ -977,15 +1038,20 @@ def register(subparsers: Any) -> None:
         metavar="PID",
         help="only what this (dead) process owned (repeatable)",
     )
+    g.add_argument(
+        "--daemon",
+        default=None,
+        metavar="PATH",
+        help="shmloaderd control socket whose --shm-dir directories to look in too "
+        "(default: SHMLOADER_DAEMON, else /run/shmloader/control.sock when it exists)",
+    )
     g.set_defaults(func=cmd_gc)
 
 
 def get_stats(daemon: str | None, timeout: float = 1.0) -> tuple[dict[str, Any], str]:
     """The stat document and a note saying where it came from."""
     default_socket = daemon_client.DEFAULT_SOCKET
-    path = daemon or os.environ.get("SHMLOADER_DAEMON") or None
-    if path is None and os.path.exists(default_socket):
-        path = default_socket
+    path = daemon_path(daemon)
     if path:
         client = daemon_client.DaemonClient(path, timeout=timeout)
         try:
@@ -994,9 +1060,9 @@ def get_stats(daemon: str | None, timeout: float = 1.0) -> tuple[dict[str, Any],
             client.close()
         if doc is not None:
             return doc, f"from shmloaderd at {path}"
-        return scan(), f"shmloaderd at {path} did not answer; scanning /dev/shm headers instead"
+        return scan(), f"shmloaderd at {path} did not answer; scanning the ring directories"
     return scan(), (
-        f"no daemon (SHMLOADER_DAEMON unset, no {default_socket}); scanning /dev/shm headers"
+        f"no daemon (SHMLOADER_DAEMON unset, no {default_socket}); scanning the ring directories"
     )
 
 
@@ -1042,6 +1108,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         owners=set(args.owner_pid) if args.owner_pid else None,
         jobs=set(args.job) if args.job else None,
         every_uid=os.geteuid() == 0,  # root: every user's leftovers (NOTE [reaping rule])
+        dirs=node_ring_dirs(daemon_path(getattr(args, "daemon", None))),
     )
     if args.json:
         print(json.dumps(items, indent=2))
@@ -1107,12 +1174,17 @@ def _pct(share: float | None) -> str:
 def format_table(doc: dict[str, Any]) -> str:
     """The human view of a stat document."""
     node = doc["node"]
-    size, free = node.get("shm_size_bytes"), node.get("shm_free_bytes")
-    lines = [
-        f"node {node['hostname']}: {node['shm_dir']} "
-        f"{_dash(size and human_bytes(size))} total, {_dash(free and human_bytes(free))} free, "
-        f"{human_bytes(node['shmloader_bytes'])} held by shmloader"
-    ]
+    rows = node.get("shm_dirs") or [
+        {"path": node["shm_dir"], "size_bytes": node.get("shm_size_bytes"),
+         "free_bytes": node.get("shm_free_bytes")}
+    ]  # fmt: skip
+    where = "; ".join(
+        f"{r['path']} {_dash(r.get('size_bytes') and human_bytes(r['size_bytes']))} total, "
+        f"{_dash(r.get('free_bytes') and human_bytes(r['free_bytes']))} free"
+        for r in rows
+    )  # NOTE [every ring directory]: each directory says its own room
+    held = human_bytes(node["shmloader_bytes"])
+    lines = [f"node {node['hostname']}: {where}; {held} held by shmloader"]
     daemon = doc.get("daemon")
     if daemon:
         budget = daemon.get("budget_bytes")
@@ -1173,12 +1245,13 @@ def format_table(doc: dict[str, Any]) -> str:
                 lines.append(
                     f"    dead: `shmloader gc` frees {human_bytes(j['reclaimable_bytes'])}"
                 )
-            if j.get("huge_pages") or j.get("shm_dir", node["shm_dir"]) != node["shm_dir"]:
+            ring_dir = j.get("shm_dir")  # None: not known (a dead job's record, nothing named)
+            if ring_dir and (j.get("huge_pages") or len(rows) > 1 or ring_dir != ringdir.DEFAULT):
                 pages = "2 MiB pages" if j.get("huge_pages") else "4 KiB pages"
-                lines.append(f"    ring in {j.get('shm_dir')}: {pages}")
+                lines.append(f"    ring in {ring_dir}: {pages}")
             if j.get("granted_pending_bytes"):
                 lines.append(
-                    f"    admitted, not in {node['shm_dir']} yet: "
+                    f"    admitted, not in {ring_dir or 'its ring directory'} yet: "
                     f"{human_bytes(j['granted_pending_bytes'])} (counted against the budget)"
                 )
             rows = _merged_ranks(j)
@@ -1203,9 +1276,10 @@ def format_table(doc: dict[str, Any]) -> str:
         lines.append("† writer process is gone: `shmloader gc` (or shmloaderd) frees its segments")
     if any(_merged_ranks(j) for j in jobs):
         lines.append(
-            "HELD: bytes in /dev/shm now. WAIT P50/P95/P99: wait for a batch over recent "
-            "batches. WAITING: share of wall time spent waiting since the first batch (high on "
-            "the leader: the input pipeline is the bottleneck). TRAFFIC: payload bytes "
+            "HELD: bytes the job holds in its ring directory now. WAIT P50/P95/P99: wait for "
+            "a batch over recent batches. WAITING: share of wall time spent waiting since the "
+            "first batch (high on the leader: the input pipeline is the bottleneck). TRAFFIC: "
+            "payload bytes "
             "published or received so far, not memory"
         )
     for row in node.get("shm_dirs") or []:  # NOTE [huge-page ring] in ``ringdir``

@@ -38,6 +38,14 @@ NOTE [daemon restarts]
     call made while the daemon is away returns quietly (``admit`` grants,
     logged once per outage): the job never fails because the daemon did.
 
+NOTE [a refusal is a refusal]
+    An ``admit`` the daemon answers with ``ok: false`` (a request it refused:
+    a pid not the caller's, too many jobs, a request it could not read) is a
+    refusal like ``admitted: false``: :class:`ShmCapacityError` naming the
+    daemon's reason, and the segment is not created. Read as a grant (as
+    before), a refused job went on past its budget, unaccounted. Only a
+    daemon that does not answer at all grants blindly (above).
+
 A SIGKILLed daemon therefore costs one bounded wait (``timeout``), then one
 refused ``connect(2)`` per retry, never an exception. The only exception a
 call raises on purpose is :class:`~shmloader.errors.ShmCapacityError`, from
@@ -316,9 +324,10 @@ class DaemonClient:
     def admit(self, token: str, nbytes: int) -> None:
         """Ask for ``nbytes`` of shared memory for ring ``token``.
 
-        Raises :class:`ShmCapacityError` when the daemon refuses (node budget
-        or ``/dev/shm`` exhausted); returns quietly when it grants it or does
-        not answer (logged once per outage).
+        Raises :class:`ShmCapacityError` when the daemon refuses (node or uid
+        budget, ``/dev/shm`` exhausted, a ring directory it does not watch, or
+        a request it refuses outright: NOTE [a refusal is a refusal]); returns
+        quietly when it grants it or does not answer (logged once per outage).
         """
         reply = self.request(
             "admit",
@@ -327,6 +336,7 @@ class DaemonClient:
             pid=os.getpid(),
             start=segment.MY_START,
             pidns=segment.MY_PIDNS,
+            shm_dir=os.path.realpath(segment.ring_dir()),
         )
         if reply is None:
             if not self._granted_blind:
@@ -339,7 +349,15 @@ class DaemonClient:
                     token,
                 )
             return
-        if not reply.get("ok") or reply.get("admitted", True):
+        if not reply.get("ok"):  # NOTE [a refusal is a refusal]
+            raise ShmCapacityError(
+                int(nbytes),
+                None,
+                f"shmloaderd ({self.path}) refused ring {token}: {reply.get('error')}",
+                fix="nothing was admitted; fix what the daemon names, or run without "
+                "SHMLOADER_DAEMON (no budget) if the daemon is at fault",
+            )
+        if reply.get("admitted", True):
             return
         budget = reply.get("budget")
         in_use = reply.get("in_use")

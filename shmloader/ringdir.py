@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 
 #: The default ring directory.
 DEFAULT = "/dev/shm"
+#: The huge-page ring directory of the shipped systemd mount (systemd/mnt-shmloader.mount):
+#: ``shmloader gc`` and ``stat`` look there too when it exists.
+SYSTEMD_RING_DIR = "/mnt/shmloader"
 #: The huge page size slots are sized and aligned to (x86-64 and most arm64 kernels).
 HUGE = 2 << 20
 #: ``statfs.f_type`` of a tmpfs, and of a hugetlbfs (which takes no ``write()``).
@@ -65,7 +68,8 @@ _SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 
 _ACCEPTED = (
     "an existing directory (absolute path) that you can write, owned by you or root, and "
-    "not writable by other users unless it has the sticky bit (mode 1777, like /dev/shm)"
+    "not writable by its group or other users unless it has the sticky bit (mode 1777, "
+    "like /dev/shm)"
 )
 
 
@@ -73,8 +77,8 @@ def check(path: object, name: str = "SHMLOADER_SHM_DIR") -> str:
     """``path`` if this process may keep its ring there, else :class:`ConfigError` naming ``name``.
 
     The directory must exist, be ours or root's, and be safe from other
-    users: writable by others only with the sticky bit (else another user
-    could remove or replace our segments). We must be able to create files
+    users: writable by its group or by others only with the sticky bit (else
+    another user could remove or replace our segments). We must be able to create files
     in it.
     """
     if not isinstance(path, str) or not path or "\0" in path or not os.path.isabs(path):
@@ -99,8 +103,8 @@ def check(path: object, name: str = "SHMLOADER_SHM_DIR") -> str:
         raise ConfigError(
             name,
             path,
-            f"{_ACCEPTED}; it has mode {mode:04o}: other users could remove or replace our "
-            f"segments (chmod 1777 {path}, or 0700 for your own)",
+            f"{_ACCEPTED}; it has mode {mode:04o}: members of its group or other users could "
+            f"remove or replace our segments (chmod 1777 {path}, or 0700 for your own)",
         )
     if not os.access(path, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
         raise ConfigError(name, path, f"{_ACCEPTED}; uid {me} cannot create files in it")

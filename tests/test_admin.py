@@ -123,13 +123,13 @@ def test_stat_without_daemon_says_it_scans(capsys, monkeypatch) -> None:
     with live_ring() as ring:
         code, out, _ = run_cli(["stat"], capsys)
         assert code == 0
-        assert "scanning /dev/shm headers" in out.splitlines()[0]
+        assert "scanning the ring directories" in out.splitlines()[0]
         row = next(line for line in out.splitlines() if ring.token in line.split()[:2])
         assert "live" in row and "0-3" in row and str(os.getpid()) in row
 
         code, out, err = run_cli(["stat", "--json"], capsys)
         doc = json.loads(out)
-        assert code == 0 and doc["source"] == "scan" and "scanning /dev/shm" in err
+        assert code == 0 and doc["source"] == "scan" and "scanning the ring directories" in err
         assert ring.token in {j["token"] for j in doc["jobs"]}
 
         monkeypatch.setenv("SHMLOADER_DAEMON", "/nonexistent/shmloaderd.sock")
@@ -473,3 +473,113 @@ def test_reaping_unlinks_only_the_very_file_it_found_dead(monkeypatch) -> None:
         assert admin.remove_if_dead(dead.name) is None
         assert os.fstat(live.fd).st_nlink == 1  # the live owner's file is still named
     assert not os.path.exists(_shm_path(dead.name))
+
+
+# ------------------------------------------------- NOTE [every ring directory]
+
+
+@pytest.fixture
+def daemons():
+    from tests.test_daemon import Daemons
+
+    ds = Daemons()
+    try:
+        yield ds
+    finally:
+        ds.close()
+
+
+@contextlib.contextmanager
+def ring_dir_of_root() -> Iterator[str]:
+    """A ring directory as an operator makes one (root's, 0700), removed afterwards."""
+    import shutil
+    import tempfile
+
+    where = tempfile.mkdtemp(prefix="shml-ringdir-", dir="/dev/shm")
+    try:
+        yield where
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+@pytest.mark.timeout(60)
+def test_gc_and_stat_look_in_the_daemons_and_the_systemd_ring_directories(
+    capsys, monkeypatch, daemons
+) -> None:
+    """Without SHMLOADER_SHM_DIR, gc said "nothing to collect" while dead segments sat
+    in the daemon's --shm-dir and in the systemd mount's directory."""
+    from shmloader import ringdir, segment
+
+    with ring_dir_of_root() as theirs, ring_dir_of_root() as mounted:
+        d = daemons.start("--shm-dir", theirs, "--reap-interval", "3600")  # no reaping now
+        monkeypatch.setattr(ringdir, "SYSTEMD_RING_DIR", mounted, raising=False)
+        monkeypatch.setenv("SHMLOADER_DAEMON", d.path)
+        monkeypatch.delenv("SHMLOADER_SHM_DIR", raising=False)
+        dead = {}
+        for where in (theirs, mounted):
+            with segment.in_dir(where):
+                seg = orphan(KIND_DATA)
+                seg.close()
+            dead[where] = seg
+        tokens = [f"--token={s.header.token}" for s in dead.values()]
+        code, out, _ = run_cli(["gc", "--dry-run", *tokens], capsys)
+        for seg in dead.values():
+            assert f"would remove {seg.name}" in out, out
+        scanned = {j["token"]: j["shm_dir"] for j in admin.scan()["jobs"]}
+        assert scanned.get(dead[mounted].header.token) == mounted
+        code, out, _ = run_cli(["gc", *tokens], capsys)
+        assert code == 0 and "freed 2 segment(s)" in out, out
+        for where, seg in dead.items():
+            assert not os.path.exists(os.path.join(where, seg.name.lstrip("/")))
+
+
+@pytest.mark.timeout(60)
+def test_stat_says_where_each_ring_really_is(daemons) -> None:
+    """The daemon's first --shm-dir is not where every ring is: the header names each
+    ring directory, a ring in /dev/shm is said to be there, a dead job's record
+    (no directory known) shows no ``ring in None``."""
+    import multiprocessing as mp
+
+    from shmloader import segment
+    from shmloader.daemon_client import DaemonClient
+    from tests.test_daemon import wait_until
+
+    def die_in(where: str) -> None:
+        with segment.in_dir(where):
+            token = new_token()
+            ring = RingWriter(token, frozenset({1}), {"token": token, "job": "gone"})
+            ring.publish(ring.acquire(4096), 0, 4096, 1)
+        os._exit(0)
+
+    with ring_dir_of_root() as huge, live_ring() as ring:
+        d = daemons.start("--shm-dir", huge, "--reap-interval", "0.2")
+        client = DaemonClient(d.path)
+        try:
+            client.register(
+                {"token": ring.token, "group": [0, 1], "pids": {"0": [os.getpid(), MY_START]}}
+            )
+            client.admit(ring.token, 1 << 20)  # granted, not allocated yet
+            client.report(ring.token, 0, published=1, role="leader")
+            child = mp.get_context("fork").Process(target=die_in, args=(huge,))
+            child.start()
+            child.join(30)
+            wait_until(
+                lambda: any(j["state"] == "dead" and j["ended"] for j in d.stats()["jobs"]),
+                10,
+                "the dead ring's record",
+            )
+            table = admin.format_table(client.stats())
+        finally:
+            client.close()
+    lines = table.splitlines()
+    assert "ring in None" not in table, table
+    assert "/dev/shm" in lines[0] and huge in lines[0], lines[0]
+    at = next(i for i, line in enumerate(lines) if line.split()[0:1] == [ring.token])
+    block = []
+    for line in lines[at + 1 :]:
+        if not line.startswith("    "):
+            break
+        block.append(line)
+    assert any("admitted, not in /dev/shm yet" in line for line in block), block
+    assert not any(huge in line for line in block), block
+    assert "HELD: bytes in /dev/shm" not in table

@@ -87,7 +87,12 @@ class Daemons:
         self.all: list[Daemon] = []
 
     def start(
-        self, *args: str, env: dict | None = None, wait: bool = True, name: str = "c.sock"
+        self,
+        *args: str,
+        env: dict | None = None,
+        wait: bool = True,
+        name: str = "c.sock",
+        preexec=None,
     ) -> Daemon:
         path = os.path.join(self.dir, name)
         log = os.path.join(self.dir, f"log{len(self.all)}")
@@ -100,6 +105,7 @@ class Daemons:
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **(env or {})},
                 cwd=REPO,
+                preexec_fn=preexec,
             )
         d = Daemon(proc, path, log)
         self.all.append(d)
@@ -408,11 +414,11 @@ def test_register_admit_refuse_report_stats_metrics(daemons: Daemons, capsys) ->
         return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines()
                                           if ln[:1] != "#")}  # fmt: skip
 
-    lag_key = f'shmloaderd_follower_lag_batches{{rank="5",token="{token}"}}'
+    uid = f'uid="{os.geteuid()}"'  # whose job: its control segment's owner
+    lag_key = f'shmloaderd_follower_lag_batches{{rank="5",token="{token}",{uid}}}'
     wait_until(lambda: lag_key in metrics(), 3, "the report reaches the metrics", step=0.1)
     values = metrics()
     assert values[lag_key] == 2
-    uid = f'uid="{os.geteuid()}"'  # whose job: its control segment's owner
     share_key = f'shmloaderd_rank_wait_share{{job="",rank="4",role="leader",token="{token}",{uid}}}'
     assert values[share_key] == 0.75
     # the rank's waits as a Prometheus histogram, labelled by job and rank
@@ -784,7 +790,7 @@ def test_a_grant_counts_from_the_bytes_the_job_already_holds() -> None:
         assert reg.admit({"token": token, "bytes": one, "pid": os.getpid(), "start": MY_START})[
             "admitted"
         ]
-        job = reg.jobs[token]
+        job = reg.find(token)
         assert job.observed == one
         assert reg.in_use() == 2 * one, "the grant was counted against bytes held before it"
         more = Segment.create_unique(f"/shml-{token}-1", KIND_DATA, token, 1 << 20)
@@ -983,13 +989,13 @@ def test_reports_of_invented_ranks_do_not_grow_the_daemon(daemons: Daemons) -> N
     for rank in range(2, 200_002):
         assert reg.report({"token": token, "rank": rank, "consumed": 1})["ok"] is False
     assert reg.report({"token": token, "rank": 1, "consumed": 3})["ok"] is True
-    assert set(reg.jobs[token].reports) == {1}
+    assert set(reg.find(token).reports) == {1}
     # admissions with invented pids and too many pending grants are bounded too
     other = new_token()
     for pid in range(1, 1000):
         reg.admit({"token": other, "bytes": 1, "pid": pid, "start": 1})
-    assert len(reg.jobs[other].owners) <= MAX_OWNERS
-    assert len(reg.jobs[other].grants) <= MAX_GRANTS
+    assert len(reg.find(other).owners) <= MAX_OWNERS
+    assert len(reg.find(other).grants) <= MAX_GRANTS
 
     # the real daemon, 20,000 pipelined reports of invented ranks
     d = daemons.start()

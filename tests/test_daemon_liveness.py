@@ -42,13 +42,13 @@ def test_a_job_stays_alive_while_any_of_its_pids_lives() -> None:
     job = Job("feedfacecafebeef", pids={0: dead, 1: me})
     assert job.alive() is True, "one live rank keeps the job"
     registry = Registry(lambda: None)
-    registry.jobs[job.token] = job
+    registry.jobs[job.key] = job
     registry.observe([])
-    assert job.token in registry.jobs, "a job with a live rank must not be dropped"
+    assert job.key in registry.jobs, "a job with a live rank must not be dropped"
     job.pids[1] = _dead_pid()
     assert job.alive() is False
     registry.observe([])
-    assert job.token not in registry.jobs
+    assert job.key not in registry.jobs
 
 
 # ------------------------------------------------------- NOTE [pid namespaces]
@@ -81,20 +81,22 @@ def test_a_job_of_another_pid_namespace_is_never_called_dead() -> None:
     assert fields["pids"] == {0: (pid, start), 1: (pid + 1, start)}
     registry = Registry(lambda: None)
     registry.register(fields)
-    assert registry.jobs[token].alive() is None, "a pid of another namespace was judged here"
+    assert registry.find(token).alive() is None, "a pid of another namespace was judged here"
     seg = _control_of_another_namespace(token, pid, start)
     try:
         for _ in range(2):
             entry = inspect(seg.name)
             assert entry is not None and entry.alive
             registry.observe([entry])
-            assert token in registry.jobs, "a live job of another pid namespace was dropped"
+            assert registry.find(token) is not None, (
+                "a live job of another pid namespace was dropped"
+            )
         assert registry.in_use() >= seg.capacity, "its bytes stopped counting"
     finally:
         seg.unlink()
         seg.close()
     registry.observe([])
-    assert token not in registry.jobs, "a closed ring of another namespace was kept"
+    assert registry.find(token) is None, "a closed ring of another namespace was kept"
 
 
 def test_a_discovered_job_takes_the_namespace_of_its_writer() -> None:
@@ -111,7 +113,7 @@ def test_a_discovered_job_takes_the_namespace_of_its_writer() -> None:
         entry.description = {"group": [0], "node": [0], "pids": {"0": [pid, start]}}
         registry.observe([entry])
         registry.observe([entry])
-        assert token in registry.jobs and registry.jobs[token].pids == {0: (pid, start)}
+        assert registry.find(token) is not None and registry.find(token).pids == {0: (pid, start)}
     finally:
         seg.unlink()
         seg.close()
@@ -167,19 +169,19 @@ def test_a_dead_job_stays_on_record_for_a_while_and_the_record_is_bounded(monkey
     dead = Job("deadbeef00000001", pids={0: _dead_pid()}, name="train-x")
     closed = Job("c105ed0000000001", pids={0: (os.getpid(), proc_start_time(os.getpid()))})
     closed.ctl_seen = True  # its control segment was seen and is gone: closed in order
-    registry.jobs = {dead.token: dead, closed.token: closed}
-    registry.observe([], {dead.token: (2, 8192)})
+    registry.jobs = {dead.key: dead, closed.key: closed}
+    registry.observe([], {dead.key: (2, 8192)})
     assert not registry.jobs
-    assert set(registry.ended) == {dead.token}, "an orderly close leaves no dead record"
-    rec = registry.ended[dead.token]
+    assert set(registry.ended) == {dead.key}, "an orderly close leaves no dead record"
+    rec = registry.ended[dead.key]
     assert (rec.reaped_segments, rec.reaped_bytes, rec.job.name) == (2, 8192, "train-x")
     registry.forget_ended(rec.unix + registry_module.ENDED_KEEP_S - 1)
-    assert dead.token in registry.ended
+    assert dead.key in registry.ended
     registry.forget_ended(rec.unix + registry_module.ENDED_KEEP_S + 1)
     assert not registry.ended
     monkeypatch.setattr(registry_module, "MAX_ENDED", 3)
     for i in range(5):
-        registry.record_end(Job(f"{i:016x}"), "its processes died", 0, 0)
-    assert list(registry.ended) == [f"{i:016x}" for i in (2, 3, 4)]  # the oldest go first
+        registry.record_end(Job(f"{i:016x}", uid=registry.me), "its processes died", 0, 0)
+    assert [t for _, t in registry.ended] == [f"{i:016x}" for i in (2, 3, 4)]  # the oldest go first
     registry.job(f"{4:016x}")  # the same token alive again
-    assert f"{4:016x}" not in registry.ended
+    assert (registry.me, f"{4:016x}") not in registry.ended

@@ -37,7 +37,7 @@ from shmloader import admin, channel, segment
 from shmloader.daemon_client import DaemonClient
 from shmloader.errors import ShmCapacityError, human_bytes
 from shmloader.ring import RingWriter, control_stem, new_token
-from shmloader.segment import KIND_CONTROL, KIND_DATA, Segment, shm_path
+from shmloader.segment import KIND_CONTROL, KIND_DATA, KIND_PROBE, Segment, shm_path
 from tests.test_daemon import Daemons, daemons, exists, wait_until  # noqa: F401 (fixture)
 
 #: Two uids no account or process of this machine uses (checked by ``free_uids``).
@@ -94,6 +94,99 @@ def cmd_ring(readers: list[int], token: str = "") -> dict:
     _client().register(desc)
     names = [n for n in segment.list_segments() if n.startswith(f"/shml-{token}-")]
     return {"token": token, "names": names}
+
+
+def cmd_probe(token: str) -> str:
+    """A ring's probe segment, as topology discovery makes it: its token is now listable."""
+    seg = Segment.create_unique(f"/shml-{token}-probe", KIND_PROBE, token, 0)
+    _state.setdefault("held", []).append(seg)
+    return seg.name
+
+
+def cmd_victim_ring(token: str, slots: int, nbytes: int) -> dict:
+    """A ring told to the daemon as a job does (each slot admitted before it is made):
+    ``slots`` batches of ``nbytes`` published and held. Stops at the first refusal."""
+    pid, start, ns = os.getpid(), segment.MY_START, segment.MY_PIDNS
+    desc = {
+        "token": token, "group": [0, 1], "leader": 0, "writer": 0, "node": [0, 1],
+        "pids": {"0": [pid, start, ns]}, "world": 2, "job": f"job-of-{os.getuid()}",
+    }  # fmt: skip
+    ring = RingWriter(token, frozenset([1]), desc, daemon=_client())
+    _state.setdefault("rings", []).append(ring)
+    _client().register(desc)
+    made = 0
+    try:
+        for i in range(slots):
+            slot = ring.acquire(nbytes)
+            ring.publish(slot, i, nbytes, 1_000_000)
+            made += 1
+    except ShmCapacityError as exc:
+        return {"made": made, "refused": str(exc)}
+    return {"made": made, "refused": None}
+
+
+def cmd_steal(victim_uid: int) -> list:
+    """The hostile user: for every probe segment of ``victim_uid`` in /dev/shm, plant a
+    control segment of its own under that token, then admit and register it."""
+    stolen = []
+    for name in segment.list_segments():
+        token = name[len("/shml-") :].split("-", 1)[0]
+        if "-probe." not in name or os.stat(shm_path(name)).st_uid != victim_uid:
+            continue
+        planted = Segment.create_unique(control_stem(token), KIND_CONTROL, token, 4096)
+        _state.setdefault("held", []).append(planted)
+        replies = [
+            _client().request("admit", token=token, bytes=1, pid=os.getpid(),
+                              start=segment.MY_START, pidns=segment.MY_PIDNS),
+            _client().request("register", token=token, group=[0],
+                              pids={"0": [os.getpid(), segment.MY_START, segment.MY_PIDNS]}),
+        ]  # fmt: skip
+        stolen.append({"token": token, "replies": replies})
+    return stolen
+
+
+def cmd_flood(path: str, n: int) -> int:
+    """Open ``n`` idle unix connections to the daemon's socket (no ZeroMQ handshake)."""
+    conns = _state.setdefault("flood", [])
+    deadline = time.monotonic() + 15
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        while True:  # blocking: waits while the listen backlog is full
+            try:
+                s.connect(path)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, "the daemon stopped accepting"
+                time.sleep(0.01)
+        conns.append(s)
+    return len(conns)
+
+
+def cmd_flood_closed() -> int:
+    """How many of the flood's connections the daemon has closed (EOF after its greeting)."""
+    closed = 0
+    for s in _state.get("flood", []):
+        s.setblocking(False)
+        try:
+            while s.recv(4096):
+                pass
+            closed += 1
+        except BlockingIOError:
+            continue
+    return closed
+
+
+def cmd_flood_end() -> None:
+    for s in _state.pop("flood", []):
+        s.close()
+
+
+def cmd_subdir_ring() -> dict:
+    """SHMLOADER_SHM_DIR=/dev/shm/<a 0700 directory of our own>, then a job's ring."""
+    where = tempfile.mkdtemp(prefix="shml-sub-", dir="/dev/shm")  # 0700, ours
+    segment.use_dir(where)
+    got = cmd_victim_ring(new_token(), 2, 3 << 20)
+    return {"dir": where, **got}
 
 
 def cmd_stats() -> dict:
@@ -250,6 +343,11 @@ def users(path: str, *uids: int) -> Iterator[list[User]]:
             u.close()
 
 
+def _job_of(doc: dict, token: str, uid: int) -> dict | None:
+    """The job ``token`` of ``uid`` in a stat document (NOTE [whose job])."""
+    return next((j for j in doc["jobs"] if j["token"] == token and j["uid"] == uid), None)
+
+
 def _metrics(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         text = r.read().decode()
@@ -289,8 +387,8 @@ def test_node_mode_flags_and_peer_credentials() -> None:
     assert peer_of(Frame("localhost")) is None
     # no credentials: refused in node mode, never in single-user mode
     fields = {"token": "ab", "bytes": 1}
-    assert "cannot tell who" in Tenancy(True).check("admit", fields, None, lambda t: set())
-    assert Tenancy(False).check("admit", fields, None, lambda t: {5}) is None
+    assert "cannot tell who" in Tenancy(True).check("admit", fields, None)
+    assert Tenancy(False).check("admit", fields, None) is None
 
 
 # ------------------------------------------------------ two users, one daemon
@@ -373,7 +471,8 @@ def _two_users(daemons: Daemons, path: str, port: int, base: str, a_uid: int, b_
         mine = admin.format_table(sa)
         assert "other users: " in mine and f"uid {a_uid} ({a_uid}): " in mine and tb not in mine
 
-        # -- naming the other user's token or pid is refused, and logged
+        # -- naming the other user's token reaches only a job of one's own (NOTE [whose job])
+        before = _job_of(d.stats(), tb, b_uid)
         for op, fields in (
             ("report", {"token": tb, "rank": 0, "consumed": 1}),
             ("adopt", {"token": tb, "name": f"/shml-{tb}-9.0.ab", "bytes": 1, "pid": a.pid,
@@ -383,37 +482,49 @@ def _two_users(daemons: Daemons, path: str, port: int, base: str, a_uid: int, b_
             ("admit", {"token": tb, "bytes": 1}),
         ):  # fmt: skip
             reply = a.call("request", op, fields)
-            assert not reply["ok"] and f"belongs to uid {b_uid}" in reply["error"], (op, reply)
+            assert reply, (op, reply)
+            after = _job_of(d.stats(), tb, b_uid)
+            assert after is not None and after["registered"], (op, after)
+            assert after["pids"] == before["pids"] and after["job"] == before["job"], op
+            assert [j["token"] for j in b.call("stats")["jobs"]] == [tb], op
+            assert tb not in json.dumps(a.call("stats")["jobs"]) or _job_of(
+                a.call("stats"), tb, a_uid
+            ), op
+        assert not reply.get("admitted") and "no control segment" in reply["reason"], reply
+        adopted = shm_path(f"/shml-{tb}-9.0.ab")  # A's own file, if the pool had one: A's bytes
+        if os.path.exists(adopted):
+            assert os.stat(adopted).st_uid == a_uid
+            os.unlink(adopted)
+        wait_until(lambda: d.stats()["daemon"]["uids"][str(a_uid)]["bytes"] < 1 << 20, 5, "gone")
         reply = a.call("request", "register", {"token": ta, "group": [0],
                                                "pids": {"0": [b.pid, 0]}})  # fmt: skip
         assert not reply["ok"] and f"pid {b.pid} belongs to uid {b_uid}" in reply["error"]
-        assert f"refused 'report' from uid {a_uid}" in d.output()
-        assert tb in {j["token"] for j in d.stats()["jobs"]}  # B's job untouched
+        assert f"refused 'register' from uid {a_uid}" in d.output()
 
-        # -- a token claimed by B before its control segment existed goes to the segment's owner
+        # -- a token B registered before A's ring of that token existed: each keeps its own
         tc = new_token()
         claim = {"token": tc, "group": [0], "pids": {"0": [b.pid, 0]}}
         assert b.call("request", "register", claim)["ok"]
-        assert {j["token"]: j["uid"] for j in d.stats()["jobs"]}[tc] == b_uid
         rc = a.call("ring", [1], tc)  # A's ring: its control segment is A's
-        job = next(j for j in d.stats()["jobs"] if j["token"] == tc)
-        assert job["uid"] == a_uid and job["registered"] and job["job"] == f"job-of-{a_uid}"
-        reply = b.call("request", "report", {"token": tc, "rank": 0, "consumed": 1})
-        assert not reply["ok"] and f"belongs to uid {a_uid}" in reply["error"]
-        assert "the claim is dropped" in d.output()
+        job = _job_of(d.stats(), tc, a_uid)
+        assert job is not None and job["registered"] and job["job"] == f"job-of-{a_uid}"
+        assert job["bytes"] >= 100_000  # A's ring is counted to A ...
+        claimed = _job_of(d.stats(), tc, b_uid)
+        assert claimed is not None and claimed["bytes"] == 0  # ... and nothing of it to B
+        assert b.call("request", "report", {"token": tc, "rank": 0, "consumed": 1})["ok"]
 
         # -- a control segment B plants under A's token takes nothing from A
         planted = b.call("plant_control", ta)
         time.sleep(0.5)  # reaper passes see both control segments
         assert a.call("request", "report", {"token": ta, "rank": 0, "consumed": 1})["ok"]
-        reply = b.call("request", "report", {"token": ta, "rank": 0, "consumed": 1})
-        assert not reply["ok"] and f"belongs to uid {a_uid}" in reply["error"]
-        assert {j["token"]: j["uid"] for j in d.stats()["jobs"]}[ta] == a_uid
+        mine = _job_of(a.call("stats"), ta, a_uid)
+        assert mine is not None and mine["registered"] and mine["job"] == f"job-of-{a_uid}"
+        assert _job_of(d.stats(), ta, a_uid)["ranks"]["0"]["batches"] == 1
 
         # -- per-uid budget: A is refused past its 4 MiB, B (no uid budget) admitted
         refused = a.call("admit", ta, 8 << 20)
         assert refused.startswith("refused") and f"budget of uid {a_uid}" in refused
-        assert "4.0 MiB" in refused and tb not in refused, refused
+        assert "4.0 MiB" in refused and f"job-of-{b_uid}" not in refused, refused
         assert "but only 3." in refused, refused  # what is left of A's budget
         assert b.call("admit", tb, 8 << 20) == "granted"
 
@@ -425,13 +536,14 @@ def _two_users(daemons: Daemons, path: str, port: int, base: str, a_uid: int, b_
         # -- the node budget still caps the sum; its refusal shows B only totals of A's jobs
         refused = b.call("admit", tb, 64 << 20)
         assert "node budget" in refused and "job(s) of other users" in refused, refused
-        assert ta not in refused and tc not in refused and tb in refused
+        assert f"job-of-{a_uid}" not in refused and tb in refused, refused
 
         # -- metrics carry the uid (from the stats of the latest reaper pass)
         refused_key = (
             f'shmloaderd_uid_admissions_total{{result="refused",uid="{a_uid}",user="{a_uid}"}}'
         )
-        wait_until(lambda: _metrics(port).get(refused_key) == 1, 3, "uid rows in the metrics", 0.1)
+        # two: A's admit of its own job under B's token (no control segment), its budget
+        wait_until(lambda: _metrics(port).get(refused_key) == 2, 3, "uid rows in the metrics", 0.1)
         values = _metrics(port)
         assert values[f'shmloaderd_uid_budget_bytes{{uid="{a_uid}",user="{a_uid}"}}'] == 4 << 20
         assert values[f'shmloaderd_uid_reaped_bytes_total{{uid="{b_uid}",user="{b_uid}"}}'] > 0
@@ -448,3 +560,248 @@ def _two_users(daemons: Daemons, path: str, port: int, base: str, a_uid: int, b_
             assert f"uid {uid} {uid}, job job-of-{uid} (ring {token})): owner pid" in log, log
     for name in (a_left, b_left, b_left2):
         assert not os.path.exists(shm_path(name))
+
+
+# ------------------------------------------------------------- a hostile user
+
+
+def _left_by(*uids: int) -> list[str]:
+    """Names in /dev/shm owned by ``uids``."""
+    out = []
+    for e in os.scandir("/dev/shm"):
+        with contextlib.suppress(FileNotFoundError):
+            if e.stat(follow_symlinks=False).st_uid in uids:
+                out.append(e.name)
+    return out
+
+
+def _reaped(*uids: int) -> None:
+    """The users are gone: the (still running) daemon reaps what their jobs left."""
+    wait_until(lambda: not _left_by(*uids), 10, f"what uids {uids} left reaped", 0.1)
+
+
+def _node_daemon(daemons: Daemons, *args: str, **kw):  # noqa: F811
+    os.chmod(daemons.dir, 0o755)  # the users reach the socket through it
+    path = os.path.join(daemons.dir, "c.sock")
+    return path, daemons.start("--tenants", "--reap-interval", "0.2", *args, **kw)
+
+
+@pytest.mark.timeout(90)
+def test_a_planted_control_segment_and_an_admit_naming_a_token_take_no_ring(
+    daemons: Daemons,  # noqa: F811
+) -> None:
+    """A watches /dev/shm; the moment B's probe shows B's token, A plants a control
+    segment of its own under it and admits and registers that token. B's ring is
+    still B's: B's budget still binds it, its stats are B's, A sees nothing of it.
+    Before, B's own requests were refused from then on, B's client took the refused
+    admissions as grants and ran past its budget, and A's stats listed B's job."""
+    a_uid, b_uid = free_uids()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path, d = _node_daemon(daemons, "--uid-budget", f"{b_uid}=4M", "--metrics-port", str(port))
+    with users(path, a_uid, b_uid) as (a, b):
+        token = new_token()
+        b.call("probe", token)
+        stolen = a.call("steal", b_uid)
+        assert [t["token"] for t in stolen] == [token], stolen
+        time.sleep(0.5)  # reaper passes see the planted control segment alive
+        got = b.call("victim_ring", token, 8, 3 << 20)
+        assert got["made"] == 1, f"B ran past its 4 MiB budget: {got}"
+        assert f"budget of uid {b_uid}" in got["refused"], got
+        mine = _job_of(b.call("stats"), token, b_uid)
+        assert mine is not None and mine["registered"] and mine["job"] == f"job-of-{b_uid}"
+        assert mine["bytes"] >= 3 << 20, mine  # B's slot counts to B
+        seen = a.call("stats")
+        assert f"job-of-{b_uid}" not in json.dumps(seen), seen
+        assert str(b.pid) not in json.dumps(seen["jobs"]), seen["jobs"]
+        assert all(j["bytes"] < 1 << 20 for j in seen["jobs"]), seen["jobs"]  # nothing of B's
+        full = d.stats()
+        theirs = _job_of(full, token, a_uid)
+        assert theirs is None or theirs["bytes"] < 1 << 20, theirs
+        assert _job_of(full, token, b_uid)["pids"]["0"][0] == b.pid
+        # two jobs of one token are two series (a duplicate one fails the whole scrape)
+        time.sleep(0.5)  # the metrics come from the latest reaper pass
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            series = [ln.rsplit(" ", 1)[0] for ln in r.read().decode().splitlines()
+                      if ln and not ln.startswith("#")]  # fmt: skip
+        mine = [x for x in series if token in x]
+        assert len(mine) == len(set(mine)) and any(f'uid="{b_uid}"' in x for x in mine), mine
+    _reaped(a_uid, b_uid)
+
+
+@pytest.mark.timeout(30)
+def test_a_refused_admit_is_a_refusal(tmp_path) -> None:
+    """A daemon answering ``admit`` with ``ok: false`` refused it: ShmCapacityError
+    naming its reason (read as a grant before, the job ran past its budget)."""
+    import threading
+
+    import zmq
+
+    path = str(tmp_path / "c.sock")
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(f"ipc://{path}")
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if router.poll(50):
+                ident, empty, body = router.recv_multipart()
+                op = json.loads(body)["op"]
+                reply = {"v": 1, "ok": op == "hello", "daemon_id": "x"}
+                if op != "hello":
+                    reply["error"] = "refused: pid 1 belongs to uid 0, not to uid 5"
+                router.send_multipart([ident, empty, json.dumps(reply).encode()])
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    client = DaemonClient(path, timeout=5.0)
+    try:
+        assert client.connect()
+        with pytest.raises(ShmCapacityError, match="pid 1 belongs to uid 0") as info:
+            client.admit("abc123", 3 << 20)
+        assert "refused ring abc123" in str(info.value)
+    finally:
+        client.close()
+        stop.set()
+        t.join(5)
+        router.close(linger=0)
+        ctx.term()
+
+
+@pytest.mark.timeout(90)
+def test_idle_connections_of_one_user_do_not_take_the_daemon_down(
+    daemons: Daemons,  # noqa: F811
+) -> None:
+    """600 idle unix connections of one user (no ZeroMQ handshake), in two waves,
+    to a daemon whose open-file limit is 128 soft, 400 hard. Before, libzmq
+    aborted the daemon at its soft limit (EMFILE in accept); now it raises its
+    limit to the hard one and closes a uid's connections past the bound, and
+    another user is still served."""
+    a_uid, b_uid = free_uids()
+    path, d = _node_daemon(daemons, "--max-uid-connections", "32", preexec=_low_fd_limit)
+    with users(path, a_uid, b_uid) as (a, b):
+        for wave in (1, 2):
+            assert a.call("flood", path, 300) == 300 * wave
+            wait_until(
+                lambda w=wave: a.call("flood_closed") >= 300 * w - 32,
+                20,
+                f"the daemon closed the connections past the bound (wave {wave})",
+                0.2,
+            )
+            assert d.proc.poll() is None, d.output()
+            assert b.call("stats")["daemon"]["tenants"] is True  # another user is served
+            held = d.stats()["daemon"]["uids"][str(a_uid)]["connections"]
+            assert 32 <= held <= 34, held  # its bound (and the two of its own clients)
+        assert a.call("flood_closed") <= 600 - 32  # the first 32 stay: the bound, not a ban
+        a.call("flood_end")
+        assert "closed a connection of uid" in d.output()
+        assert d.stats()["daemon"]["connections_shed"] >= 600 - 32
+    _reaped(a_uid, b_uid)
+
+
+def _low_fd_limit() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (128, 400))
+
+
+@pytest.mark.timeout(90)
+def test_a_ring_in_a_directory_the_daemon_does_not_watch_is_refused(
+    daemons: Daemons,  # noqa: F811
+) -> None:
+    """SHMLOADER_SHM_DIR=/dev/shm/<own 0700 directory>: the daemon scans only its
+    ring directories, so such a ring counted 0 bytes and a second job went past
+    the uid's budget. Now its admission is refused, naming the directories."""
+    a_uid, _ = free_uids()
+    path, _d = _node_daemon(daemons, "--uid-budget", f"{a_uid}=8M")
+    with users(path, a_uid) as (a,):
+        got = a.call("subdir_ring")
+        try:
+            assert got["made"] == 0, f"a ring in {got['dir']} was admitted: {got}"
+            assert "no control segment in the ring directories" in got["refused"], got
+            assert f"its ring directory is {got['dir']}" in got["refused"], got
+            assert "/dev/shm" in got["refused"] and "--shm-dir" in got["refused"]
+        finally:
+            a.close()
+            shutil.rmtree(got["dir"], ignore_errors=True)
+
+
+@pytest.mark.timeout(90)
+def test_the_default_uid_budget_bounds_every_uid_without_its_own(
+    daemons: Daemons,  # noqa: F811
+) -> None:
+    a_uid, b_uid = free_uids()
+    path, _d = _node_daemon(daemons, "--default-uid-budget", "4M", "--uid-budget", f"{b_uid}=16M")
+    with users(path, a_uid, b_uid) as (a, b):
+        ta, tb = a.call("ring", [1])["token"], b.call("ring", [1])["token"]
+        refused = a.call("admit", ta, 6 << 20)
+        assert refused.startswith("refused") and f"budget of uid {a_uid}" in refused, refused
+        assert "4.0 MiB" in refused, refused
+        assert b.call("admit", tb, 6 << 20) == "granted"  # its own, larger budget applies
+    _reaped(a_uid, b_uid)
+
+
+@pytest.mark.timeout(90)
+def test_a_pid_said_to_be_in_our_namespace_is_checked_against_the_caller(
+    daemons: Daemons,  # noqa: F811
+) -> None:
+    """Only a pid of another pid namespace may skip the check of its uid."""
+    a_uid, b_uid = free_uids()
+    path, _d = _node_daemon(daemons)
+    with users(path, a_uid, b_uid) as (a, b):
+        b.call("stats")  # B runs as its uid by now
+        token = new_token()
+        start = segment.proc_start_time(b.pid)
+        for pair in ([b.pid, start], [b.pid, start, 0], [b.pid, start, segment.MY_PIDNS]):
+            reply = a.call("request", "register", {"token": token, "group": [0],
+                                                   "pids": {"0": pair}})  # fmt: skip
+            assert not reply["ok"] and f"pid {b.pid} belongs to uid {b_uid}" in reply["error"]
+            for op in ("admit", "adopt"):
+                fields = {"token": token, "bytes": 1, "pid": b.pid, "start": start,
+                          "name": f"/shml-{token}-0.0.ab"}  # fmt: skip
+                if len(pair) == 3:
+                    fields["pidns"] = pair[2]
+                reply = a.call("request", op, fields)
+                assert (
+                    not reply["ok"] and f"pid {b.pid} belongs to uid {b_uid}" in reply["error"]
+                ), (op, pair, reply)
+        foreign = [b.pid, start, segment.MY_PIDNS + 1]  # cannot be checked: never judged
+        reply = a.call("request", "register", {"token": token, "group": [0],
+                                               "pids": {"0": foreign}})  # fmt: skip
+        assert reply["ok"], reply
+    _reaped(a_uid, b_uid)
+
+
+def cmd_junk_jobs(n: int) -> int:
+    """Admit ``n`` invented tokens, each a job of its own for the daemon; how many answered."""
+    answered = 0
+    for _ in range(n):
+        reply = _client().request("admit", token=new_token(), bytes=1, pid=os.getpid(),
+                                  start=segment.MY_START, pidns=segment.MY_PIDNS)  # fmt: skip
+        answered += reply is not None
+    return answered
+
+
+@pytest.mark.timeout(120)
+def test_one_users_invented_jobs_do_not_fill_the_daemon_for_the_others(
+    daemons: Daemons,  # noqa: F811
+) -> None:
+    """4,100 admits of invented tokens by A (each made a job, up to the registry's
+    4,096): B's ring was then neither registered nor admitted. Now one user's jobs
+    are bounded (MAX_UID_JOBS), and B's ring is registered and admitted."""
+    from shmloaderd.registry import MAX_JOBS, MAX_UID_JOBS
+
+    a_uid, b_uid = free_uids()
+    path, d = _node_daemon(daemons)
+    with users(path, a_uid, b_uid) as (a, b):
+        assert a.call("junk_jobs", MAX_JOBS + 4, timeout=100) == MAX_JOBS + 4
+        mine = d.stats()["daemon"]["uids"][str(a_uid)]["jobs"]
+        assert mine <= MAX_UID_JOBS, mine
+        token = new_token()
+        got = b.call("victim_ring", token, 1, 1 << 20)
+        assert got == {"made": 1, "refused": None}, got
+        job = _job_of(b.call("stats"), token, b_uid)
+        assert job is not None and job["registered"], b.call("stats")["jobs"]
+    _reaped(a_uid, b_uid)

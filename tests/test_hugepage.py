@@ -227,3 +227,18 @@ def test_stat_gc_and_the_daemon_follow_the_ring_directory(huge_dir, monkeypatch,
         for n in names:
             if os.path.exists(huge_dir + n):
                 os.unlink(huge_dir + n)
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o775, 0o730, 0o777, 0o722])
+def test_a_directory_its_group_or_others_may_write_without_sticky_bit_is_refused(tmp_path, mode):
+    """Writable by its group alone is as unsafe as by everyone: a member of the
+    group could remove or replace our segments. The sticky bit makes it safe."""
+    d = tmp_path / "shared"
+    d.mkdir()
+    os.chmod(d, mode)
+    with pytest.raises(ConfigError, match=f"mode {mode:04o}"):
+        ringdir.check(str(d))
+    os.chmod(d, mode | 0o1000)
+    assert ringdir.check(str(d)) == str(d)
+    os.chmod(d, 0o750)  # readable by the group, writable by us only
+    assert ringdir.check(str(d)) == str(d)

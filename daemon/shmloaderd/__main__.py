@@ -3,7 +3,8 @@
     shmloaderd [--socket PATH] [--budget SIZE|PCT%] [--metrics-port PORT]
                [--reap-interval SECONDS] [--pool SIZE] [--pool-segment SIZE]
                [--tenants | --single-user] [--uid-budget UID=SIZE|PCT% ...]
-               [--default-uid-budget SIZE|PCT%] [--shm-dir DIR ...] [--log-level LEVEL]
+               [--default-uid-budget SIZE|PCT%] [--shm-dir DIR ...]
+               [--max-uid-connections N] [--log-level LEVEL]
 
 Started as root (or with ``--tenants``) it serves every user of the node
 (NOTE [tenants] in ``tenants``); as any other user, or with
@@ -33,6 +34,7 @@ from shmloader.errors import ConfigError, human_bytes
 
 from . import notify
 from ._version import __version__
+from .guard import DEFAULT_MAX_UID_CONNECTIONS, raise_fd_limit
 from .server import Daemon, StartError
 from .tenants import UidBudgets, parse_uid
 
@@ -140,6 +142,12 @@ def _positive(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a whole number >= 1")
+    return int(text)
+
+
 def _port(text: str) -> int:
     if not text.isdigit() or not 0 < int(text) < 65536:
         raise argparse.ArgumentTypeError(f"{text!r} must be a TCP port 1-65535")
@@ -244,6 +252,14 @@ def build_parser() -> argparse.ArgumentParser:
         "set as SHMLOADER_SHM_DIR, e.g. a tmpfs mounted with huge=within_size. The first one "
         "also holds the warm pool and is what admissions and a percentage --budget measure",
     )
+    p.add_argument(
+        "--max-uid-connections",
+        type=_count,
+        default=DEFAULT_MAX_UID_CONNECTIONS,
+        metavar="N",
+        help="connections to the control socket one uid may hold at once; more are closed "
+        f"(root is not bounded; default {DEFAULT_MAX_UID_CONNECTIONS})",
+    )
     p.add_argument("--version", action="version", version=f"shmloaderd {__version__}")
     return p
 
@@ -255,6 +271,15 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s shmloaderd[%(process)d] %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    soft, hard = raise_fd_limit()  # NOTE [connection bound] in ``guard``
+    log.info("open files: up to %d (hard limit %d)", soft, hard)
+    if soft < 4 * args.max_uid_connections:
+        log.warning(
+            "the open-file limit %d leaves little room beside --max-uid-connections %d: raise "
+            "LimitNOFILE= (ulimit -n) or lower --max-uid-connections",
+            soft,
+            args.max_uid_connections,
+        )
     if args.pool and args.pool_segment <= 0:
         print("shmloaderd: --pool-segment must be > 0", file=sys.stderr)
         return 2
@@ -300,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         tenants=tenants,
         uid_budgets=uid_budgets,
         shm_dirs=shm_dirs,
+        max_uid_connections=args.max_uid_connections,
     )
     metrics = None
     try:

@@ -10,10 +10,14 @@ a scrape never touches /dev/shm or the daemon's loop::
     shmloaderd_pool_bytes                       gauge
     shmloaderd_jobs                             gauge
     shmloaderd_job_bytes{token,job,uid}         gauge
-    shmloaderd_job_published_total{token}       counter  batches written
-    shmloaderd_job_publish_seconds_avg{token}   gauge
-    shmloaderd_follower_lag_batches{token,rank} gauge
-    shmloaderd_follower_receive_seconds{token,rank} gauge
+    shmloaderd_job_published_total{token,uid}   counter  batches written
+    shmloaderd_job_publish_seconds_avg{token,uid} gauge
+    shmloaderd_follower_lag_batches{token,uid,rank} gauge
+    shmloaderd_follower_receive_seconds{token,uid,rank} gauge
+
+Every per-job series carries ``uid``: two jobs of one token are two users'
+(NOTE [whose job] in ``registry``), and a duplicate series would fail the
+whole scrape.
     shmloaderd_rank_wait_share{token,job,rank,role} gauge  share of wall time waiting for data
     shmloaderd_rank_wait_seconds_p50{token,job,uid,rank,role} gauge median wait for a batch
     shmloaderd_rank_wait_seconds{token,job,uid,rank,role} histogram  wait for each batch
@@ -88,16 +92,18 @@ class _Collector:
             "shmloaderd_job_bytes", "bytes held", labels=["token", "job", "uid"]
         )
         published = CounterMetricFamily(
-            "shmloaderd_job_published", "batches published", labels=["token"]
+            "shmloaderd_job_published", "batches published", labels=["token", "uid"]
         )
         pub_s = GaugeMetricFamily(
-            "shmloaderd_job_publish_seconds_avg", "mean publish time", labels=["token"]
+            "shmloaderd_job_publish_seconds_avg", "mean publish time", labels=["token", "uid"]
         )
         lag = GaugeMetricFamily(
-            "shmloaderd_follower_lag_batches", "batches behind", labels=["token", "rank"]
+            "shmloaderd_follower_lag_batches", "batches behind", labels=["token", "uid", "rank"]
         )
         recv = GaugeMetricFamily(
-            "shmloaderd_follower_receive_seconds", "receive time", labels=["token", "rank"]
+            "shmloaderd_follower_receive_seconds",
+            "receive time",
+            labels=["token", "uid", "rank"],
         )
         labels = ["token", "job", "uid", "rank", "role"]
         share = GaugeMetricFamily(
@@ -116,14 +122,14 @@ class _Collector:
             uid = "" if job.get("uid") is None else str(job["uid"])
             job_bytes.add_metric([token, job.get("job") or "", uid], job["bytes"])
             if job["published"] is not None:
-                published.add_metric([token], job["published"])
+                published.add_metric([token, uid], job["published"])
             if job["publish_ms_avg"] is not None:
-                pub_s.add_metric([token], job["publish_ms_avg"] / 1e3)
+                pub_s.add_metric([token, uid], job["publish_ms_avg"] / 1e3)
             for rank, f in job.get("followers", {}).items():
                 if f.get("lag") is not None:
-                    lag.add_metric([token, str(rank)], f["lag"])
+                    lag.add_metric([token, uid, str(rank)], f["lag"])
                 if f.get("receive_ms") is not None:
-                    recv.add_metric([token, str(rank)], f["receive_ms"] / 1e3)
+                    recv.add_metric([token, uid, str(rank)], f["receive_ms"] / 1e3)
         hist = HistogramMetricFamily(
             "shmloaderd_rank_wait_seconds", "wait for a batch", labels=labels
         )

@@ -20,15 +20,16 @@ field type, an unknown op or another ``v`` is answered with ``ok: false``.
 
     op          fields (? = optional)                       results
     hello       pid?                                         daemon, version, pid,
-                                                             protocol, socket, budget
+                                                             protocol, socket, budget,
+                                                             shm_dirs (ring directories)
     register    token, group [int],                          token, known
                 pids {rank: [pid, start, pidns?]},
                 node? [int], leader? int, writer? int,
                 world? int, segments? [{name, bytes}],
                 job? str (<= 128 chars)
     segment     token, action "add"|"remove", name, bytes?   token, segments
-    admit       token, bytes, pid?, start?, pidns?           admitted, budget, in_use,
-                                                             shm_free, reason (refused)
+    admit       token, bytes, pid?, start?, pidns?,          admitted, budget, in_use,
+                shm_dir?                                     shm_free, reason (refused)
     report      token, rank (of the job's group),           token
                 published?, consumed?, receive_ms? (float),
                 lag?, role? ("leader"|"node leader"|
@@ -58,8 +59,9 @@ as the field ``pids_ns`` ({rank: pidns}); ``pids`` keeps ``(pid, start)``.
 ``reason`` naming the budget, what is in use and by which jobs; the client
 raises ``ShmCapacityError`` from it. With a uid budget (node mode) the reply
 also carries ``uid``, ``uid_budget`` and ``uid_in_use``. In node mode a
-request naming another uid's job or pid is answered ``ok: false`` with an
-``error`` starting ``refused:``; ``stats`` answers with the asker's view.
+request naming another uid's pid is answered ``ok: false`` with an ``error``
+starting ``refused:``; a token always names a job of the asker's own uid
+(NOTE [whose job] in ``registry``); ``stats`` answers with the asker's view.
 Tokens are 1-16 ASCII letters/digits; segment names are
 ``/shml-<token>-<suffix>`` and the daemon never accepts a name outside the
 token's own prefix.
@@ -221,6 +223,7 @@ OPS: dict[str, dict[str, tuple[Check, bool]]] = {
         "pid": (_int, False),
         "start": (_int, False),
         "pidns": (_int, False),
+        "shm_dir": (_text, False),  # the ring directory (NOTE [watched ring directories])
     },
     "report": {
         "token": (_token, True),

@@ -38,6 +38,35 @@ NOTE [budget]
     A refusal shown to a user details only that user's jobs: the rest of the
     node is a count and a total.
 
+NOTE [whose job]
+    A job is keyed by (uid, token), never by its token alone. Tokens are
+    names, and names in /dev/shm are world-listable (a ring's probe segment
+    shows its token during discovery), so a token cannot say whose a job is.
+    Whose it is comes from two things nobody can forge for another user,
+    checked together: the ``SO_PEERCRED`` uid of the client that registers or
+    admits it (NOTE [tenants] in ``tenants``), and the owner of each segment
+    (the file's uid, which its header must repeat). A request acts on the job
+    of its token *of the peer's uid* (root may name any uid's); a job counts
+    only the segments of its own uid, and only processes running as that uid
+    (``admin.job_pids``, ``_same_user``) for mappings and liveness; a job
+    discovered by its control segment is that file owner's. Another user's
+    control segment planted under our token, or an ``admit`` naming our
+    token, therefore makes a job of *theirs* that holds their own files, and
+    takes nothing of ours: before, the registry gave a token nobody had
+    registered to the first uid owning a control segment of it and kept it
+    there, and the real writer's ``register``/``admit`` were refused.
+
+NOTE [watched ring directories]
+    In node mode ``admit`` refuses a job with no control segment of its uid
+    in the ring directories the daemon watches (``--shm-dir``, /dev/shm):
+    such a ring (``SHMLOADER_SHM_DIR`` a sub-directory of /dev/shm, or any
+    other directory) would count 0 bytes against its budgets and never be
+    reaped after a crash. The writer creates its control segment before it
+    asks for its first slot, so a ring in a watched directory is always seen
+    by then. The refusal names the directories and the fix. The daemon does
+    not follow a directory a job names: reaping as root inside a directory a
+    user controls is open to that user swapping the path under the unlink.
+
 NOTE [pid namespaces]
     Clients name their processes by (pid, start time) as they see them. The
     daemon can judge such a pid only when the process lives in the daemon's
@@ -66,7 +95,9 @@ NOTE [dead jobs stay visible]
 
 NOTE [bounded state]
     Whatever clients send, the daemon's memory stays bounded: at most
-    ``MAX_JOBS`` jobs and ``MAX_ENDED`` ended ones; per job, ``report`` rows only for ranks of its
+    ``MAX_JOBS`` jobs (in node mode at most ``MAX_UID_JOBS`` of one uid but
+    root's, so that one user cannot fill it for the others) and ``MAX_ENDED``
+    ended ones; per job, ``report`` rows only for ranks of its
     registered group (or, for a job not registered, of the group its control
     segment describes), at most ``MAX_OWNERS`` owner pids, ``MAX_GRANTS``
     pending grants and ``MAX_SEGMENTS`` declared segment names.
@@ -75,13 +106,22 @@ NOTE [bounded state]
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from shmloader import segment
-from shmloader.admin import DEVICE_REPORTED, Entry, job_pids, observed_bytes, token_entries
+from shmloader.admin import (
+    DEVICE_REPORTED,
+    Entry,
+    job_pids,
+    observed_bytes,
+    process_uid,
+    ring_dirs,
+    token_entries,
+)
 from shmloader.errors import human_bytes
 from shmloader.segment import process_alive, shm_free_bytes
 
@@ -92,6 +132,10 @@ log = logging.getLogger("shmloaderd")
 GRANT_TTL_S = 30.0
 #: Jobs the registry tracks at most: a runaway client cannot grow it without bound.
 MAX_JOBS = 4096
+#: Jobs one uid other than root may have tracked at once in node mode: one user's
+#: junk (admits of invented tokens, planted control segments) cannot fill the
+#: registry for the others (NOTE [bounded state]).
+MAX_UID_JOBS = 256
 #: Per job (NOTE [bounded state]).
 MAX_OWNERS = 64
 MAX_GRANTS = 256
@@ -106,6 +150,10 @@ REPORT_FIELDS = (
     "published", "consumed", "receive_ms", "lag", "role", "wait_ms_p50", "wait_ms_p95",
     "wait_ms_p99", "wait_share", "wait_hist", "wait_ms_sum", "bytes", *DEVICE_REPORTED,
 )  # fmt: skip
+
+
+#: A job's key: (uid, token) (NOTE [whose job]).
+Key = tuple[int, str]
 
 
 class RegistryFull(Exception):
@@ -140,8 +188,13 @@ class Job:
     # NOTE [pid namespaces]: namespace of a known (pid, start); the writer's as a hint
     pidns: dict[tuple[int, int], int] = field(default_factory=dict)
     pidns_hint: int = 0
-    uid: int | None = None  # whose job (NOTE [tenants] in ``tenants``)
-    uid_from_ctl: bool = False  # the uid is its control segment's owner, not a claim
+    uid: int | None = None  # whose job (NOTE [whose job])
+    ctl_dir: str | None = None  # where its control segment was last seen (None: nowhere)
+
+    @property
+    def key(self) -> Key:
+        """(uid, token): the job's key in the registry (NOTE [whose job])."""
+        return (self.uid, self.token)  # type: ignore[return-value]
 
     def all_pids(self) -> set[tuple[int, int]]:
         return set(self.pids.values()) | self.owners
@@ -219,7 +272,8 @@ class Registry:
         tenants: bool = False,
         dirs: list[str] | None = None,
     ) -> None:
-        self.jobs: dict[str, Job] = {}
+        self.jobs: dict[Key, Job] = {}  # (uid, token): NOTE [whose job]
+        self.me = os.geteuid()  # whose a job is when no uid is given (single-user mode)
         self.dirs = dirs  # the ring directories (None: ``admin.ring_dirs()``)
         self.budget = budget
         self.pool_bytes = pool_bytes
@@ -228,44 +282,53 @@ class Registry:
         self.tenants = tenants  # node mode: refusals detail only the asker's jobs
         self.granted = 0
         self.refused = 0
-        self.ended: dict[str, Ended] = {}  # NOTE [dead jobs stay visible]
+        self.ended: dict[Key, Ended] = {}  # NOTE [dead jobs stay visible]
         self.admissions: dict[tuple[int, str], int] = {}  # (uid, "granted"|"refused") -> n
 
     # ------------------------------------------------------------- requests
 
-    def job(self, token: str, uid: int | None = None) -> Job:
-        """The job of ``token``, made for ``uid`` if new (whose it is: ``owners``)."""
-        found = self._control_owners(token)
-        job = self.jobs.get(token)
-        if job is None:
-            if len(self.jobs) >= MAX_JOBS:
-                raise RegistryFull(
-                    f"shmloaderd already tracks {MAX_JOBS} jobs; unregister finished ones"
-                )
-            first = uid if not found or uid in found else None  # root acting for a user
-            job = self.jobs[token] = Job(token, uid=first)
-            self.ended.pop(token, None)  # alive again (a restart that kept its token)
-        elif job.uid is None:
-            job.uid = uid
-        return self._settle(job, found)
+    def find(self, token: str, uid: int | None = None, *, any_uid: bool = False) -> Job | None:
+        """The job ``token`` of ``uid`` (NOTE [whose job]); ``any_uid`` (root in node
+        mode): else the job of that token of any uid, root's own first."""
+        uid = self.me if uid is None else uid
+        job = self.jobs.get((uid, token))
+        if job is None and any_uid:
+            same = [j for (_, t), j in self.jobs.items() if t == token]
+            job = min(same, key=lambda j: -1 if j.uid is None else j.uid, default=None)
+        return job
 
-    def owners(self, token: str) -> set[int]:
-        """The uids job ``token`` may be told about by (NOTE [tenants] in
-        ``tenants``); empty: nobody's yet.
+    def job(self, token: str, uid: int | None = None, *, any_uid: bool = False) -> Job:
+        """The job ``token`` of ``uid``, made if new (NOTE [whose job]).
 
-        The owner of its control segment in /dev/shm, else the uid that first
-        named it. Several control segments of different uids under one token
-        (one of them planted): a job keeps the uid it has while that uid owns
-        one of them; a token nobody named yet is open to each of their owners.
+        ``any_uid`` (root in node mode, who may act for a user): an existing job
+        of that token of any uid, else one made for the owner of its control
+        segment when a single uid owns them, else for ``uid``.
         """
-        job = self.jobs.get(token)
-        if job is not None and job.uid_from_ctl:
-            return {job.uid} if job.uid is not None else set()
-        found = self._control_owners(token)
-        if job is None:
-            return found
-        job = self._settle(job, found)
-        return set() if job.uid is None else {job.uid}
+        uid = self.me if uid is None else uid
+        job = self.find(token, uid, any_uid=any_uid)
+        if job is not None:
+            return job
+        if any_uid:
+            found = self._control_owners(token)
+            uid = next(iter(found)) if len(found) == 1 else uid
+        if len(self.jobs) >= MAX_JOBS:
+            raise RegistryFull(
+                f"shmloaderd already tracks {MAX_JOBS} jobs; unregister finished ones"
+            )
+        if self._uid_full(uid):
+            raise RegistryFull(
+                f"shmloaderd already tracks {MAX_UID_JOBS} jobs of uid {uid}, the most one "
+                "user may have at once; end (or unregister) some of them"
+            )
+        job = self.jobs[(uid, token)] = Job(token, uid=uid)
+        self.ended.pop((uid, token), None)  # alive again (a restart that kept its token)
+        return job
+
+    def _uid_full(self, uid: int) -> bool:
+        """Whether ``uid`` has its most jobs (node mode; NOTE [bounded state])."""
+        if not self.tenants or uid == 0:
+            return False
+        return sum(1 for u, _ in self.jobs if u == uid) >= MAX_UID_JOBS
 
     def _control_owners(self, token: str) -> set[int]:
         """Uids of the valid control segments of ``token`` in the ring directories."""
@@ -275,30 +338,11 @@ class Registry:
                 out.add(e.header.uid)
         return out
 
-    def _settle(self, job: Job, owners: set[int]) -> Job:
-        """Whose ``job`` is, given the uids of its control segments: a claim by a
-        uid that owns none of them gives way (the job starts afresh)."""
-        if not owners or job.uid_from_ctl:
-            return job
-        if job.uid in owners:
-            job.uid_from_ctl = True
-            return job
-        uid = min(owners)
-        if job.uid is not None:
-            log.warning(
-                "job %s was claimed by uid %s but its control segment belongs to uid %d: "
-                "the claim is dropped",
-                job.token,
-                job.uid,
-                uid,
-            )
-            job = self.jobs[job.token] = Job(job.token)
-        job.uid, job.uid_from_ctl = uid, True
-        return job
-
-    def register(self, f: dict[str, Any], uid: int | None = None) -> dict[str, Any]:
-        known = f["token"] in self.jobs
-        job = self.job(f["token"], uid)
+    def register(
+        self, f: dict[str, Any], uid: int | None = None, *, any_uid: bool = False
+    ) -> dict[str, Any]:
+        known = self.find(f["token"], uid, any_uid=any_uid) is not None
+        job = self.job(f["token"], uid, any_uid=any_uid)
         job.registered = True
         job.group = f["group"]
         job.pids = f["pids"]
@@ -317,16 +361,19 @@ class Registry:
                 job.segments[name] = nbytes
         job.reports = {r: v for r, v in job.reports.items() if r in job.ranks()}
         log.info(
-            "registered %s%s: %d segment(s), %s",
+            "registered %s of uid %s%s: %d segment(s), %s",
             job.describe(),
+            job.uid,
             " (was known)" if known else "",
             len(job.segments),
             human_bytes(sum(job.segments.values())),
         )
         return {"ok": True, "token": job.token, "known": known}
 
-    def segment(self, f: dict[str, Any]) -> dict[str, Any]:
-        job = self.jobs.get(f["token"])
+    def segment(
+        self, f: dict[str, Any], uid: int | None = None, *, any_uid: bool = False
+    ) -> dict[str, Any]:
+        job = self.find(f["token"], uid, any_uid=any_uid)
         if job is None:
             return {"ok": False, "error": f"unknown token {f['token']}: register the job first"}
         if f["action"] == "add":
@@ -338,14 +385,15 @@ class Registry:
             job.segments.pop(f["name"], None)
         return {"ok": True, "token": job.token, "segments": len(job.segments)}
 
-    def admit(self, f: dict[str, Any], uid: int | None = None) -> dict[str, Any]:
+    def admit(
+        self, f: dict[str, Any], uid: int | None = None, *, any_uid: bool = False
+    ) -> dict[str, Any]:
         token, nbytes = f["token"], f["bytes"]
-        job = self.job(token, uid)
+        job = self.job(token, uid, any_uid=any_uid)
         if "pid" in f and not job.pids and len(job.owners) < MAX_OWNERS:
             job.owners.add((f["pid"], f.get("start", 0)))
             job.note_namespace(f["pid"], f.get("start", 0), f.get("pidns"))
         self.observe_one(job)
-        job = self.jobs[token]  # a claim may have given way to the control segment's owner
         now = time.monotonic()
         budget = self.budget()
         in_use = self.in_use(now)
@@ -355,7 +403,9 @@ class Registry:
         job.pending(now)  # drops expired grants
         uid_budget = self.uid_budget(job.uid)
         uid_use = self.uid_in_use(job.uid, now)
-        if len(job.grants) >= MAX_GRANTS:
+        if self.tenants and job.ctl_dir is None:  # NOTE [watched ring directories]
+            reason = self._unwatched(job, f.get("shm_dir"))
+        elif len(job.grants) >= MAX_GRANTS:
             reason = (
                 f"{job.describe()} has {MAX_GRANTS} admissions granted whose memory has not "
                 f"shown up in /dev/shm yet (they expire after {GRANT_TTL_S:g} s); create the "
@@ -409,8 +459,23 @@ class Registry:
             job.grants.append(Grant(nbytes, now + GRANT_TTL_S, job.observed))
         return reply
 
-    def report(self, f: dict[str, Any]) -> dict[str, Any]:
-        job = self.jobs.get(f["token"])
+    def _unwatched(self, job: Job, where: Any) -> str:
+        """Why ``job`` is refused when no control segment of its uid is in a
+        ring directory of ours (NOTE [watched ring directories])."""
+        dirs = ", ".join(self.dirs or ring_dirs())
+        said = f" (its ring directory is {where})" if isinstance(where, str) else ""
+        return (
+            f"{job.describe()} of uid {job.uid}{said} has no control segment in the ring "
+            f"directories shmloaderd watches ({dirs}): its memory could be neither counted "
+            "against a budget nor reaped after a crash. Set SHMLOADER_SHM_DIR to one of "
+            "them (or unset it for /dev/shm), or ask the node's operator to add the "
+            "directory to shmloaderd's --shm-dir"
+        )
+
+    def report(
+        self, f: dict[str, Any], uid: int | None = None, *, any_uid: bool = False
+    ) -> dict[str, Any]:
+        job = self.find(f["token"], uid, any_uid=any_uid)
         if job is None:
             return {"ok": False, "error": f"unknown token {f['token']}: register the job first"}
         if f["rank"] not in job.ranks():  # NOTE [bounded state]
@@ -427,9 +492,12 @@ class Registry:
         entry["updated_unix"] = time.time()
         return {"ok": True, "token": job.token}
 
-    def unregister(self, f: dict[str, Any]) -> dict[str, Any]:
-        job = self.jobs.pop(f["token"], None)
+    def unregister(
+        self, f: dict[str, Any], uid: int | None = None, *, any_uid: bool = False
+    ) -> dict[str, Any]:
+        job = self.find(f["token"], uid, any_uid=any_uid)
         if job is not None:
+            del self.jobs[job.key]
             log.info("unregistered %s", job.describe())
         return {"ok": True, "token": f["token"], "known": job is not None}
 
@@ -470,14 +538,12 @@ class Registry:
 
     def _observe(self, job: Job, entries: list[Entry]) -> None:
         """Observed bytes (NOTE [honest bytes] in ``shmloader.admin``): the named
-        segments, and the mappings of the writer (the live owner of the control
-        segment: one ``/proc/<pid>/maps`` read per job and pass, whatever a
-        client claims about pids)."""
-        ctls = [e for e in entries if e.header and e.header.kind_name == "control"]
-        job = self._settle(job, {e.header.uid for e in ctls if e.header is not None})
-        if job.uid is not None:  # another uid's segments under this token are not this job's
-            entries = [e for e in entries if e.header is None or e.header.uid == job.uid]
+        segments of the job's uid (NOTE [whose job]), and the mappings of the
+        writer (the live owner of the control segment: one ``/proc/<pid>/maps``
+        read per job and pass, whatever a client claims about pids)."""
+        entries = [e for e in entries if e.header is not None and e.header.uid == job.uid]
         ctl = next((e for e in entries if e.header and e.header.kind_name == "control"), None)
+        job.ctl_dir = None if ctl is None else ctl.directory
         if ctl is not None and ctl.header is not None:
             job.ctl_seen = True
             job.pidns_hint = ctl.header.pidns  # NOTE [pid namespaces]
@@ -485,44 +551,48 @@ class Registry:
             pids = job_pids(ctl.header, ctl.description or {})
             job.observed = observed_bytes(job.token, entries, pids)
         else:
-            job.observed = sum(e.size for e in entries if e.header is not None)
+            job.observed = sum(e.size for e in entries)
 
     def observe(
-        self, entries: list[Entry], reaped: dict[str, tuple[int, int]] | None = None
+        self, entries: list[Entry], reaped: dict[Key, tuple[int, int]] | None = None
     ) -> list[str]:
         """Update every job from a scan; discover new live jobs; drop ended ones.
 
-        ``reaped``: token -> (segments, bytes) the reaper just freed. A dropped
-        job that died, or whose segments were reaped, is kept in ``ended``
-        (NOTE [dead jobs stay visible]). Returns the jobs dropped, with why (for
-        the log).
+        ``reaped``: (uid, token) -> (segments, bytes) the reaper just freed. A
+        dropped job that died, or whose segments were reaped, is kept in
+        ``ended`` (NOTE [dead jobs stay visible]). Returns the jobs dropped,
+        with why (for the log).
         """
         reaped = reaped or {}
-        by_token: dict[str, list[Entry]] = {}
+        by_key: dict[Key, list[Entry]] = {}
         for e in entries:
             if e.header is not None:
-                by_token.setdefault(e.header.token, []).append(e)
-        for token, es in by_token.items():
-            job = self.jobs.get(token)
+                by_key.setdefault((e.header.uid, e.header.token), []).append(e)
+        for key, es in by_key.items():
+            job = self.jobs.get(key)
+            ctl = next((e for e in es if e.header and e.header.kind_name == "control"), None)
             if job is None:
-                ctl = next((e for e in es if e.header and e.header.kind_name == "control"), None)
                 if ctl is None or not ctl.alive or len(self.jobs) >= MAX_JOBS:
                     continue  # probes and dead leftovers are not jobs
-                assert ctl.header is not None
-                job = self.jobs[token] = Job(token, uid=ctl.header.uid, uid_from_ctl=True)
+                if self._uid_full(key[0]):
+                    continue  # NOTE [bounded state]
+                job = self.jobs[key] = Job(key[1], uid=key[0])
                 _from_description(job, ctl)
-                log.info("discovered %s from its control segment %s", job.describe(), ctl.name)
-            elif not job.registered:
-                ctl = next((e for e in es if e.header and e.header.kind_name == "control"), None)
-                if ctl is not None and ctl.alive:
-                    _from_description(job, ctl)  # the described group bounds its reports
+                log.info(
+                    "discovered %s of uid %d from its control segment %s",
+                    job.describe(),
+                    key[0],
+                    ctl.name,
+                )
+            elif not job.registered and ctl is not None and ctl.alive:
+                _from_description(job, ctl)  # the described group bounds its reports
             self._observe(job, es)
         ended = []
         now = time.monotonic()
-        for token, job in list(self.jobs.items()):
+        for key, job in list(self.jobs.items()):
             alive = job.alive()
-            closed = job.ctl_seen and token not in by_token
-            idle = alive is None and not job.pending(now) and token not in by_token
+            closed = job.ctl_seen and key not in by_key
+            idle = alive is None and not job.pending(now) and key not in by_key
             if alive is False or closed or idle:
                 why = (
                     "all its processes are gone"
@@ -532,31 +602,31 @@ class Registry:
                     else "nothing of it is left"
                 )
                 ended.append(f"{job.describe()}: {why}")
-                del self.jobs[token]
-                if alive is False or token in reaped:
-                    self.record_end(job, "its processes died", *reaped.get(token, (0, 0)))
+                del self.jobs[key]
+                if alive is False or key in reaped:
+                    self.record_end(job, "its processes died", *reaped.get(key, (0, 0)))
         self.forget_ended()
         return ended
 
     def record_end(self, job: Job, why: str, segments: int, nbytes: int) -> None:
         """Keep a dead job's record (NOTE [dead jobs stay visible])."""
-        self.ended.pop(job.token, None)
+        self.ended.pop(job.key, None)
         while len(self.ended) >= MAX_ENDED:  # NOTE [bounded state]
             self.ended.pop(next(iter(self.ended)))
-        self.ended[job.token] = Ended(job, time.time(), why, segments, nbytes)
+        self.ended[job.key] = Ended(job, time.time(), why, segments, nbytes)
 
-    def note_reaped(self, token: str, segments: int, nbytes: int) -> None:
+    def note_reaped(self, key: Key, segments: int, nbytes: int) -> None:
         """Segments of an already ended job reaped later add to its record."""
-        rec = self.ended.get(token)
+        rec = self.ended.get(key)
         if rec is not None:
             rec.reaped_segments += segments
             rec.reaped_bytes += nbytes
 
     def forget_ended(self, now: float | None = None) -> None:
         now = time.time() if now is None else now
-        for token, rec in list(self.ended.items()):
+        for key, rec in list(self.ended.items()):
             if now - rec.unix > ENDED_KEEP_S:
-                del self.ended[token]
+                del self.ended[key]
 
 
 def _from_description(job: Job, ctl: Entry) -> None:
@@ -574,6 +644,8 @@ def _from_description(job: Job, ctl: Entry) -> None:
                 and len(pair) in (2, 3)
                 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pair)
             )
+            if ok and not _same_user(pair, ctl.header):
+                continue  # NOTE [whose job]: another user's process is not this job's
             if str(rank).isdigit() and ok:
                 job.pids[int(rank)] = (pair[0], pair[1])
                 if len(pair) == 3:  # [pid, start, pidns]
@@ -589,3 +661,14 @@ def _from_description(job: Job, ctl: Entry) -> None:
     name = desc.get("job")
     if isinstance(name, str):
         job.name = name[:128]
+
+
+def _same_user(pair: list, ctl: Any) -> bool:
+    """Whether a described ``[pid, start, pidns?]`` may be a process of the control
+    segment's owner: of another pid namespace (not checkable here), gone, or of
+    that uid."""
+    ns = pair[2] if len(pair) == 3 and pair[2] else ctl.pidns
+    if ns and segment.MY_PIDNS and ns != segment.MY_PIDNS:
+        return True
+    uid = process_uid(pair[0])
+    return uid is None or uid == ctl.uid

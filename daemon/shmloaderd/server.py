@@ -64,6 +64,7 @@ from shmloader.segment import HEADER_SIZE
 
 from . import notify, protocol
 from ._version import __version__
+from .guard import DEFAULT_MAX_UID_CONNECTIONS, ConnectionGuard
 from .pool import Pool
 from .registry import MAX_OWNERS, Job, Registry, RegistryFull, _from_description
 from .tenants import Peer, Tenancy, UidBudgets, peer_of, user_name
@@ -126,8 +127,11 @@ class Daemon:
         tenants: bool = False,
         uid_budgets: UidBudgets | None = None,
         shm_dirs: list[str] | None = None,
+        max_uid_connections: int = DEFAULT_MAX_UID_CONNECTIONS,
     ) -> None:
         self.path = os.path.abspath(socket_path)
+        self.max_uid_connections = max_uid_connections  # NOTE [connection bound] in ``guard``
+        self.guard: ConnectionGuard | None = None
         # ring directories reaped and accounted (``--shm-dir``; NOTE [huge-page ring])
         self.shm_dirs = ring_dirs() if shm_dirs is None else shm_dirs
         self.budget = budget
@@ -214,10 +218,13 @@ class Daemon:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE)
         sock.setsockopt(zmq.SNDTIMEO, 0)
+        # before bind: no connection is accepted unseen (NOTE [connection bound] in ``guard``)
+        guard = ConnectionGuard(sock, self.path, self.max_uid_connections)
         old = os.umask(0o111 if tenants else 0o177)
         try:
             sock.bind(f"ipc://{self.path}")
         except zmq.ZMQError as exc:
+            guard.close()
             sock.close(linger=0)
             raise StartError(f"cannot bind {self.path}: {exc}") from None
         finally:
@@ -226,6 +233,8 @@ class Daemon:
             os.chmod(directory, stat.S_IMODE(os.lstat(directory).st_mode) | 0o555)
         os.chmod(self.path, 0o666 if tenants else 0o600)
         self.sock = sock
+        self.guard = guard
+        guard.start()
         self._bound = True
         self.pool.start()
         log.info(
@@ -298,7 +307,7 @@ class Daemon:
             return self._reject(str(exc))
         self._count(op)
         try:
-            denied = self.tenancy.check(op, fields, peer, self.registry.owners)
+            denied = self.tenancy.check(op, fields, peer)
             if denied is not None:
                 self._count("denied")
                 self._bad.warn("refused %r from %s: %s", op, peer, denied)
@@ -317,6 +326,7 @@ class Daemon:
     def dispatch(self, op: str, f: dict[str, Any], peer: Peer | None = None) -> dict[str, Any]:
         r = self.registry
         uid = self.tenancy.uid_of(peer)
+        anyone = self.tenancy.enabled and peer is not None and peer.root  # NOTE [whose job]
         if op == "hello":
             return {
                 "ok": True,
@@ -326,25 +336,26 @@ class Daemon:
                 "protocol": protocol.VERSION,
                 "socket": self.path,
                 "budget": self.budget(),
+                "shm_dirs": list(self.shm_dirs),  # ``shmloader gc``/``stat`` look there too
             }
         if op == "stats":
             return {"ok": True, "stats": self.view(self.stats(), peer)}
         if op == "register":
-            return r.register(f, uid)
+            return r.register(f, uid, any_uid=anyone)
         if op == "segment":
-            return r.segment(f)
+            return r.segment(f, uid, any_uid=anyone)
         if op == "admit":
-            return r.admit(f, uid)
+            return r.admit(f, uid, any_uid=anyone)
         if op == "report":
-            return r.report(f)
+            return r.report(f, uid, any_uid=anyone)
         if op == "unregister":
-            return r.unregister(f)
+            return r.unregister(f, uid, any_uid=anyone)
         if op == "adopt":
             pool_dir = os.path.realpath(segment_module.SHM_DIR)
             if f.get("shm_dir", pool_dir) != pool_dir:  # a link cannot cross directories
                 reason = f"the warm pool is in {pool_dir}, the ring in {f['shm_dir']}"
                 return {"ok": True, "adopted": False, "reason": reason}
-            job = r.job(f["token"], uid)
+            job = r.job(f["token"], uid, any_uid=anyone)
             if self.tenancy.enabled and job.uid is not None:  # NOTE [tenants]: fchown to them
                 gid = peer.gid if peer is not None and peer.uid == job.uid else None
                 owner = {"uid": job.uid, "gid": gid}
@@ -370,16 +381,16 @@ class Daemon:
             entries = scan_entries(every_uid=every_uid, dirs=self.shm_dirs)
             names = self._job_names(entries)
             kept = []
-            reaped: dict[str, tuple[int, int]] = {}
+            reaped: dict[tuple[int, str], tuple[int, int]] = {}  # (uid, token)
             for e in entries:
                 if e.header is not None and not e.alive:
                     freed = remove_if_dead(e.name, every_uid=every_uid, directory=e.directory)
                     if freed is not None and freed.removed:
                         self.reaped_segments += 1
                         self.reaped_bytes += freed.bytes
-                        n, b = reaped.get(freed.token, (0, 0))
-                        reaped[freed.token] = (n + 1, b + freed.bytes)
                         uid = freed.extra["uid"]
+                        n, b = reaped.get((uid, freed.token), (0, 0))
+                        reaped[(uid, freed.token)] = (n + 1, b + freed.bytes)
                         count = self.reaped_by_uid.setdefault(uid, [0, 0])
                         count[0] += 1
                         count[1] += freed.bytes
@@ -390,7 +401,7 @@ class Daemon:
                             human_bytes(freed.bytes),
                             uid,
                             user_name(uid),
-                            names.get(freed.token, f"ring {freed.token}"),
+                            names.get((uid, freed.token), f"ring {freed.token}"),
                             freed.owner_pid,
                             freed.extra["owner_start"],
                         )
@@ -408,39 +419,44 @@ class Daemon:
         except Exception:
             log.exception("reap pass failed; retrying at the next one")
 
-    def _job_names(self, entries: list) -> dict[str, str]:
-        """token -> "job NAME (ring TOKEN)" for the log: the registry's name, else the
-        one its control segment describes (log lines name the job, not only its token)."""
+    def _job_names(self, entries: list) -> dict[tuple[int, str], str]:
+        """(uid, token) -> "job NAME (ring TOKEN)" for the log: the registry's name,
+        else the one its control segment describes (log lines name the job, not
+        only its token)."""
         out = {}
         for e in entries:
-            if e.header is None or e.header.token in out:
+            key = None if e.header is None else (e.header.uid, e.header.token)
+            if key is None or key in out:
                 continue
-            job = self.registry.jobs.get(e.header.token)
+            job = self.registry.jobs.get(key)
             name = job.name if job is not None else None
             if name is None and e.description:
                 raw = e.description.get("job")
                 name = raw[:128] if isinstance(raw, str) else None
             if name:
-                out[e.header.token] = f"job {name} (ring {e.header.token})"
+                out[key] = f"job {name} (ring {e.header.token})"
         return out
 
-    def _note_reaped(self, reaped: dict[str, tuple[int, int]], known: set[str], entries) -> None:
+    def _note_reaped(
+        self, reaped: dict[tuple[int, str], tuple[int, int]], known: set, entries
+    ) -> None:
         """Reaped segments of a ring the registry never knew (it died before this
         daemon saw it alive) still leave a record (NOTE [dead jobs stay visible])."""
-        for token, (n, nbytes) in reaped.items():
-            if token in known:
+        for key, (n, nbytes) in reaped.items():
+            if key in known:
                 continue
-            if token in self.registry.ended:
-                self.registry.note_reaped(token, n, nbytes)
+            if key in self.registry.ended:
+                self.registry.note_reaped(key, n, nbytes)
                 continue
+            uid, token = key
             ctl = next(
                 (e for e in entries if e.header and e.header.token == token
-                 and e.header.kind_name == "control"),
+                 and e.header.uid == uid and e.header.kind_name == "control"),
                 None,
             )  # fmt: skip
             if ctl is None or ctl.header is None:
                 continue  # no ring: a probe or a pool segment, nothing to show as a job
-            job = Job(token, since=ctl.header.created_ns / 1e9)
+            job = Job(token, since=ctl.header.created_ns / 1e9, uid=uid)
             _from_description(job, ctl)
             self.registry.record_end(job, "its processes died", n, nbytes)
 
@@ -472,12 +488,13 @@ class Daemon:
             "daemon",
             self.shm_dirs,
         )
-        jobs = {j["token"]: j for j in doc["jobs"]}
+        jobs = {(j["uid"], j["token"]): j for j in doc["jobs"]}  # NOTE [whose job]
         now = time.monotonic()
-        for token, job in self.registry.jobs.items():
-            j = jobs.get(token)
+        for key, job in self.registry.jobs.items():
+            token = job.token
+            j = jobs.get(key)
             if j is None:
-                j = jobs[token] = empty_job(token)
+                j = jobs[key] = empty_job(token)
                 alive = job.alive()
                 j["state"] = "live" if alive else "unknown" if alive is None else "dead"
             j["registered"] = job.registered
@@ -531,10 +548,10 @@ class Daemon:
                 followers[str(rank)] = f
             j["followers"] = followers
         self.registry.forget_ended()
-        for token, rec in self.registry.ended.items():
-            if token not in jobs:
-                jobs[token] = _ended_job(rec)
-        doc["jobs"] = [jobs[t] for t in sorted(jobs)]
+        for key, rec in self.registry.ended.items():
+            if key not in jobs:
+                jobs[key] = _ended_job(rec)
+        doc["jobs"] = [jobs[k] for k in sorted(jobs, key=_by_token)]
         doc["node"]["shmloader_bytes"] = sum(j["bytes"] for j in doc["jobs"]) + self.pool.nbytes
         doc["daemon"] = {
             "pid": os.getpid(),
@@ -551,6 +568,7 @@ class Daemon:
             "pool_bytes": self.pool.nbytes,
             "pool_segments": len(self.pool.items),
             "tenants": self.tenancy.enabled,
+            "connections_shed": 0 if self.guard is None else self.guard.shed,
             "uids": self._uids(doc["jobs"], now),
         }
         return doc
@@ -558,7 +576,8 @@ class Daemon:
     def _waits(self) -> list[dict[str, Any]]:
         """Each reporting rank's wait histogram since its first batch (for metrics)."""
         out = []
-        for token, job in self.registry.jobs.items():
+        for job in self.registry.jobs.values():
+            token = job.token
             for rank, rep in job.reports.items():
                 if rep.get("wait_hist") is not None:
                     out.append({
@@ -574,6 +593,7 @@ class Daemon:
         uids = {j["uid"] for j in jobs if j.get("uid") is not None} | set(self.reaped_by_uid)
         uids |= {uid for uid, _ in self.registry.admissions if uid >= 0}
         uids |= set(self.uid_budgets.per_uid)
+        uids |= set(self.guard.counts() if self.guard is not None else ())
         return {str(uid): self._uid_row(uid, jobs, now) for uid in sorted(uids)}
 
     def _uid_row(self, uid: int, jobs: list[dict[str, Any]], now: float) -> dict[str, Any]:
@@ -592,6 +612,8 @@ class Daemon:
             "reaped_bytes": reaped[1],
             "admissions_granted": self.registry.admissions.get((uid, "granted"), 0),
             "admissions_refused": self.registry.admissions.get((uid, "refused"), 0),
+            # NOTE [connection bound] in ``guard``: its connections to the socket now
+            "connections": 0 if self.guard is None else self.guard.counts().get(uid, 0),
         }
 
     def view(self, doc: dict[str, Any], peer: Peer | None) -> dict[str, Any]:
@@ -646,6 +668,9 @@ class Daemon:
     def close(self) -> None:
         """Close the socket and unlink the pool; live jobs' segments stay."""
         self.pool.close()
+        if self.guard is not None:
+            self.guard.close()
+            self.guard = None
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
@@ -688,6 +713,11 @@ def _ended_job(rec: Any) -> dict[str, Any]:
         },
     )
     return j
+
+
+def _by_token(key: tuple[Any, str]) -> tuple[str, int]:
+    """Jobs in the document: by token, then uid (NOTE [whose job])."""
+    return (key[1], -1 if key[0] is None else key[0])
 
 
 def _file_uid(name: Any) -> int | None:

@@ -14,20 +14,16 @@ NOTE [tenants]
     (``...:<uid>:<gid>:<pid>``), read for every request (``peer_of``). A
     request of a non-root peer is refused (and logged) when it names
 
-    - a token of another uid's job: a job belongs to the uid of its control
-      segment in /dev/shm (a file nobody can forge for another uid), else to
-      the uid that first named the token; a claim made before the control
-      segment showed up gives way to the segment's owner, and a job keeps its
-      uid while that uid owns a control segment of the token, so a control
-      segment planted under another user's token takes nothing
-      (``Registry.owners``);
     - a pid of another uid (``register``'s ``pids``, ``admit``'s and
       ``adopt``'s ``pid``) that runs in our pid namespace: its effective uid
       is read from ``/proc/<pid>/status``. A pid of another namespace cannot
       be checked here and is never judged by the daemon either (NOTE [pid
       namespaces] in ``registry``), so it can affect nothing.
 
-    Root peers may name anything. What a peer sees (``stat``) is cut to its
+    A token cannot name another uid's job at all: every request acts on the
+    job of that token *of the peer's uid* (NOTE [whose job] in ``registry``),
+    so naming another user's token reaches only a job of one's own. Root
+    peers may name anything. What a peer sees (``stat``) is cut to its
     uid by ``server.Daemon.view``; what it may take (``admit``, ``adopt``) is
     bounded by its uid's budget (``UidBudgets``, NOTE [budget] in
     ``registry``), and a pooled segment it adopts is handed over with
@@ -44,11 +40,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from shmloader import segment
+from shmloader.admin import process_uid
 
 log = logging.getLogger("shmloaderd")
-
-#: Ops whose fields name a job token.
-TOKEN_OPS = ("register", "segment", "admit", "report", "unregister", "adopt")
 
 
 @dataclass(frozen=True)
@@ -91,18 +85,6 @@ def user_name(uid: int | None) -> str:
         return pwd.getpwuid(uid).pw_name
     except (KeyError, OverflowError):
         return str(uid)
-
-
-def process_uid(pid: int) -> int | None:
-    """Effective uid of ``pid`` (None when it is gone or unreadable)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("Uid:"):
-                    return int(line.split()[2])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def _foreign(pidns: int | None) -> bool:
@@ -155,13 +137,11 @@ class Tenancy:
             return peer.uid
         return os.geteuid()
 
-    def check(
-        self, op: str, fields: dict[str, Any], peer: Peer | None, owners: Callable[[str], set[int]]
-    ) -> str | None:
+    def check(self, op: str, fields: dict[str, Any], peer: Peer | None) -> str | None:
         """Why ``peer`` may not make this request (NOTE [tenants]); None when it may.
 
-        ``owners(token)``: the uids a token's job may be told about by (empty:
-        nobody's yet).
+        A token names nothing of another uid's (NOTE [whose job] in
+        ``registry``): only the pids a request names are checked here.
         """
         if not self.enabled:
             return None
@@ -169,13 +149,6 @@ class Tenancy:
             return "the daemon cannot tell who is asking (no peer credentials); refused"
         if peer.root:
             return None
-        if op in TOKEN_OPS:
-            uids = owners(fields["token"])
-            if uids and peer.uid not in uids:
-                return (
-                    f"job {fields['token']} belongs to uid {min(uids)}, not to uid {peer.uid}: "
-                    "a job may only be told about by its own user"
-                )
         pids: list[tuple[int, int | None]] = []
         if op == "register":
             ns = fields.get("pids_ns", {})

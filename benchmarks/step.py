@@ -541,19 +541,21 @@ def markdown(result: dict[str, Any]) -> str:
         f"huge-page ring: {result['huge_ring']}.",
         "",
         "Per way and rank, over the measured steps (ms). `next()`: the call that hands the "
-        "step its batch. *above C*: the whole step (next, drop of the previous batch, read, "
-        "compute, all_reduce) minus C.",
+        "step its batch. *drop*: dropping the previous batch right after (as `for batch in "
+        "loader` does). *read*: one value per page. *above C*: the whole step (next, drop, "
+        "read, compute, all_reduce) minus C; the all_reduce also waits for the slowest rank.",
         "",
-        "| topology | MiB | C | way | rank | role | next() p50 | next() p90 | read p50 "
-        "| above C p50 | above C p90 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| topology | MiB | C | way | rank | role | next() p50 | next() p90 | drop p50 | read p50 "
+        "| all_reduce p50 | above C p50 | above C p90 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    keys = ("next_ms_p50", "next_ms_p90", "drop_ms_p50", "read_ms_p50", "allreduce_ms_p50",
+            "above_ms_p50", "above_ms_p90")  # fmt: skip
     for r in result["rows"]:
-        lines.append(
+        head = (
             f"| {r['topology']} | {r['mib']:g} | {r['compute_ms']:g} | {r['mode']} | {r['rank']} "
-            f"| {r['role']} | {f(r['next_ms_p50'], 3)} | {f(r['next_ms_p90'], 3)} "
-            f"| {f(r['read_ms_p50'], 3)} | {f(r['above_ms_p50'], 3)} | {f(r['above_ms_p90'], 3)} |"
         )
+        lines.append(head + f"| {r['role']} | " + " | ".join(f(r[k], 3) for k in keys) + " |")
     lines += ["", "## C per configuration", "", "| topology | MiB | C ms | how |"]
     lines.append("| --- | --- | --- | --- |")
     for c in result["configs"]:

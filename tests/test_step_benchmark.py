@@ -93,7 +93,7 @@ def test_quick_step_benchmark_writes_json_markdown_and_plot(tmp_path):
     md = (out / "step.md").read_text()
     assert md.startswith("# shmloader step benchmark")
     table = [line for line in md.splitlines() if line.startswith(("| 1node-sp2 | 4 |", "| 2nodes"))]
-    assert len([t for t in table if t.count("|") == 12]) == len(rows)
+    assert len([t for t in table if t.count("|") == 14]) == len(rows)
     assert "## Targets (issue 31" in md
     data = (out / "step.png").read_bytes()
     assert data.startswith(PNG_MAGIC) and len(data) > 1000

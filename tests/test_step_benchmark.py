@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -89,6 +90,10 @@ def test_quick_step_benchmark_writes_json_markdown_and_plot(tmp_path):
             assert len({ring["dir"] for ring in rings}) == 1 and all(g["huge"] for g in rings)
             inodes = {ring["ino"] for ring in rings}
             assert len(inodes) == (2 if entry["config"].startswith("2nodes") else 1), rings
+
+    mount = re.search(r" at (/\S+): ", result["huge_ring"])
+    if mount:  # the huge-page tmpfs's mount point is gone with the run (shared /tmp)
+        assert not os.path.exists(mount.group(1)), mount.group(1)
 
     md = (out / "step.md").read_text()
     assert md.startswith("# shmloader step benchmark")

@@ -182,3 +182,18 @@ def test_step_help_runs_nothing():
     )
     assert proc.returncode == 0 and "--compute" in proc.stdout and "--quick" in proc.stdout
     assert "configurations" not in proc.stderr
+
+
+def test_without_root_two_nodes_and_the_huge_ring_are_skipped_with_the_reason(monkeypatch):
+    """No launch at all: the two-node configuration is skipped before calibrating."""
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(step, "launch", lambda *a, **k: pytest.fail("launched ranks"))
+    args = step.parse_args(["--quick", "--out", "/nonexistent-never-written"])
+    result = {"skipped": [], "failed": [], "configs": [], "rows": [], "raw": []}
+    huge = {"dir": None, "why": "needs root (a tmpfs mounted in a private mount namespace)"}
+    step.run_config(step.Config("2nodes-sp2", 4.0), args, huge, result)
+    assert [s["mode"] for s in result["skipped"]] == list(step.MODES)
+    assert all("needs root" in s["reason"] for s in result["skipped"])
+    one = step.Config("1node-sp2", 4.0)
+    assert step.skip_reason(one, "shmloader-huge", args, huge) == huge["why"]
+    assert step.skip_reason(one, "shmloader", args, huge) is None  # 4 MiB fits anywhere

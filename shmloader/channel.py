@@ -359,13 +359,15 @@ class Hub(_Endpoint):
         self.subscribed: set[int] = set()
         self.left: set[int] = set()
         check_private_dir(os.path.dirname(path))
-        self.sock = context().socket(zmq.ROUTER)
+        # A context of its own, terminated at close: NOTE [the last word leaves].
+        self._ctx = zmq.Context()
+        self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDTIMEO, 1000)
         self.sock.bind(f"ipc://{path}")
         os.chmod(path, 0o600)
-        self.pub = context().socket(zmq.XPUB)
+        self.pub = self._ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.SNDHWM, 0)  # never drop: the window rule bounds the queue
         self.pub.setsockopt(zmq.LINGER, 0)
         pub = announce_path(path)
@@ -428,11 +430,23 @@ class Hub(_Endpoint):
         return msg, rank
 
     def close(self) -> None:
-        """Close the sockets and remove them and their directory; a no-op in a forked child."""
+        """Close the sockets and remove them and their directory; a no-op in a forked child.
+
+        NOTE [the last word leaves]
+            A socket's ``close`` only hands its queue to ZeroMQ's I/O thread,
+            and pyzmq never terminates a context at interpreter exit, so a
+            writer whose process ends right after ``close()`` (a fast exit,
+            ``os._exit`` in a forked process) could take its last END or STOP
+            with it: the reader then sees the writer dead instead of the end
+            of the epoch. The hub's sockets have a context of their own, and
+            ``close()`` terminates it: it returns once the queue has left,
+            or after the 500 ms linger at most.
+        """
         if os.getpid() != self.creator:
             return  # the parent's socket and files are not ours to touch
-        self.pub.close(linger=100)  # let a last END/STOP leave; bounded
-        self.sock.close(linger=100)
+        self.pub.close(linger=500)  # let a last END/STOP leave; bounded
+        self.sock.close(linger=500)
+        self._ctx.term()  # returns when both queues left, or the linger ran out
         remove_private_dir(os.path.dirname(self.path), self.creator)
 
 

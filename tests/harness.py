@@ -162,6 +162,13 @@ def _rank_main(
         with open(os.path.join(outdir, f"{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
         raise SystemExit(1) from None
+    finally:
+        if not cold:
+            # A forked process ends in os._exit: run what an interpreter's exit
+            # runs (atexit handlers, weakref finalizers), as a real rank would.
+            import atexit
+
+            atexit._run_exitfuncs()
 
 
 def _fork_worker_server() -> None:

@@ -113,10 +113,21 @@ class _Releaser:
             self._flush()
 
     def close(self) -> None:
-        """Close the socket; batches that die later release nothing (NOTE [held past close])."""
+        """Close the socket; batches that die later release nothing (NOTE [held past close]).
+
+        Under ``lock``: a finalizer on the owner thread may be sending right now.
+        """
         self.closed = True
         self.pending.clear()
-        self.spoke.close()
+        if self.holder == threading.get_ident():
+            self.spoke.close()
+            return
+        got = self.lock.acquire(timeout=CLOSE_WAIT_S)
+        try:
+            self.spoke.close()
+        finally:
+            if got:
+                self.lock.release()
 
     def _flush(self) -> None:
         while self.pending and not self.closed:
@@ -221,6 +232,12 @@ class Follower:
             return False
 
         peer = topo.peer(topo.writer)
+        check_open = self.ctx.check_open
+
+        def idle() -> None:
+            self.out.flush()
+            check_open()  # close() from another thread ends the wait (NOTE [close from any thread])
+
         t0 = time.perf_counter()
         with self.out.receiving():
             spoke.wait(
@@ -228,7 +245,7 @@ class Follower:
                 lambda: [peer],
                 timeout=self.config.timeout,
                 doing=f"waiting for batch {self.ctx.cursor.delivered} of iteration {it}",
-                idle=self.out.flush,
+                idle=idle,
             )
         self.ctx.stats.note_wait(t0)
         return found[0]

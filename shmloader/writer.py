@@ -338,7 +338,12 @@ class Writer:
 
         t0 = time.perf_counter()
         peers = self.topo.peer
-        hub.wait(handle, lambda: [peers(r) for r in waiting()], timeout=timeout, doing=doing)
+        # once a slice: close() from another thread ends the wait (NOTE [close from any
+        # thread] in roles); a test's bare context has no gate
+        idle = getattr(self.ctx, "check_open", None)
+        hub.wait(
+            handle, lambda: [peers(r) for r in waiting()], timeout=timeout, doing=doing, idle=idle
+        )
         self.ctx.stats.counts["wait_readers_ms_total"] += (time.perf_counter() - t0) * 1e3
 
     def await_readers(self, *, window: bool = True, timeout: float | None = None) -> None:

@@ -305,3 +305,112 @@ def test_a_direct_config_that_switches_sharing_off_under_shmloader_warns(monkeyp
     with caplog.at_level(logging.WARNING, logger="shmloader"):
         ShmLoader(lambda: [1], None, config=Config(allow_pickle=True)).close()
     assert any("Config.from_env" in r.getMessage() for r in caplog.records), caplog.records
+
+
+# ------------------------------------------------- close() from another thread
+
+
+class _Paced(torch.utils.data.Dataset):
+    """256 KiB per sample (a view of the slot); ``pause`` seconds in the loader per sample."""
+
+    def __init__(self, n: int, pause: float) -> None:
+        self.n, self.pause = n, pause
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.pause:
+            time.sleep(self.pause)
+        return torch.full((1 << 16,), float(i))
+
+
+def closed_by_another_thread(
+    rank: int, world: int, *, closer: int, busy: str, share: bool = True
+) -> dict:
+    """One thread iterates; on rank ``closer`` the main thread closes the loader mid-iteration.
+
+    ``busy``: where the iterating threads spend their time, ``loader`` (the
+    leader's dataset is slow: the leader is in the user's code) or ``waits``
+    (the readers are slow: the writers wait for them on their sockets).
+    """
+    import threading
+
+    pause = 0.02 if busy == "loader" else 0.0
+    loader = ShmLoader(
+        lambda: DataLoader(_Paced(60, pause), batch_size=1),
+        dist.group.WORLD,
+        config=Config.from_env(enabled=share, timeout=30.0),
+    )
+    result: dict = {}
+    started = threading.Event()
+
+    def iterate() -> None:
+        try:
+            for step, batch in enumerate(loader):
+                assert int(batch[0, 0]) == step
+                started.set()
+                if busy == "waits" and loader.role in ("follower", "node leader"):
+                    time.sleep(0.02)
+            result["out"] = "finished"
+        except BaseException as exc:
+            result["out"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            started.set()
+
+    thread = threading.Thread(target=iterate, daemon=True)
+    thread.start()
+    if rank == closer:
+        started.wait(60)
+        time.sleep(0.2)  # well inside the iteration
+        loader.close()
+        thread.join(60)
+    else:
+        thread.join(60)
+        loader.close()
+    return {"out": result.get("out"), "alive": thread.is_alive(), "role": loader.role}
+
+
+_CLOSED = "ShmLoaderError: this ShmLoader is closed; make a new one"
+_PEER_OUTCOMES = ("PeerLostError", "LeaderStoppedError")
+
+
+@pytest.mark.parametrize(
+    ("closer", "nodes", "busy"),
+    [
+        (0, None, "waits"),  # the leader, in a wait for its followers
+        (0, None, "loader"),  # the leader, in the user's dataset
+        (1, None, "waits"),  # a follower
+        (0, [0, 0, 1, 1], "waits"),  # the leader of two nodes
+        (2, [0, 0, 1, 1], "waits"),  # a node leader, in a wait for its follower
+        (2, [0, 0, 1, 1], "loader"),  # a node leader, in its receive from the leader
+        (3, [0, 0, 1, 1], "loader"),  # a follower of a node leader
+    ],
+)
+def test_close_from_another_thread_stops_the_iteration_first(closer, nodes, busy):
+    world = 4 if nodes else 2
+    out = run_ranks(
+        closed_by_another_thread,
+        world,
+        kwargs={"closer": closer, "busy": busy},
+        nodes=nodes,
+        timeout=110,
+    )
+    assert not any(o["alive"] for o in out), out
+    assert out[closer]["out"] == _CLOSED, out
+    for rank, o in enumerate(out):
+        assert "ZMQError" not in o["out"] and "no answer for" not in o["out"], out
+        if rank == closer:
+            continue
+        if out[closer]["role"] == "follower":  # its BYE: the others go on to the end
+            assert o["out"] == "finished", out
+        else:  # the writer closed (or, a node leader, took no more of the leader's sends)
+            assert o["out"].split(":")[0] in _PEER_OUTCOMES, out
+
+
+def test_close_from_another_thread_with_sharing_off():
+    out = run_ranks(
+        closed_by_another_thread, 2, kwargs={"closer": 0, "busy": "loader", "share": False}
+    )
+    assert out[0]["out"] == _CLOSED and out[1]["out"] == "finished", out
+    assert not any(o["alive"] for o in out), out

@@ -252,6 +252,9 @@ class Follower:
 
     def _sort(self, msg: wire.Message, it: int) -> bool:
         """Whether ``msg`` ends the wait for iteration ``it``; drop an earlier one's leftovers."""
+        if msg.kind == Kind.RETIRE:  # in any iteration: NOTE [retired slots] (ring)
+            self.ring.retire(msg["seg"])
+            return False
         terminal = msg.kind in (Kind.ERROR, Kind.STOP)
         if terminal:  # the writer waits (bounded) until it knows we have it: _tell_last
             self.out.send(wire.frames(Kind.ACK, msg.seq, rank=self.topo.me))

@@ -253,8 +253,12 @@ class Writer:
         """Publish to every reader at once; a reader gone without BYE raises after.
 
         NOTE [one announcement] (``channel``): one send whatever the group's
-        size; a reader whose socket closed shows in ``hub.left``.
+        size; a reader whose socket closed shows in ``hub.left``. Slots the
+        ring retired since the last message are announced first (RETIRE,
+        NOTE [retired slots] in ``ring``).
         """
+        for name in self.ring.take_retired():
+            self.hub.publish(wire.frames(Kind.RETIRE, seg=name))
         self.hub.publish(parts)
         lost = self.settle_left()
         if lost is not None and not best_effort:

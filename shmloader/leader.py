@@ -186,6 +186,7 @@ class Leader:
         crc = _crc(payload) if self.config.verify and payload is not None else -1
         if self.xnode is not None:
             self.xnode.send(KIND_BATCH, it, enc.meta, payload, draws=draws, crc=crc)
+            self.ctx.check_open()  # a close() that gave up waiting for this send
         self.writer.announce(it, enc.meta, enc.nbytes, slot, draws, t1 - t0, crc)
         counts = self.ctx.stats.counts
         counts["published"] += 1
@@ -214,6 +215,7 @@ class Leader:
         crc = _crc(payload) if self.config.verify and payload is not None else -1
         if self.xnode is not None:
             self.xnode.send(KIND_BATCH, it, ref.meta, payload, draws=draws, crc=crc)
+            self.ctx.check_open()  # a close() that gave up waiting for this send
         self.writer.announce(it, ref.meta, ref.nbytes, slot, draws, 0, crc)
         counts = self.ctx.stats.counts
         counts["published"] += 1

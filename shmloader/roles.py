@@ -89,7 +89,11 @@ class Gate:
         returns) until it yields, returns or raises. A loop steps *outside*
         (``outside``) only around what uses none of those: the user's loader
         (the leader's and a local rank's ``next()`` of it) and a node
-        leader's gloo receive of the leader's next header.
+        leader's gloo receive of the leader's next header. A cross-node send
+        stays inside (gloo reads the slot): ``close()`` waits for it, as for
+        any wait, at most the gate's ``limit`` (a role's timeout and then
+        some), then warns and closes anyway; the thread then stops at the
+        next check.
 
         ``close()`` (and the finalizer) first marks the loader closed, then
         takes the gate (``stop``): an iterating thread in one of its waits

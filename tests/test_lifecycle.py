@@ -310,37 +310,47 @@ def test_a_direct_config_that_switches_sharing_off_under_shmloader_warns(monkeyp
 # ------------------------------------------------- close() from another thread
 
 
-class _Paced(torch.utils.data.Dataset):
-    """256 KiB per sample (a view of the slot); ``pause`` seconds in the loader per sample."""
+def _until_closed(flag: str) -> None:
+    """Block (bounded) until the closing rank's close() has returned: it creates ``flag``."""
+    deadline = time.monotonic() + 100
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
-    def __init__(self, n: int, pause: float) -> None:
-        self.n, self.pause = n, pause
+
+class _Blocking(torch.utils.data.Dataset):
+    """256 KiB per sample (a view of the slot); with ``flag``, sample 3 waits for the close."""
+
+    def __init__(self, n: int, flag: str | None) -> None:
+        self.n, self.flag = n, flag
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        if self.pause:
-            time.sleep(self.pause)
+        if self.flag and i == 3:
+            _until_closed(self.flag)
         return torch.full((1 << 16,), float(i))
 
 
 def closed_by_another_thread(
-    rank: int, world: int, *, closer: int, busy: str, share: bool = True
+    rank: int, world: int, *, closer: int, busy: str, flag: str, share: bool = True
 ) -> dict:
     """One thread iterates; on rank ``closer`` the main thread closes the loader mid-iteration.
 
-    ``busy``: where the iterating threads spend their time, ``loader`` (the
-    leader's dataset is slow: the leader is in the user's code) or ``waits``
-    (the readers are slow: the writers wait for them on their sockets).
+    ``busy`` says where the other threads are meanwhile, until that close()
+    has returned: ``loader``, the leader's dataset blocks in sample 3 (the
+    leader is in the user's code, everyone else waits for its batch 3);
+    ``blocked``, every other rank blocks in its loop's body after batch 2
+    (the closer waits for them: a writer for its readers, a reader for its
+    writer). Either way the closer's iterating thread must leave by itself.
     """
     import threading
 
-    pause = 0.02 if busy == "loader" else 0.0
+    warnings = capture_warnings()
     loader = ShmLoader(
-        lambda: DataLoader(_Paced(60, pause), batch_size=1),
+        lambda: DataLoader(_Blocking(60, flag if busy == "loader" else None), batch_size=1),
         dist.group.WORLD,
-        config=Config.from_env(enabled=share, timeout=30.0),
+        config=Config.from_env(enabled=share, slots=2, timeout=10.0),
     )
     result: dict = {}
     started = threading.Event()
@@ -350,8 +360,8 @@ def closed_by_another_thread(
             for step, batch in enumerate(loader):
                 assert int(batch[0, 0]) == step
                 started.set()
-                if busy == "waits" and loader.role in ("follower", "node leader"):
-                    time.sleep(0.02)
+                if busy == "blocked" and rank != closer and step == 2:
+                    _until_closed(flag)
             result["out"] = "finished"
         except BaseException as exc:
             result["out"] = f"{type(exc).__name__}: {exc}"
@@ -362,13 +372,17 @@ def closed_by_another_thread(
     thread.start()
     if rank == closer:
         started.wait(60)
-        time.sleep(0.2)  # well inside the iteration
+        time.sleep(1.0)  # the iterating thread is in its wait (or in the blocked dataset)
         loader.close()
+        pathlib.Path(flag).touch()
         thread.join(60)
     else:
-        thread.join(60)
+        thread.join(100)
         loader.close()
-    return {"out": result.get("out"), "alive": thread.is_alive(), "role": loader.role}
+    gave_up = [m for m in warnings.messages if "closing anyway" in m]
+    return {"out": result.get("out"), "alive": thread.is_alive(), "role": loader.role} | (
+        {"gave_up": gave_up} if gave_up else {}
+    )
 
 
 _CLOSED = "ShmLoaderError: this ShmLoader is closed; make a new one"
@@ -378,26 +392,27 @@ _PEER_OUTCOMES = ("PeerLostError", "LeaderStoppedError")
 @pytest.mark.parametrize(
     ("closer", "nodes", "busy"),
     [
-        (0, None, "waits"),  # the leader, in a wait for its followers
+        (0, None, "blocked"),  # the leader, in a wait for its follower
         (0, None, "loader"),  # the leader, in the user's dataset
-        (1, None, "waits"),  # a follower
-        (0, [0, 0, 1, 1], "waits"),  # the leader of two nodes
-        (2, [0, 0, 1, 1], "waits"),  # a node leader, in a wait for its follower
+        (1, None, "blocked"),  # a follower, in a wait for its leader
+        (0, [0, 0, 1, 1], "loader"),  # the leader of two nodes, in the user's dataset
+        (2, [0, 0, 1, 1], "blocked"),  # a node leader, in a wait
         (2, [0, 0, 1, 1], "loader"),  # a node leader, in its receive from the leader
-        (3, [0, 0, 1, 1], "loader"),  # a follower of a node leader
+        (3, [0, 0, 1, 1], "blocked"),  # a follower of a node leader
     ],
 )
-def test_close_from_another_thread_stops_the_iteration_first(closer, nodes, busy):
+def test_close_from_another_thread_stops_the_iteration_first(closer, nodes, busy, tmp_path):
     world = 4 if nodes else 2
     out = run_ranks(
         closed_by_another_thread,
         world,
-        kwargs={"closer": closer, "busy": busy},
+        kwargs={"closer": closer, "busy": busy, "flag": str(tmp_path / "closed")},
         nodes=nodes,
         timeout=110,
     )
     assert not any(o["alive"] for o in out), out
     assert out[closer]["out"] == _CLOSED, out
+    assert "gave_up" not in out[closer], "close() waited for the iterating thread in vain"
     for rank, o in enumerate(out):
         assert "ZMQError" not in o["out"] and "no answer for" not in o["out"], out
         if rank == closer:
@@ -408,9 +423,13 @@ def test_close_from_another_thread_stops_the_iteration_first(closer, nodes, busy
             assert o["out"].split(":")[0] in _PEER_OUTCOMES, out
 
 
-def test_close_from_another_thread_with_sharing_off():
+def test_close_from_another_thread_with_sharing_off(tmp_path):
+    flag = str(tmp_path / "closed")
     out = run_ranks(
-        closed_by_another_thread, 2, kwargs={"closer": 0, "busy": "loader", "share": False}
+        closed_by_another_thread,
+        2,
+        kwargs={"closer": 0, "busy": "loader", "share": False, "flag": flag},
     )
     assert out[0]["out"] == _CLOSED and out[1]["out"] == "finished", out
+    assert "gave_up" not in out[0], "close() waited for the user's loader"
     assert not any(o["alive"] for o in out), out

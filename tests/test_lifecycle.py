@@ -333,7 +333,14 @@ class _Blocking(torch.utils.data.Dataset):
 
 
 def closed_by_another_thread(
-    rank: int, world: int, *, closer: int, busy: str, flag: str, share: bool = True
+    rank: int,
+    world: int,
+    *,
+    closer: int,
+    busy: str,
+    flag: str,
+    share: bool = True,
+    free: int | None = None,
 ) -> dict:
     """One thread iterates; on rank ``closer`` the main thread closes the loader mid-iteration.
 
@@ -342,7 +349,8 @@ def closed_by_another_thread(
     leader is in the user's code, everyone else waits for its batch 3);
     ``blocked``, every other rank blocks in its loop's body after batch 2
     (the closer waits for them: a writer for its readers, a reader for its
-    writer). Either way the closer's iterating thread must leave by itself.
+    writer), but rank ``free``, which goes on. Either way the closer's
+    iterating thread must leave by itself.
     """
     import threading
 
@@ -350,7 +358,7 @@ def closed_by_another_thread(
     loader = ShmLoader(
         lambda: DataLoader(_Blocking(60, flag if busy == "loader" else None), batch_size=1),
         dist.group.WORLD,
-        config=Config.from_env(enabled=share, slots=2, timeout=10.0),
+        config=Config.from_env(enabled=share, slots=2, timeout=20.0),
     )
     result: dict = {}
     started = threading.Event()
@@ -360,7 +368,7 @@ def closed_by_another_thread(
             for step, batch in enumerate(loader):
                 assert int(batch[0, 0]) == step
                 started.set()
-                if busy == "blocked" and rank != closer and step == 2:
+                if busy == "blocked" and rank not in (closer, free) and step == 2:
                     _until_closed(flag)
             result["out"] = "finished"
         except BaseException as exc:
@@ -392,7 +400,7 @@ _PEER_OUTCOMES = ("PeerLostError", "LeaderStoppedError")
 @pytest.mark.parametrize(
     ("closer", "nodes", "busy"),
     [
-        (0, None, "blocked"),  # the leader, in a wait for its follower
+        (0, None, "blocked"),  # the leader, in a wait for follower 1 (follower 2 listens)
         (0, None, "loader"),  # the leader, in the user's dataset
         (1, None, "blocked"),  # a follower, in a wait for its leader
         (0, [0, 0, 1, 1], "loader"),  # the leader of two nodes, in the user's dataset
@@ -402,11 +410,12 @@ _PEER_OUTCOMES = ("PeerLostError", "LeaderStoppedError")
     ],
 )
 def test_close_from_another_thread_stops_the_iteration_first(closer, nodes, busy, tmp_path):
-    world = 4 if nodes else 2
+    world = 4 if nodes else 3 if closer == 0 else 2
+    free = 2 if world == 3 else None  # goes on while the others block: hears what the leader says
     out = run_ranks(
         closed_by_another_thread,
         world,
-        kwargs={"closer": closer, "busy": busy, "flag": str(tmp_path / "closed")},
+        kwargs={"closer": closer, "busy": busy, "flag": str(tmp_path / "closed"), "free": free},
         nodes=nodes,
         timeout=110,
     )

@@ -22,6 +22,7 @@ Slot state machine (zero is invalid)::
                       for the batches since (NOTE [ring shrink]); its index
                       is reused with gen + 1 when the ring next needs a slot
     any  -> RETIRED   close()
+    (every retirement but close()'s is announced to readers: NOTE [retired slots])
 
     Pooled slots (``Slot.pooled``, made by ``pool.WorkerPool``) are written
     by the leader's DataLoader workers, not by ``acquire`` (which skips them);

@@ -442,3 +442,62 @@ def test_close_from_another_thread_with_sharing_off(tmp_path):
     assert out[0]["out"] == _CLOSED and out[1]["out"] == "finished", out
     assert "gave_up" not in out[0], "close() waited for the user's loader"
     assert not any(o["alive"] for o in out), out
+
+
+def test_the_gate_stops_a_waiting_thread_and_never_waits_for_the_users_code():
+    """NOTE [close from any thread] in-process: a wait inside the gate ends at the mark; the
+    user's code runs outside it; after close every thread, the closer too, gets the error."""
+    import threading
+
+    from shmloader.roles import CLOSED_MESSAGE, Gate
+
+    gate = Gate(60.0)
+    order: list[str] = []
+    in_wait, in_user = threading.Event(), threading.Event()
+    release_user = threading.Event()
+
+    def role(wait: bool):
+        yield 0
+        if wait:
+            in_wait.set()
+            while True:  # a role's sliced wait: checks the gate once per slice
+                try:
+                    gate()
+                except ShmLoaderError:
+                    order.append("left the wait")  # still inside the gate
+                    raise
+                time.sleep(0.01)
+        with gate.outside():
+            in_user.set()
+            release_user.wait(60)  # the user's loader, blocked until the close returned
+            order.append("user code returned")
+        yield 1
+
+    for wait in (True, False):
+        gate = Gate(60.0)
+        in_wait.clear(), in_user.clear(), release_user.clear()
+        got: dict = {}
+        it = gate.guard(role(wait))
+        assert next(it) == 0
+
+        def pull(it=it, got=got) -> None:
+            try:
+                got["batch"] = next(it)
+            except ShmLoaderError as exc:
+                got["error"] = str(exc)
+
+        thread = threading.Thread(target=pull, daemon=True)
+        thread.start()
+        (in_wait if wait else in_user).wait(60)
+        assert gate.stop()
+        order.append("closing")  # the thread has left the gate (or is in the user's code)
+        gate()  # the closer's own waits go on while it closes
+        gate.done()
+        release_user.set()
+        thread.join(60)
+        assert not thread.is_alive()
+        assert got == {"error": CLOSED_MESSAGE}, got
+        with pytest.raises(ShmLoaderError, match="closed"):
+            gate()  # the closer too, once close() is over
+        assert not gate.stop(), "a second close() closes nothing"
+    assert order == ["left the wait", "closing", "closing", "user code returned"], order

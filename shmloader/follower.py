@@ -12,6 +12,7 @@ One batch, on a follower (``Follower.iterate``)::
                                     yield codec.decode(view)
                                     ... batch garbage ->
     ring.release  <--RELEASE------- weakref.finalize (_Releaser, NOTE [prompt release])
+    a slot retired --RETIRE-------> its descriptor closed (NOTE [retired slots] in ring)
 
 A follower holds a ``Reader`` (stamp checks and delivery), its node's
 ``RingReader`` (mappings), its ``Spoke`` and the ``_Releaser`` that owns the
@@ -32,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from . import rng, wire
-from .channel import Spoke
+from .channel import SLICE_S, Spoke
 from .errors import PeerLostError, ProtocolError, ShmLoaderError
 from .reader import Reader
 from .release import announced_words
@@ -65,7 +66,10 @@ class _Releaser:
           ``lock`` without blocking, i.e. when no socket call is under way;
         - every socket call holds ``lock`` and first flushes ``pending``, and
           a wait flushes it once per slice: releases queued by other threads
-          leave with the owner's next call or within one slice of a wait.
+          leave with the owner's next call or within one slice of a wait;
+        - ``close()`` on another thread first waits for the iterating thread
+          to leave (NOTE [close from any thread] in ``roles``), and closes
+          the socket under ``lock``.
     """
 
     def __init__(self, spoke: Spoke, rank: int) -> None:
@@ -113,10 +117,21 @@ class _Releaser:
             self._flush()
 
     def close(self) -> None:
-        """Close the socket; batches that die later release nothing (NOTE [held past close])."""
+        """Close the socket; batches that die later release nothing (NOTE [held past close]).
+
+        Under ``lock``: a finalizer on the owner thread may be sending right now.
+        """
         self.closed = True
         self.pending.clear()
-        self.spoke.close()
+        if self.holder == threading.get_ident():
+            self.spoke.close()
+            return
+        got = self.lock.acquire(timeout=CLOSE_WAIT_S)
+        try:
+            self.spoke.close()
+        finally:
+            if got:
+                self.lock.release()
 
     def _flush(self) -> None:
         while self.pending and not self.closed:
@@ -221,6 +236,12 @@ class Follower:
             return False
 
         peer = topo.peer(topo.writer)
+        check_open = self.ctx.check_open
+
+        def idle() -> None:
+            self.out.flush()
+            check_open()  # close() from another thread ends the wait (NOTE [close from any thread])
+
         t0 = time.perf_counter()
         with self.out.receiving():
             spoke.wait(
@@ -228,13 +249,16 @@ class Follower:
                 lambda: [peer],
                 timeout=self.config.timeout,
                 doing=f"waiting for batch {self.ctx.cursor.delivered} of iteration {it}",
-                idle=self.out.flush,
+                idle=idle,
             )
         self.ctx.stats.note_wait(t0)
         return found[0]
 
     def _sort(self, msg: wire.Message, it: int) -> bool:
         """Whether ``msg`` ends the wait for iteration ``it``; drop an earlier one's leftovers."""
+        if msg.kind == Kind.RETIRE:  # in any iteration: NOTE [retired slots] (ring)
+            self.ring.retire(msg["seg"])
+            return False
         terminal = msg.kind in (Kind.ERROR, Kind.STOP)
         if terminal:  # the writer waits (bounded) until it knows we have it: _tell_last
             self.out.send(wire.frames(Kind.ACK, msg.seq, rank=self.topo.me))
@@ -274,6 +298,13 @@ class Follower:
                 raise PeerLostError(
                     writer.rank, writer.role, f"it died before we mapped {seg}"
                 ) from None
+            if self._closed_behind():
+                self.writer_closed = True
+                raise PeerLostError(
+                    writer.rank,
+                    writer.role,
+                    "it closed its ShmLoader while this rank was still iterating",
+                ) from None
             raise ShmLoaderError(
                 f"cannot map the batch in {seg}: {exc}. The writer may have closed its ShmLoader "
                 "while this rank was still iterating: close() every rank's loader only after "
@@ -281,6 +312,21 @@ class Follower:
             ) from None
         if opened:
             self.out.send(wire.frames(Kind.ATTACHED, rank=self.topo.me, seg=seg))
+
+    def _closed_behind(self) -> bool:
+        """Whether the writer's STOP (closed) is queued: it unlinked what it announced.
+
+        A writer that closes waits (bounded) for its readers to open what it
+        announced, then says STOP and unlinks; a reader busy elsewhere that
+        long finds the name gone, and the STOP right behind the batch.
+        """
+        timeout = SLICE_S
+        while (got := self.spoke.receive(timeout)) is not None:
+            timeout = 0
+            msg = got[0]
+            if msg.kind == Kind.STOP and msg["closed"]:
+                return True
+        return False
 
     def _loop(self, it: int) -> Iterator[Any]:
         ctx, reader, topo = self.ctx, self.reader, self.topo

@@ -143,7 +143,10 @@ class Leader:
                 box = []  # NOTE [no batch in the frame] (roles)
                 t_wait = time.perf_counter()
                 try:
-                    box.append(next(batches))
+                    # the user's code: close() from another thread need not wait for
+                    # it (NOTE [close from any thread] in roles)
+                    with ctx.check_open.outside():
+                        box.append(next(batches))
                 except StopIteration:
                     self._end(it, pending + source.count(before))
                     ctx.cursor.finish()
@@ -155,7 +158,8 @@ class Leader:
         except GeneratorExit:
             raise
         except BaseException as exc:
-            self.writer.fail(it, exc, forward=True)
+            if not ctx.check_open.closed:  # closed: close() tells the peers (STOP)
+                self.writer.fail(it, exc, forward=True)
             raise
 
     def _publish(self, it: int, batch: Any, draws: int) -> Any:
@@ -182,6 +186,7 @@ class Leader:
         crc = _crc(payload) if self.config.verify and payload is not None else -1
         if self.xnode is not None:
             self.xnode.send(KIND_BATCH, it, enc.meta, payload, draws=draws, crc=crc)
+            self.ctx.check_open()  # a close() that gave up waiting for this send
         self.writer.announce(it, enc.meta, enc.nbytes, slot, draws, t1 - t0, crc)
         counts = self.ctx.stats.counts
         counts["published"] += 1
@@ -210,6 +215,7 @@ class Leader:
         crc = _crc(payload) if self.config.verify and payload is not None else -1
         if self.xnode is not None:
             self.xnode.send(KIND_BATCH, it, ref.meta, payload, draws=draws, crc=crc)
+            self.ctx.check_open()  # a close() that gave up waiting for this send
         self.writer.announce(it, ref.meta, ref.nbytes, slot, draws, 0, crc)
         counts = self.ctx.stats.counts
         counts["published"] += 1

@@ -21,7 +21,8 @@ through one ``DeviceStage`` (``device``)::
     set_epoch(e)                   -> cursor.set_epoch, role.set_epoch, length.changed
     len(loader)                    -> the leader's len(), or length.value()
     state_dict / load_state_dict   -> checkpoint.Checkpoints
-    close()                        -> stage, role.close() (BYE / STOP), closers
+    close()                        -> gate.stop (an iteration on another thread stops
+                                      first), stage, role.close() (BYE / STOP), closers
 
 One batch, leader to a follower on another node::
 
@@ -57,10 +58,10 @@ from .config import Config
 from .cursor import Boundary, Cursor
 from .device import DeviceOps, DeviceStage
 from .device import resolve as resolve_device
-from .errors import ConfigError, LoaderStateError, ShmLoaderError
+from .errors import ConfigError, LoaderStateError
 from .mesh import resolve_group
 from .report import RankStats
-from .roles import Role
+from .roles import CLOSE_WAIT_S, Gate, Role
 from .startup import Shared, build, build_local, close_quietly, group_ranks, resolve_config
 from .topology import GroupTopology
 from .wire import Kind  # noqa: F401  (tests/faults patch loader.wire.frames by kind)
@@ -130,14 +131,16 @@ class ShmLoader:
         if target is not None or select is not None:
             self._stage = DeviceStage(target, select=select, prefetch=self.config.prefetch)
         self.accumulation_steps = accumulation_steps
-        self._open = _Open()
+        # NOTE [close from any thread] (roles): a thread waits at most a role's
+        # longest wait (the timeout) for another to leave the loader's code
+        self._gate = Gate(float(self.config.timeout or 0) + 2 * CLOSE_WAIT_S)
         self._cursor = Cursor()
         self._boundary = Boundary(
             accumulation_steps, prefetching=self._stage is not None and self._stage.on_device
         )
         self._stats = RankStats()
         shared = Shared(
-            self.config, self._cursor, self._boundary, self._stats, self._stage, self._open.check
+            self.config, self._cursor, self._boundary, self._stats, self._stage, self._gate
         )
         ranks = group_ranks(group)
         if isinstance(device, DeviceOps):
@@ -158,7 +161,7 @@ class ShmLoader:
             # (NOTE [creator-only cleanup] in segment).
             closers = [self._stage.close] if self._stage is not None else []
             self._finalizer = weakref.finalize(
-                self, _close_in, os.getpid(), closers + self._built.closers
+                self, _close_in, os.getpid(), self._gate, closers + self._built.closers
             )
         self._role: Role = self._built.role
         up = dist.is_available() and dist.is_initialized()
@@ -238,19 +241,21 @@ class ShmLoader:
         self._boundary.begin(cursor)  # NOTE [RNG at the step boundary] (rng)
         inner = self._role.iterate(self._cursor.it, cursor, skip)
         stage = self._stage
-        if stage is None:
-            return inner
-        stage.position = None
-        if not stage.on_device:
-            return stage.wrap(inner, start=cursor)
-        reporter = self._built.reporter
-        return stage.wrap(
-            inner,
-            self._checkpoints.position,
-            self._checkpoints.user_request,
-            reporter.now if reporter is not None else None,
-            start=cursor,
-        )
+        if stage is not None:
+            stage.position = None
+        if stage is not None and not stage.on_device:
+            inner = stage.wrap(inner, start=cursor)
+        elif stage is not None:
+            reporter = self._built.reporter
+            inner = stage.wrap(
+                inner,
+                self._checkpoints.position,
+                self._checkpoints.user_request,
+                reporter.now if reporter is not None else None,
+                start=cursor,
+            )
+        # every next() runs inside the gate (NOTE [close from any thread] in roles)
+        return self._gate.guard(inner)
 
     def stats(self) -> dict[str, Any]:
         """Counters of this rank: batches, bytes, times (ms), ring size."""
@@ -262,22 +267,30 @@ class ShmLoader:
         return out
 
     def close(self) -> None:
-        """Release every resource. Idempotent; also runs at interpreter exit."""
-        if self._open.closed:
+        """Release every resource. Idempotent; also runs at interpreter exit.
+
+        From any thread: an iteration under way on another thread stops first
+        (it raises ``ShmLoaderError``), then the peers are told and everything
+        is freed (NOTE [close from any thread] in ``roles``). Every step of
+        closing is here, in this order.
+        """
+        if not self._gate.stop():  # the iterating thread is out of the roles' code now
             return
-        self._open.closed = True
-        if self._built.reporter is not None:
-            self._built.reporter.close()
-        if self._stage is not None:
-            self._stage.close()  # copies in flight finish; unregister before unmap
-        self._role.close()  # a follower's BYE, a writer's STOP
-        if self.role != "local":
-            self._finalizer()
-        if self._built.source is not None:
-            self._built.source.loader = None
+        try:
+            if self._built.reporter is not None:
+                self._built.reporter.close()
+            if self._stage is not None:
+                self._stage.close()  # copies in flight finish; unregister before unmap
+            self._role.close()  # a follower's BYE, a writer's STOP
+            if self.role != "local":
+                self._finalizer()
+            if self._built.source is not None:
+                self._built.source.loader = None
+        finally:
+            self._gate.done()
 
     def _check_open(self) -> None:
-        self._open.check()
+        self._gate()
 
     def __enter__(self) -> ShmLoader:
         return self
@@ -333,23 +346,19 @@ class ShmLoader:
             self._built.length.changed()  # NOTE [length per epoch] (length)
 
 
-class _Open:
-    """Whether a ``ShmLoader`` is open: what every role's loop checks per batch.
+def _close_in(creator: int, gate: Gate, closers: list[Callable[[], None]]) -> None:
+    """The finalizer's close (a loader dropped unclosed, or at exit): the gate first.
 
-    Its own object, not a method of the loader: nothing a role holds refers
-    back to the ``ShmLoader``, so a loader the user drops is freed at once and
-    its finalizer runs then, not at the next cycle collection.
+    The gate is its own object, not a method of the loader: nothing a role
+    holds refers back to the ``ShmLoader``, so a loader the user drops is
+    freed at once and its finalizer runs then, not at the next cycle
+    collection. Called by ``close()`` itself past its own ``stop``.
     """
-
-    def __init__(self) -> None:
-        self.closed = False
-
-    def check(self) -> None:
-        """The same error in every mode and role once ``close()`` ran."""
-        if self.closed:
-            raise ShmLoaderError("this ShmLoader is closed; make a new one")
-
-
-def _close_in(creator: int, closers: list[Callable[[], None]]) -> None:
-    if os.getpid() == creator:
+    if os.getpid() != creator:
+        return
+    stopped = gate.stop()  # False: close() is running us
+    try:
         close_quietly(closers)
+    finally:
+        if stopped:
+            gate.done()

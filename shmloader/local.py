@@ -157,7 +157,8 @@ class Local:
             source.boundary_reached()
             box = []  # NOTE [no batch in the frame] (roles)
             try:
-                box.append(next(batches))
+                with ctx.check_open.outside():  # NOTE [close from any thread] (roles)
+                    box.append(next(batches))
             except StopIteration:
                 ctx.cursor.finish()
                 return

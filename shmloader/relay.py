@@ -79,7 +79,8 @@ class Relay:
         except LeaderError:
             raise  # already forwarded to this node's readers
         except BaseException as exc:  # e.g. the cross-node link broke: tell our readers
-            self.writer.fail(it, exc)
+            if not self.ctx.check_open.closed:  # closed: close() tells them (STOP)
+                self.writer.fail(it, exc)
             raise
 
     def _relay(self, it: int) -> Iterator[Any]:
@@ -88,7 +89,12 @@ class Relay:
         while True:
             ctx.check_open()
             t_wait = time.perf_counter()
-            head, self.stash = self.stash or xnode.receive_header(), None
+            if self.stash is None:
+                # gloo only: close() need not wait for the leader's next header
+                # (NOTE [close from any thread] in roles)
+                with ctx.check_open.outside():
+                    self.stash = xnode.receive_header()
+            head, self.stash = self.stash, None
             ctx.stats.note_wait(t_wait)
             kind, leader_it, nbytes, meta, draws, crc, epoch, pos = head
             theirs = (leader_it, epoch, pos)

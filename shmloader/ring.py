@@ -22,6 +22,7 @@ Slot state machine (zero is invalid)::
                       for the batches since (NOTE [ring shrink]); its index
                       is reused with gen + 1 when the ring next needs a slot
     any  -> RETIRED   close()
+    (every retirement but close()'s is announced to readers: NOTE [retired slots])
 
     Pooled slots (``Slot.pooled``, made by ``pool.WorkerPool``) are written
     by the leader's DataLoader workers, not by ``acquire`` (which skips them);
@@ -53,6 +54,24 @@ NOTE [ring shrink]
     than ``SHRINK_WINDOW`` small batches after a large one keeps it (a
     large batch every few steps is not worth re-touching pages for). Pooled
     slots (written by DataLoader workers) are sized by their pool.
+
+NOTE [retired slots]
+    A reader keeps a descriptor of every slot segment it opened (it maps
+    the slot afresh for each batch), and a descriptor keeps the segment's
+    memory alive after its name is gone; on a CUDA reader the device stage
+    also keeps a registered (page-locked) mapping of it while the
+    descriptor is open (NOTE [registration] in ``device``). So a reader must
+    learn when the writer retires a slot, whether it was grown (gen + 1),
+    shrunk away (NOTE [ring shrink]) or replaced by a worker (``pool``):
+    ``_retire`` queues the name of every retired segment a batch was
+    announced in, and the writer announces the queue (``take_retired``) as
+    RETIRE messages before its next message (``Writer.tell_readers``), so
+    they reach every reader before anything that follows the retirement.
+    The reader then closes that descriptor (``RingReader.retire``). Only a
+    FREE slot is ever retired (every holder released its batch) and a
+    retired name is never announced again, so nothing a reader still
+    needs is lost; a batch the user still holds keeps its own private
+    mapping, which needs no descriptor, until it dies.
 
 NOTE [names in /dev/shm]
     Data segments are unlinked as soon as every local reader has opened them
@@ -232,6 +251,7 @@ class RingWriter:
         self.slots: list[Slot] = []
         self._daemon = daemon
         self._retired: set[str] = set()  # names of replaced segments (late ATTACHED is fine)
+        self._unannounced: list[str] = []  # retired, readers not yet told (NOTE [retired slots])
         self._recent: collections.deque[int] = collections.deque(maxlen=SHRINK_WINDOW)
         self._counters = dict.fromkeys(COUNTER_FIELDS, 0)
         self._counters["readers"] = len(self.readers)
@@ -504,9 +524,16 @@ class RingWriter:
             return self.slots[index]
         return None
 
+    def take_retired(self) -> list[str]:
+        """Names retired since the last call that readers may hold open (NOTE [retired slots])."""
+        names, self._unannounced = self._unannounced, []
+        return names
+
     def _retire(self, slot: Slot) -> None:
         # Remembered so that a late ATTACHED for it is ignored, not an error.
         self._retired.add(slot.segment.name)
+        if slot.seq >= 0 and self.readers and not self._closed:  # announced: readers opened it
+            self._unannounced.append(slot.segment.name)
         slot.state = SlotState.RETIRED
         slot.payload = np.empty(0, np.uint8)
         with contextlib.suppress(BufferError):
@@ -749,6 +776,14 @@ class RingReader:
                 log.warning("shmloader: no release words in %s (%s): RELEASE only", name, exc)
         self._words[name] = board
         return board
+
+    def retire(self, name: str) -> None:
+        """The writer retired ``name`` (RETIRE): close its descriptor (NOTE [retired slots]).
+
+        A view of it still alive keeps its own mapping; the device stage
+        drops its registered mapping once no copy reads it (``segment.fd < 0``).
+        """
+        self.forget(name)
 
     def forget(self, name: str) -> None:
         """Close the descriptor of a replaced segment (live mappings stay valid)."""

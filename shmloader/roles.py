@@ -48,10 +48,13 @@ NOTE [small leaves]
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import copy
 import dataclasses
 import json
 import logging
+import threading
+import time
 import traceback
 import zlib
 from collections.abc import Callable, Iterator
@@ -73,6 +76,139 @@ log = logging.getLogger("shmloader.loader")
 CLOSE_WAIT_S = 10.0
 
 
+CLOSED_MESSAGE = "this ShmLoader is closed; make a new one"
+
+
+class Gate:
+    """Whether a ``ShmLoader`` is open, and the one thread inside its roles' code.
+
+    NOTE [close from any thread]
+        A ``ShmLoader`` is iterated by one thread at a time and may be closed
+        by any thread. Everything a role's loop does with its ZeroMQ
+        sockets, its ring and its cross-node link runs *inside* the gate: the
+        iterating thread holds it from the moment a ``next()`` enters the
+        loop (``guard``, around the outermost iterator ``ShmLoader.__iter__``
+        returns) until it yields, returns or raises. A loop steps *outside*
+        (``outside``) only around what uses none of those: the user's loader
+        (the leader's and a local rank's ``next()`` of it) and a node
+        leader's gloo receive of the leader's next header. A cross-node send
+        stays inside (gloo reads the slot): ``close()`` waits for it, as for
+        any wait, at most the gate's ``limit`` (a role's timeout and then
+        some), then warns and closes anyway; the thread then stops at the
+        next check.
+
+        ``close()`` (and the finalizer) first marks the loader closed, then
+        takes the gate (``stop``): an iterating thread in one of its waits
+        sees the mark within one slice (``channel.SLICE_S``: every wait calls
+        the gate as its ``idle``) and leaves with ``ShmLoaderError("this
+        ShmLoader is closed")``; one that is outside comes back in only
+        after ``close()`` is done and gets the same error. Only then does
+        ``close()`` say goodbye (a follower's BYE, a writer's STOP) and free
+        sockets and ring, so no socket is ever used by two threads at once
+        (the follower's own rule, NOTE [one thread per socket] in
+        ``follower``). A loop that ends because the loader closed sends no
+        ERROR: ``close()`` tells the peers (STOP, closed), exactly as for a
+        loader closed between iterations. Anything else that runs a role's
+        socket work on its own thread (a background publisher) enters the
+        gate the same way and is stopped by the same ``stop``.
+    """
+
+    def __init__(self, limit: float) -> None:
+        #: longest a thread waits to enter, and ``close()`` for the thread inside
+        #: to leave: a role's longest wait (``Config.timeout``) and then some
+        self.limit = limit
+        self.closed = False
+        self._marking = threading.Lock()  # two close() at once: one closes
+        self._lock = threading.Lock()
+        self._holder = 0  # the thread inside, 0 when none
+        self._closer = 0  # the thread running close(): its own waits go on
+        self._held_by_close = False
+
+    def __call__(self) -> None:
+        """Raise ``ShmLoaderError`` once ``close()`` began (in every thread but the closer)."""
+        if self.closed and threading.get_ident() != self._closer:
+            raise ShmLoaderError(CLOSED_MESSAGE)
+
+    def _enter(self) -> None:
+        limit = self.limit
+        if not self._lock.acquire(timeout=limit):
+            raise ShmLoaderError(
+                f"another thread stayed inside this ShmLoader's iteration for {limit:.0f} s: "
+                "iterate one ShmLoader from one thread at a time (a prefetch thread is fine)"
+            )
+        self._holder = threading.get_ident()
+
+    def _leave(self) -> None:
+        self._holder = 0
+        self._lock.release()
+
+    def inside(self) -> bool:
+        """Whether the calling thread is inside the gate."""
+        return self._holder == threading.get_ident()
+
+    def guard(self, inner: Iterator[Any]) -> Iterator[Any]:
+        """``inner``'s batches, each ``next()`` of it run inside the gate."""
+        while True:
+            box = []  # NOTE [no batch in the frame]
+            self._enter()
+            try:
+                self()
+                try:
+                    box.append(next(inner))
+                except StopIteration:
+                    return
+            finally:
+                if self.inside():
+                    self._leave()
+            yield box.pop()
+
+    @contextlib.contextmanager
+    def outside(self) -> Iterator[None]:
+        """Run the body outside the gate; raise ``ShmLoaderError`` if closed meanwhile."""
+        if not self.inside():  # a role driven without the façade's guard
+            yield
+            return
+        self._leave()
+        try:
+            yield
+        finally:
+            self._enter()
+            self()  # whatever the body raised, the loader closed: that is the error
+
+    def stop(self) -> bool:
+        """Mark the loader closed and wait (bounded) until no thread is inside.
+
+        False if it was closed already. The caller then closes what the
+        roles hold, and calls ``done()``.
+        """
+        me = threading.get_ident()
+        with self._marking:
+            if self.closed:
+                return False
+            self.closed = True
+            self._closer = me
+        limit = self.limit
+        if self._holder == me:  # closed from inside (a finalizer on the iterating thread)
+            return True
+        t0 = time.monotonic()
+        self._held_by_close = self._lock.acquire(timeout=limit)
+        if not self._held_by_close:
+            log.warning(
+                "shmloader: close(): the iterating thread did not leave the loader's "
+                "iteration within %.0f s (%.1f s waited); closing anyway",
+                limit,
+                time.monotonic() - t0,
+            )
+        return True
+
+    def done(self) -> None:
+        """``close()`` is over: every thread now gets the closed error, the gate is free."""
+        self._closer = 0
+        if self._held_by_close:
+            self._held_by_close = False
+            self._lock.release()
+
+
 @dataclasses.dataclass(frozen=True)
 class Context:
     """What every role of one ``ShmLoader`` shares (each field has one owner)."""
@@ -83,8 +219,9 @@ class Context:
     stats: RankStats
     #: Report progress for ``stat`` (at most once a second; a no-op without a group).
     report: Callable[[], None]
-    #: Raise ``ShmLoaderError`` once ``close()`` ran (every loop checks it per batch).
-    check_open: Callable[[], None]
+    #: Raise ``ShmLoaderError`` once ``close()`` ran (every loop checks it per batch,
+    #: every wait once per slice): the loader's ``Gate`` (NOTE [close from any thread]).
+    check_open: Gate
 
 
 class Role(Protocol):

@@ -20,6 +20,8 @@ Payload bytes never travel here: a BATCH names the slot that holds them.
                                       (KeyboardInterrupt/SystemExit in the leader's loader,
                                        or closed=1: the writer closed)
     BYE       R -> W     rank                    (a reader closes)
+    RETIRE    W -> R     seg                     (the writer retired that slot segment:
+                                                  NOTE [retired slots] in ring)
 
 Every writer message is stamped with the writer's position: ``it`` numbers its
 ``iter()`` calls, ``epoch`` is its ``set_epoch`` value and ``pos`` the batch's
@@ -68,6 +70,7 @@ class Kind(enum.IntEnum):
     ERROR = 7
     STOP = 8
     BYE = 9
+    RETIRE = 10
 
 
 _STR, _INT = str, int
@@ -91,6 +94,7 @@ SCHEMA: dict[Kind, dict[str, type]] = {
     Kind.ERROR: {"it": _INT, "type": _STR, "message": _STR, "traceback": _STR},
     Kind.STOP: {"it": _INT, "epoch": _INT, "pos": _INT, "reason": _STR, "closed": _INT},
     Kind.BYE: {"rank": _INT},
+    Kind.RETIRE: {"seg": _STR},
 }
 
 

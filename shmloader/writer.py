@@ -253,8 +253,12 @@ class Writer:
         """Publish to every reader at once; a reader gone without BYE raises after.
 
         NOTE [one announcement] (``channel``): one send whatever the group's
-        size; a reader whose socket closed shows in ``hub.left``.
+        size; a reader whose socket closed shows in ``hub.left``. Slots the
+        ring retired since the last message are announced first (RETIRE,
+        NOTE [retired slots] in ``ring``).
         """
+        for name in self.ring.take_retired():
+            self.hub.publish(wire.frames(Kind.RETIRE, seg=name))
         self.hub.publish(parts)
         lost = self.settle_left()
         if lost is not None and not best_effort:
@@ -338,7 +342,12 @@ class Writer:
 
         t0 = time.perf_counter()
         peers = self.topo.peer
-        hub.wait(handle, lambda: [peers(r) for r in waiting()], timeout=timeout, doing=doing)
+        # once a slice: close() from another thread ends the wait (NOTE [close from any
+        # thread] in roles); a test's bare context has no gate
+        idle = getattr(self.ctx, "check_open", None)
+        hub.wait(
+            handle, lambda: [peers(r) for r in waiting()], timeout=timeout, doing=doing, idle=idle
+        )
         self.ctx.stats.counts["wait_readers_ms_total"] += (time.perf_counter() - t0) * 1e3
 
     def await_readers(self, *, window: bool = True, timeout: float | None = None) -> None:

@@ -305,3 +305,199 @@ def test_a_direct_config_that_switches_sharing_off_under_shmloader_warns(monkeyp
     with caplog.at_level(logging.WARNING, logger="shmloader"):
         ShmLoader(lambda: [1], None, config=Config(allow_pickle=True)).close()
     assert any("Config.from_env" in r.getMessage() for r in caplog.records), caplog.records
+
+
+# ------------------------------------------------- close() from another thread
+
+
+def _until_closed(flag: str) -> None:
+    """Block (bounded) until the closing rank's close() has returned: it creates ``flag``."""
+    deadline = time.monotonic() + 100
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+class _Blocking(torch.utils.data.Dataset):
+    """256 KiB per sample (a view of the slot); with ``flag``, sample 3 waits for the close."""
+
+    def __init__(self, n: int, flag: str | None) -> None:
+        self.n, self.flag = n, flag
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.flag and i == 3:
+            _until_closed(self.flag)
+        return torch.full((1 << 16,), float(i))
+
+
+def closed_by_another_thread(
+    rank: int,
+    world: int,
+    *,
+    closer: int,
+    busy: str,
+    flag: str,
+    share: bool = True,
+    free: int | None = None,
+) -> dict:
+    """One thread iterates; on rank ``closer`` the main thread closes the loader mid-iteration.
+
+    ``busy`` says where the other threads are meanwhile, until that close()
+    has returned: ``loader``, the leader's dataset blocks in sample 3 (the
+    leader is in the user's code, everyone else waits for its batch 3);
+    ``blocked``, every other rank blocks in its loop's body after batch 2
+    (the closer waits for them: a writer for its readers, a reader for its
+    writer), but rank ``free``, which goes on. Either way the closer's
+    iterating thread must leave by itself.
+    """
+    import threading
+
+    warnings = capture_warnings()
+    loader = ShmLoader(
+        lambda: DataLoader(_Blocking(60, flag if busy == "loader" else None), batch_size=1),
+        dist.group.WORLD,
+        config=Config.from_env(enabled=share, slots=2, timeout=20.0),
+    )
+    result: dict = {}
+    started = threading.Event()
+
+    def iterate() -> None:
+        try:
+            for step, batch in enumerate(loader):
+                assert int(batch[0, 0]) == step
+                started.set()
+                if busy == "blocked" and rank not in (closer, free) and step == 2:
+                    _until_closed(flag)
+            result["out"] = "finished"
+        except BaseException as exc:
+            result["out"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            started.set()
+
+    thread = threading.Thread(target=iterate, daemon=True)
+    thread.start()
+    if rank == closer:
+        started.wait(60)
+        time.sleep(1.0)  # the iterating thread is in its wait (or in the blocked dataset)
+        loader.close()
+        pathlib.Path(flag).touch()
+        thread.join(60)
+    else:
+        thread.join(100)
+        loader.close()
+    gave_up = [m for m in warnings.messages if "closing anyway" in m]
+    return {"out": result.get("out"), "alive": thread.is_alive(), "role": loader.role} | (
+        {"gave_up": gave_up} if gave_up else {}
+    )
+
+
+_CLOSED = "ShmLoaderError: this ShmLoader is closed; make a new one"
+_PEER_OUTCOMES = ("PeerLostError", "LeaderStoppedError")
+
+
+@pytest.mark.parametrize(
+    ("closer", "nodes", "busy"),
+    [
+        (0, None, "blocked"),  # the leader, in a wait for follower 1 (follower 2 listens)
+        (0, None, "loader"),  # the leader, in the user's dataset
+        (1, None, "blocked"),  # a follower, in a wait for its leader
+        (0, [0, 0, 1, 1], "loader"),  # the leader of two nodes, in the user's dataset
+        (2, [0, 0, 1, 1], "blocked"),  # a node leader, in a wait
+        (2, [0, 0, 1, 1], "loader"),  # a node leader, in its receive from the leader
+        (3, [0, 0, 1, 1], "blocked"),  # a follower of a node leader
+    ],
+)
+def test_close_from_another_thread_stops_the_iteration_first(closer, nodes, busy, tmp_path):
+    world = 4 if nodes else 3 if closer == 0 else 2
+    free = 2 if world == 3 else None  # goes on while the others block: hears what the leader says
+    out = run_ranks(
+        closed_by_another_thread,
+        world,
+        kwargs={"closer": closer, "busy": busy, "flag": str(tmp_path / "closed"), "free": free},
+        nodes=nodes,
+        timeout=110,
+    )
+    assert not any(o["alive"] for o in out), out
+    assert out[closer]["out"] == _CLOSED, out
+    assert "gave_up" not in out[closer], "close() waited for the iterating thread in vain"
+    for rank, o in enumerate(out):
+        assert "ZMQError" not in o["out"] and "no answer for" not in o["out"], out
+        if rank == closer:
+            continue
+        if out[closer]["role"] == "follower":  # its BYE: the others go on to the end
+            assert o["out"] == "finished", out
+        else:  # the writer closed (or, a node leader, took no more of the leader's sends)
+            assert o["out"].split(":")[0] in _PEER_OUTCOMES, out
+
+
+def test_close_from_another_thread_with_sharing_off(tmp_path):
+    flag = str(tmp_path / "closed")
+    out = run_ranks(
+        closed_by_another_thread,
+        2,
+        kwargs={"closer": 0, "busy": "loader", "share": False, "flag": flag},
+    )
+    assert out[0]["out"] == _CLOSED and out[1]["out"] == "finished", out
+    assert "gave_up" not in out[0], "close() waited for the user's loader"
+    assert not any(o["alive"] for o in out), out
+
+
+def test_the_gate_stops_a_waiting_thread_and_never_waits_for_the_users_code():
+    """NOTE [close from any thread] in-process: a wait inside the gate ends at the mark; the
+    user's code runs outside it; after close every thread, the closer too, gets the error."""
+    import threading
+
+    from shmloader.roles import CLOSED_MESSAGE, Gate
+
+    gate = Gate(60.0)
+    order: list[str] = []
+    in_wait, in_user = threading.Event(), threading.Event()
+    release_user = threading.Event()
+
+    def role(wait: bool):
+        yield 0
+        if wait:
+            in_wait.set()
+            while True:  # a role's sliced wait: checks the gate once per slice
+                try:
+                    gate()
+                except ShmLoaderError:
+                    order.append("left the wait")  # still inside the gate
+                    raise
+                time.sleep(0.01)
+        with gate.outside():
+            in_user.set()
+            release_user.wait(60)  # the user's loader, blocked until the close returned
+            order.append("user code returned")
+        yield 1
+
+    for wait in (True, False):
+        gate = Gate(60.0)
+        in_wait.clear(), in_user.clear(), release_user.clear()
+        got: dict = {}
+        it = gate.guard(role(wait))
+        assert next(it) == 0
+
+        def pull(it=it, got=got) -> None:
+            try:
+                got["batch"] = next(it)
+            except ShmLoaderError as exc:
+                got["error"] = str(exc)
+
+        thread = threading.Thread(target=pull, daemon=True)
+        thread.start()
+        (in_wait if wait else in_user).wait(60)
+        assert gate.stop()
+        order.append("closing")  # the thread has left the gate (or is in the user's code)
+        gate()  # the closer's own waits go on while it closes
+        gate.done()
+        release_user.set()
+        thread.join(60)
+        assert not thread.is_alive()
+        assert got == {"error": CLOSED_MESSAGE}, got
+        with pytest.raises(ShmLoaderError, match="closed"):
+            gate()  # the closer too, once close() is over
+        assert not gate.stop(), "a second close() closes nothing"
+    assert order == ["left the wait", "closing", "closing", "user code returned"], order

@@ -271,6 +271,9 @@ class _Ring:
     def __init__(self) -> None:
         self.dropped: list[int] = []
 
+    def take_retired(self) -> list[str]:
+        return []
+
     def drop_reader(self, rank: int) -> None:
         self.dropped.append(rank)
 
@@ -309,3 +312,104 @@ def test_a_reader_whose_socket_closed_without_bye_is_lost():
     assert writer.gone == {1}
     writer.hub.left = {1}
     writer.tell_readers(_end())  # told once: a reader already dropped is not lost again
+
+
+# ------------------------------------------------- retired slots (ring shrink)
+
+
+class BigThenSmall(Dataset):
+    """Samples 0..3 are 8 MiB, the rest 256 KiB: the writer's ring shrinks after them."""
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full(((1 << 21) if i < 4 else LEAF,), float(i))
+
+
+def _ring_of(loader: ShmLoader):
+    role = loader._role
+    return getattr(role, "ring", None) or role.writer.ring
+
+
+def _open_slots(token: str) -> tuple[set[str], int]:
+    """This process's open descriptors of ring ``token``'s slots (names), and its mappings."""
+    import os
+    import re
+
+    slot = re.compile(rf"shml-{token}-\d+\.\d+\.[0-9a-z]+")
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if m := slot.search(target):
+            fds.add("/" + m.group(0))
+    with open("/proc/self/maps") as f:
+        maps = sum(1 for line in f if slot.search(line))
+    return fds, maps
+
+
+def shrunk_ring(rank: int, world: int, *, device: bool) -> dict:
+    """Every rank keeps the 8 MiB batches until step 6, then only batch 1 (to the end) and the
+    last batch: the writers' rings grow to 4-5 large slots, then shrink to a few small ones."""
+    from tests.fake_device import FakeOps
+
+    follower_device = FakeOps(auto=True) if device else None
+    loader = ShmLoader(
+        lambda: DataLoader(BigThenSmall(), batch_size=1),
+        dist.group.WORLD,
+        config=Config.from_env(enabled=True),
+        device=follower_device,
+    )
+    role = loader.role
+    kept = {}
+    for step, batch in enumerate(loader):
+        assert float(batch[0, 0]) == step
+        if step < 4 or step == 19:
+            kept[step] = batch
+        if step == 6:
+            kept = {1: kept[1]}
+        del batch
+        dist.barrier()  # lockstep: each writer retires what every reader released
+    assert float(kept[1][0, 0]) == 1, "a held batch changed"
+    out: dict = {"role": role}
+    if role == "follower":
+        out["token"] = loader._role.ring.token
+        out["fds"], out["maps"] = _open_slots(out["token"])
+        if device:
+            out["registered"] = len(follower_device.registered)
+    else:
+        ring = _ring_of(loader)
+        from shmloader.ring import SlotState
+
+        live = [s for s in ring.slots if s.state != SlotState.RETIRED]
+        out.update(token=ring.token, retired=len(ring._retired))
+        out["live"] = {s.segment.name for s in live}
+    writers = [None] * world
+    dist.all_gather_object(writers, {out["token"]: out.get("live")} if role != "follower" else {})
+    out["writers"] = {k: v for w in writers for k, v in w.items()}
+    kept.clear()
+    loader.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("nodes", "device"), [(None, False), ([0, 0, 1, 1], False), ([0, 0, 1, 1], True)]
+)
+def test_followers_drop_the_slots_their_writer_retired(nodes, device):
+    world = 4 if nodes else 2
+    out = run_ranks(shrunk_ring, world, kwargs={"device": device}, nodes=nodes)
+    for o in out:
+        if o["role"] != "follower":
+            assert o["retired"] >= 1, f"the {o['role']}'s ring never shrank: {o}"
+            continue
+        live = o["writers"][o["token"]]
+        # open: only what the writer's ring still has (the kept 8 MiB batch's slot
+        # is HELD there); mapped: the two kept batches' views at most
+        assert o["fds"] <= live, f"retired slots still open: {sorted(o['fds'] - live)}"
+        assert o["maps"] <= (len(live) if device else 2), o
+        if device:
+            assert o["registered"] <= len(live), o

@@ -797,17 +797,34 @@ def _reserve_in_child() -> None:
 os.register_at_fork(after_in_child=_reserve_in_child)
 
 
+#: ``madvise`` advice that faults every page of a range in for writing (Linux 5.14+).
+MADV_POPULATE_WRITE = 23
+#: libc's ``madvise`` (``ringdir.LIBC``, prototyped at import): a ``ctypes`` call
+#: releases the GIL for its duration (NOTE [touch off the GIL]).
+LIBC_MADVISE: Callable[..., int] | None = ringdir.LIBC.madvise
+
+
 def touch(mm: mmap.mmap) -> None:
-    """Fault every page of a fresh MAP_SHARED mapping in, once.
+    """Fault every page of a fresh mapping in, once, without holding the GIL.
 
     Writing into fresh tmpfs pages costs about ten times a rewrite of touched
     ones; the ring pays it once at slot creation instead of on every batch.
+    On a MAP_PRIVATE mapping each write fault copies the page (``own_views``).
+
+    NOTE [touch off the GIL]
+        Faulting in a slot takes as long as its pages take to allocate and
+        zero: hundreds of ms per GiB, seconds on a loaded node (2 GiB froze
+        every other thread for 16.7 s). ``mmap.madvise`` holds the GIL for
+        the whole call, so the touch calls libc's
+        ``madvise(MADV_POPULATE_WRITE)`` through ``ctypes``, which releases
+        it, as the daemon's pool does (NOTE [pool off the loop] in
+        ``shmloaderd.pool``). Where the kernel refuses it (before 5.14) a
+        write per page does the same in bytecode, which yields the GIL
+        between pages.
     """
-    try:
-        mm.madvise(23)  # MADV_POPULATE_WRITE (Linux 5.14+)
+    populate = LIBC_MADVISE is not None and len(mm) > 0
+    if populate and LIBC_MADVISE(_address(mm), len(mm), MADV_POPULATE_WRITE) == 0:
         return
-    except (OSError, ValueError):
-        pass
     view = memoryview(mm)
     try:
         for off in range(0, len(mm), PAGE):

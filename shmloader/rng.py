@@ -27,7 +27,8 @@ NOTE [RNG mirroring]
     ``None``, the leader warns once, and followers cannot mirror it. That
     randomness is the user's: move it into workers or give it its own
     generator. Draws inside worker processes never touch the main process's
-    generator and need no mirroring.
+    generator and need no mirroring. What ``make_loader`` itself draws on the
+    leader is mirrored once, at set-up (NOTE [factory draws]).
 """
 
 from __future__ import annotations

@@ -231,3 +231,62 @@ def test_a_distributed_sampler_keyed_on_the_global_rank_is_refused_by_every_rank
     seen = [i for rank in (0, 2) for ids in out[rank]["dp"] for i in ids]
     assert sorted(seen) == list(range(16))
     assert out[1]["dp"] == out[0]["dp"] and out[3]["dp"] == out[2]["dp"]
+
+
+# ------------------------------------------------- NOTE [limits of exact resume]
+
+
+def _own_generator_loader(where: str | None) -> ShmLoader:
+    def make() -> DataLoader:
+        ds = ranks.Synthetic(12)
+        if where == "sampler":
+            sampler = torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(3))
+            return DataLoader(ds, batch_size=2, sampler=sampler, collate_fn=ranks.collate)
+        generator = torch.Generator().manual_seed(3) if where == "loader" else None
+        return DataLoader(
+            ds, batch_size=2, shuffle=True, generator=generator, collate_fn=ranks.collate
+        )
+
+    return ShmLoader(make, None, config=Config(enabled=False))
+
+
+def _own_generator_warnings(messages: list[str]) -> list[str]:
+    return [m for m in messages if "its own generator=" in m]
+
+
+@pytest.mark.parametrize("where", ["loader", "sampler", None])
+def test_a_mid_epoch_resume_of_a_loader_with_its_own_generator_warns_once(where) -> None:
+    from tests.harness import capture_warnings
+
+    first = _own_generator_loader(where)
+    it = iter(first)
+    for _ in range(3):
+        next(it)
+    mid_epoch = first.state_dict()
+    first.set_epoch(1)
+    epoch_start = first.state_dict()
+    first.close()
+    warnings = capture_warnings()
+    try:
+        resumed = _own_generator_loader(where)
+        resumed.load_state_dict(epoch_start)  # an epoch's start: nothing is fast-forwarded
+        list(resumed)
+        assert _own_generator_warnings(warnings.messages) == []
+        resumed.close()
+        resumed = _own_generator_loader(where)
+        resumed.load_state_dict(mid_epoch)
+        assert len(list(resumed)) == 3
+        resumed.set_epoch(1)  # the next epoch: nothing fast-forwarded, nothing said
+        assert len(list(resumed)) == 6
+        resumed.close()
+    finally:
+        import logging
+
+        logging.getLogger("shmloader").removeHandler(warnings)
+    said = _own_generator_warnings(warnings.messages)
+    if where is None:  # the default generator is restored: exact, no warning
+        assert said == []
+    else:
+        assert len(said) == 1, said
+        named = "DataLoader and sampler" if where == "loader" else "sampler"
+        assert f"loader whose {named} draws" in said[0], said[0]

@@ -239,3 +239,74 @@ def test_a_delivered_batch_is_read_in_forked_children_as_a_plain_tensor_is(num_w
             assert r["proc"], f"{where}: the forked child read other bytes than the batch's"
             assert r["eval"], f"{where}: the eval worker read other bytes than the batch's"
             assert r["rest"] == [[4.0 * b + i for i in range(4)] for b in (1, 2, 3)]
+
+
+_FORK_IN_OWN_DIR = """
+import gc, os
+from shmloader import segment
+from shmloader.segment import KIND_DATA, Segment
+
+assert segment.SHM_DIR == os.environ["SHMLOADER_SHM_DIR"] != "/dev/shm", segment.SHM_DIR
+kept = Segment.create_unique("/shml-0123456789abcdef-kept", KIND_DATA, "0123456789abcdef", 4096)
+dropped = Segment.create_unique("/shml-0123456789abcdef-drop", KIND_DATA, "0123456789abcdef", 4096)
+orphan, orphan_name = dropped.fd, dropped.name
+del dropped  # its descriptor stays open, held by no Segment: only the /proc scan finds it
+gc.collect()
+
+def held():
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if "/shml-" in target:
+            found.append(target)
+    return found
+
+before = len(held())
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.write(w, str(len(held())).encode())
+    os._exit(0)
+os.close(w)
+in_child = int(os.read(r, 16))
+os.waitpid(pid, 0)
+kept.unlink()
+kept.close()
+os.close(orphan)
+segment.unlink_name(orphan_name)
+print(before, in_child)
+"""
+
+
+def test_a_forked_child_holds_no_descriptor_of_a_ring_directory_that_is_not_dev_shm(
+    tmp_path,
+) -> None:
+    """NOTE [no inherited descriptors] (segment): the child's scan of its descriptors
+    looks in the process's ring directory (``SHMLOADER_SHM_DIR``), not in /dev/shm."""
+    import subprocess
+    import sys
+
+    ring = tmp_path / "ring"
+    ring.mkdir(mode=0o700)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(
+        os.environ,
+        SHMLOADER_SHM_DIR=str(ring),
+        PYTHONPATH=os.pathsep.join([repo, os.path.join(repo, "daemon")]),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", _FORK_IN_OWN_DIR],
+        env=env,
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    before, in_child = (int(x) for x in done.stdout.split())
+    assert before == 2, "the parent holds both segments open"
+    assert in_child == 0, f"a forked child holds {in_child} descriptor(s) of segments in {ring}"
+    assert os.listdir(ring) == []

@@ -94,7 +94,7 @@ NOTE [batches cross a fork]
     slot holds now: what keeps them the batch's is the parent's hold on the
     slot (NOTE [slot lifetime] in ``ring``), which a child has no part in. So
     every live private view is inherited by a forked child (no
-    ``MADV_DONTFORK``) and, in the child's first fork handler, replaced by a
+    ``MADV_DONTFORK``) and, in a fork handler of the child, replaced by a
     private anonymous copy of its bytes at the same address (``mremap`` of a
     fresh copy over it, as ``pool`` does for kept collate outputs): the
     child reads the batch as the parent had it at the fork, its writes stay

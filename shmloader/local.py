@@ -54,6 +54,7 @@ class Source:
         self.cursor = cursor
         self.boundary = boundary
         self.warned_rng = False
+        self.warned_generator = False  # NOTE [limits of exact resume]
 
     def open(self, skip: int) -> tuple[Iterator[Any], int]:
         """``iter()`` the user's loader and fast-forward ``skip`` batches (a resume).
@@ -74,6 +75,8 @@ class Source:
         undo, b.undo = b.undo, None
         seeded = rng.will_consume_base_seed(loader)
         unseeded = False
+        if resumed is not None and skip and not stateful(loader):
+            self.warn_own_generators(loader)  # NOTE [limits of exact resume]
         if resumed is not None and not stateful(loader):
             if skip and resumed.get("rng") is not None:
                 undo = undo or rng.capture()
@@ -95,6 +98,45 @@ class Source:
         if undo is not None:  # NOTE [RNG at the step boundary] (rng)
             rng.restore(undo)
         return source, self.count(before)
+
+    def warn_own_generators(self, loader: object) -> None:
+        """Once: a mid-epoch resume of a loader whose sampler draws from its own generator.
+
+        NOTE [limits of exact resume]
+            A mid-epoch resume is exact because the loader is re-opened with
+            the *default* generators of the saved epoch's start and fast-forwarded
+            (NOTE [RNG at the epoch's start] in ``rng``). Two kinds of
+            randomness no checkpoint of ours holds, with sharing on and off
+            alike, as in plain torch:
+
+            - a ``generator=`` of the DataLoader or of its sampler (a
+              ``RandomSampler(generator=g)``): its state at the saved epoch's
+              start is not saved, so the resumed epoch's order (and the
+              workers' base seed) come from wherever the new process left it;
+              other samples are delivered. Warned once here (``generator``
+              of the loader, its sampler and its batch sampler's sampler).
+            - torchdata's ``StatefulDataLoader`` resumes from its own state,
+              which does not hold its workers' generators: random
+              augmentation in a worker's ``__getitem__`` differs after the
+              resume. Draw it from a generator seeded by (epoch, index).
+        """
+        if self.warned_generator:
+            return
+        found = [
+            where
+            for where, obj in _sources_of_order(loader)
+            if isinstance(getattr(obj, "generator", None), torch.Generator)
+        ]
+        if found:
+            self.warned_generator = True
+            log.warning(
+                "shmloader: resuming mid-epoch a loader whose %s draws from its own generator=: "
+                "no checkpoint holds that generator's state, so the resumed epoch delivers other "
+                "samples than the uninterrupted run (as plain torch does). For an exact resume "
+                "leave generator=None (the default generator is restored) or use "
+                "shmloader.ShardedSampler / a StatefulDataLoader (NOTE [limits of exact resume])",
+                " and ".join(found),
+            )
 
     def boundary_reached(self) -> None:
         """Before each request: a stateful loader's state at an optimizer-step boundary."""
@@ -195,6 +237,24 @@ def stateful(loader: object) -> bool:
     return callable(getattr(loader, "state_dict", None)) and callable(
         getattr(loader, "load_state_dict", None)
     )
+
+
+def _sources_of_order(loader: object) -> list[tuple[str, object]]:
+    """The loader and the samplers it draws its order from, named."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    named = [
+        ("DataLoader", loader),
+        ("sampler", getattr(loader, "sampler", None)),
+        ("batch_sampler", batch_sampler),
+        ("batch_sampler.sampler", getattr(batch_sampler, "sampler", None)),
+    ]
+    seen: set[int] = set()
+    out = []
+    for where, obj in named:
+        if obj is not None and id(obj) not in seen:
+            seen.add(id(obj))
+            out.append((where, obj))
+    return out
 
 
 def _forward_set_epoch(loader: object, epoch: int) -> None:

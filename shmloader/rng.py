@@ -27,7 +27,8 @@ NOTE [RNG mirroring]
     ``None``, the leader warns once, and followers cannot mirror it. That
     randomness is the user's: move it into workers or give it its own
     generator. Draws inside worker processes never touch the main process's
-    generator and need no mirroring.
+    generator and need no mirroring. What ``make_loader`` itself draws on the
+    leader is mirrored once, at set-up (NOTE [factory draws]).
 """
 
 from __future__ import annotations
@@ -134,6 +135,204 @@ def mirror_draws(n: int) -> None:
         probe = torch.empty((), dtype=torch.int64)
         for _ in range(n):
             probe.random_()
+
+
+# -------------------------------------------------------------- the factory
+#
+# NOTE [factory draws]
+#     ``make_loader`` runs on the leader only (``startup._agree_on_loader``),
+#     and a factory may draw from the default generators while it builds:
+#     torchdata's ``StatefulDataLoader(shuffle=True)`` seeds its sampler from
+#     torch's generator in the constructor, a ``random_split`` or a
+#     ``randperm`` subset draws hundreds or thousands of words, a
+#     ``random.shuffle`` of a file list draws from Python's. Sharing off, every
+#     rank ran its own factory and made those draws. So the leader snapshots
+#     torch's, Python's and numpy's default generators around the factory
+#     (``snapshot_all``), counts the 32-bit words each advanced by
+#     (``count_words``) and broadcasts the counts with the loader's length;
+#     every other rank draws as many words and discards them
+#     (``mirror_words``) before its ``ShmLoader`` exists.
+#
+#     The three generators are Mersenne Twisters of 624 words whose state
+#     holds the index of the next word: a count must agree with the index
+#     modulo 624, so only those counts are tried (one bulk draw of 624 words
+#     per candidate), up to ``MAX_FACTORY_WORDS``. The layout of torch's
+#     state (the index at byte 16) is checked by ``tests/test_rng.py``; a
+#     draw that is no whole number of words (``torch.randn``'s cached
+#     normal, Python's ``gauss``) counts as ``None``: the leader warns once
+#     and followers mirror nothing for that generator.
+
+#: Most 32-bit words counted (and mirrored) per generator for one factory call.
+MAX_FACTORY_WORDS = 1 << 24
+_MT_WORDS = 624
+_TORCH_INDEX_AT = 16  # bytes: CPUGeneratorImplStateLegacy.next (after the seed, left, seeded)
+_CHUNK = 1 << 20  # words per bulk draw when mirroring
+
+
+def _torch_index(state: torch.Tensor) -> int:
+    return int.from_bytes(bytes(state[_TORCH_INDEX_AT : _TORCH_INDEX_AT + 8].tolist()), "little")
+
+
+class _Torch:
+    name = "torch"
+
+    @staticmethod
+    def state() -> Any:
+        return torch.get_rng_state()
+
+    @staticmethod
+    def index(state: Any) -> int:
+        return _torch_index(state)
+
+    @staticmethod
+    def probe(state: Any) -> Any:
+        g = torch.Generator()
+        g.set_state(state)
+        return g
+
+    @staticmethod
+    def advance(g: Any, n: int) -> None:
+        torch.empty(n, dtype=torch.int32).random_(generator=g)  # one word per element
+
+    @staticmethod
+    def probe_state(g: Any) -> Any:
+        return g.get_state()
+
+    @staticmethod
+    def same(a: Any, b: Any) -> bool:
+        return torch.equal(a, b)
+
+    @staticmethod
+    def draw(n: int) -> None:
+        torch.empty(n, dtype=torch.int32).random_()
+
+
+class _Python:
+    name = "python"
+
+    @staticmethod
+    def state() -> Any:
+        return random.getstate()
+
+    @staticmethod
+    def index(state: Any) -> int:
+        return int(state[1][-1])
+
+    @staticmethod
+    def probe(state: Any) -> Any:
+        r = random.Random()
+        r.setstate(state)
+        return r
+
+    @staticmethod
+    def advance(r: Any, n: int) -> None:
+        r.getrandbits(32 * n)  # ceil(k / 32) words
+
+    @staticmethod
+    def probe_state(r: Any) -> Any:
+        return r.getstate()
+
+    @staticmethod
+    def same(a: Any, b: Any) -> bool:
+        return a == b
+
+    @staticmethod
+    def draw(n: int) -> None:
+        random.getrandbits(32 * n)
+
+
+class _Numpy:
+    name = "numpy"
+
+    @staticmethod
+    def state() -> Any:
+        return np.random.get_state()
+
+    @staticmethod
+    def index(state: Any) -> int:
+        return int(state[2])
+
+    @staticmethod
+    def probe(state: Any) -> Any:
+        r = np.random.RandomState()
+        r.set_state(state)
+        return r
+
+    @staticmethod
+    def advance(r: Any, n: int) -> None:
+        r.randint(0, 1 << 32, size=n, dtype=np.uint32)  # the full range: one word each
+
+    @staticmethod
+    def probe_state(r: Any) -> Any:
+        return r.get_state()
+
+    @staticmethod
+    def same(a: Any, b: Any) -> bool:
+        return a[0] == b[0] and np.array_equal(a[1], b[1]) and tuple(a[2:]) == tuple(b[2:])
+
+    @staticmethod
+    def draw(n: int) -> None:
+        np.random.randint(0, 1 << 32, size=n, dtype=np.uint32)
+
+
+_GENERATORS = (_Torch, _Python, _Numpy)
+#: The generators a factory's draws are counted for, by name.
+GENERATORS = tuple(g.name for g in _GENERATORS)
+
+
+def snapshot_all() -> dict[str, Any]:
+    """The default generators' states before a factory call (NOTE [factory draws])."""
+    return {g.name: g.state() for g in _GENERATORS}
+
+
+def count_words(before: dict[str, Any], limit: int = MAX_FACTORY_WORDS) -> dict[str, int | None]:
+    """32-bit words each default generator advanced by since ``before`` (``snapshot_all``).
+
+    ``None`` for a generator no word count up to ``limit`` explains
+    (NOTE [factory draws]). Never touches the default generators.
+    """
+    counts: dict[str, int | None] = {}
+    for g in _GENERATORS:
+        old, new = before[g.name], g.state()
+        if g.same(old, new):
+            counts[g.name] = 0
+            continue
+        counts[g.name] = None
+        n = (g.index(new) - g.index(old)) % _MT_WORDS
+        probe = g.probe(old)
+        if n:
+            g.advance(probe, n)
+        while n <= limit:
+            if n and g.same(g.probe_state(probe), new):
+                counts[g.name] = n
+                break
+            g.advance(probe, _MT_WORDS)
+            n += _MT_WORDS
+    return counts
+
+
+def mirror_words(counts: object) -> None:
+    """Draw ``counts[name]`` words from each default generator and discard them.
+
+    ``counts`` comes from the leader's message: anything but a dict of the
+    known generators' names to ints in ``0..MAX_FACTORY_WORDS`` is a
+    :class:`ProtocolError`, never a long loop.
+    """
+    from .errors import ProtocolError
+
+    if not isinstance(counts, dict) or not set(counts) <= set(GENERATORS):
+        raise ProtocolError(f"factory draws {counts!r}: expected a dict over {GENERATORS}")
+    for g in _GENERATORS:
+        n = counts.get(g.name, 0)
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_FACTORY_WORDS:
+            raise ProtocolError(
+                f"the leader asked for {n!r} {g.name} words; a factory's count is "
+                f"0..{MAX_FACTORY_WORDS}"
+            )
+        while n > 0:
+            step = min(n, _CHUNK)
+            g.draw(step)
+            n -= step
 
 
 # ------------------------------------------------------------------ checkpoints

@@ -81,9 +81,33 @@ NOTE [creator-only cleanup]
     finalizers included: at its interpreter exit they would unlink the
     parent's names. Every cleanup records the pid that created the resource
     (``Segment.owner``, ``Hub``, the ring's finalizer) and is a no-op in any
-    other process. Mappings of slots are ``MADV_DONTFORK``: a child neither
-    pins a retired slot nor inherits a writable view; a worker that must write
-    a slot opens it by name itself (``ring.open_slot_for_worker``).
+    other process. The writer's shared and read-only mappings of slots are
+    ``MADV_DONTFORK``: a child neither pins a retired slot nor inherits a
+    writable view of one; a worker that must write a slot opens it by name
+    itself (``ring.open_slot_for_worker``). A batch's private views are
+    inherited and made the child's own at once (NOTE [batches cross a fork]).
+
+NOTE [batches cross a fork]
+    A plain tensor survives a fork: the child reads its bytes (copy-on-write
+    pages). A delivered batch is a view of a private (copy-on-write) mapping
+    of a slot (``map_private``), and its unwritten pages show whatever the
+    slot holds now: what keeps them the batch's is the parent's hold on the
+    slot (NOTE [slot lifetime] in ``ring``), which a child has no part in. So
+    every live private view is inherited by a forked child (no
+    ``MADV_DONTFORK``) and, in a fork handler of the child, replaced by a
+    private anonymous copy of its bytes at the same address (``mremap`` of a
+    fresh copy over it, as ``pool`` does for kept collate outputs): the
+    child reads the batch as the parent had it at the fork, its writes stay
+    its own, and it holds no page and no descriptor of the slot afterwards,
+    so a retired slot is never pinned by a child. The parent's hold must
+    outlast the copy: the parent keeps every live view alive through the
+    fork and waits (``FORK_COPY_WAIT_S`` at most) until the child says its
+    copies are made, or is gone. The cost is one copy of the batches held at
+    the fork, in the child, in time and memory (``os.fork`` returns that much
+    later in the parent): fork DataLoader workers while a large batch is held
+    and each worker holds a copy; a forkserver or spawn context copies
+    nothing. Where the copy fails (no memory, no libc), the child keeps the
+    inherited view: right while the parent holds the batch.
 """
 
 from __future__ import annotations
@@ -95,6 +119,7 @@ import logging
 import mmap
 import os
 import secrets
+import select
 import stat
 import struct
 import threading
@@ -480,6 +505,7 @@ class Segment:
         Writes through it stay in this process. A page written here keeps its
         private copy even after the writer rewrites the slot, so such a mapping
         must never outlive the batch it was made for (NOTE [slot lifetime]).
+        A forked child gets its own copy of it (NOTE [batches cross a fork]).
         """
         if nbytes > self.capacity:
             raise ProtocolError(f"{nbytes} bytes asked of {self.name}, which holds {self.capacity}")
@@ -488,7 +514,7 @@ class Segment:
             length = min(self.capacity, _round_up(HEADER_SIZE + length, ringdir.HUGE) - HEADER_SIZE)
         prot = mmap.PROT_READ | mmap.PROT_WRITE
         mm = _map(self.fd, length, mmap.MAP_PRIVATE, prot, HEADER_SIZE, pages=self.pages)
-        dont_fork(mm)
+        copy_at_fork(mm)  # NOTE [batches cross a fork]
         return mm
 
     def map_readonly(self) -> mmap.mmap:
@@ -797,17 +823,153 @@ def _reserve_in_child() -> None:
 os.register_at_fork(after_in_child=_reserve_in_child)
 
 
+# ------------------------------------------------- NOTE [batches cross a fork]
+
+#: Live private views (``map_private``): address -> (weak reference, length).
+_COPY_AT_FORK: dict[int, tuple[weakref.ref, int]] = {}
+#: Longest the parent's ``os.fork`` waits for a child to copy the views it inherited.
+FORK_COPY_WAIT_S = 60.0
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
+
+
+def _libc_mremap() -> Callable[..., int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).mremap  # resolved at import, never in a child
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    return fn
+
+
+LIBC_MREMAP: Callable[..., int] | None = _libc_mremap()
+
+
+def copy_at_fork(mm: mmap.mmap) -> None:
+    """Give a forked child its own copy of ``mm`` (a batch's private view)."""
+    addr = _address(mm)
+    _COPY_AT_FORK[addr] = (weakref.ref(mm, lambda _, a=addr: _COPY_AT_FORK.pop(a, None)), len(mm))
+
+
+class _Forking:
+    """What one ``os.fork`` carries from the parent's handler to the child's and back."""
+
+    views: list[tuple[mmap.mmap, int, int]] = []  # strong: alive until the child copied
+    done: tuple[int, int] | None = None  # the pipe the child answers on
+
+
+def _before_fork() -> None:
+    views = []
+    for addr, (ref, length) in list(_COPY_AT_FORK.items()):
+        mm = ref()
+        if mm is not None and not mm.closed:
+            views.append((mm, addr, length))
+    _Forking.views = views
+    _Forking.done = None
+    if views:
+        with contextlib.suppress(OSError):
+            _Forking.done = os.pipe()
+
+
+def _copy_in_child() -> None:
+    """In the child: each inherited view becomes a private anonymous copy in place."""
+    views, done = _Forking.views, _Forking.done
+    _Forking.views, _Forking.done = [], None
+    try:
+        for _mm, addr, length in views:
+            _own_copy(addr, length)
+    finally:
+        del views
+        if done is not None:
+            with contextlib.suppress(OSError):
+                os.write(done[1], b"c")
+            for fd in done:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+def _own_copy(addr: int, length: int) -> bool:
+    """Replace ``[addr, addr + length)`` by an anonymous copy of its bytes; False if not."""
+    if LIBC_MMAP is None or LIBC_MREMAP is None or LIBC_MUNMAP is None:
+        return False
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    new = LIBC_MMAP(None, length, prot, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if new is None or new == _MAP_FAILED:
+        return False
+    ctypes.memmove(new, addr, length)
+    flags = _MREMAP_MAYMOVE | _MREMAP_FIXED
+    if LIBC_MREMAP(new, length, length, flags, addr) != addr:
+        LIBC_MUNMAP(new, length)
+        return False
+    return True
+
+
+def _after_fork_parent() -> None:
+    """In the parent: hold the views until the child copied them, or is gone."""
+    views, done = _Forking.views, _Forking.done
+    _Forking.views, _Forking.done = [], None
+    if done is None:
+        return
+    read, write = done
+    try:
+        os.close(write)  # the child's end is then the only one: EOF when it is gone
+        deadline = time.monotonic() + FORK_COPY_WAIT_S
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning(
+                    "shmloader: a forked child did not copy the %d batch view(s) it inherited "
+                    "within %.0f s; their slots may be rewritten under it "
+                    "(NOTE [batches cross a fork])",
+                    len(views),
+                    FORK_COPY_WAIT_S,
+                )
+                break
+            ready, _, _ = select.select([read], [], [], left)
+            if ready:
+                os.read(read, 1)  # b"c": copied; b"": the child is gone
+                break
+    except (OSError, ValueError):
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(read)
+        del views
+
+
+os.register_at_fork(
+    before=_before_fork, after_in_parent=_after_fork_parent, after_in_child=_copy_in_child
+)
+
+
+#: ``madvise`` advice that faults every page of a range in for writing (Linux 5.14+).
+MADV_POPULATE_WRITE = 23
+#: libc's ``madvise`` (``ringdir.LIBC``, prototyped at import): a ``ctypes`` call
+#: releases the GIL for its duration (NOTE [touch off the GIL]).
+LIBC_MADVISE: Callable[..., int] | None = ringdir.LIBC.madvise
+
+
 def touch(mm: mmap.mmap) -> None:
-    """Fault every page of a fresh MAP_SHARED mapping in, once.
+    """Fault every page of a fresh mapping in, once, without holding the GIL.
 
     Writing into fresh tmpfs pages costs about ten times a rewrite of touched
     ones; the ring pays it once at slot creation instead of on every batch.
+    On a MAP_PRIVATE mapping each write fault copies the page (``own_views``).
+
+    NOTE [touch off the GIL]
+        Faulting in a slot takes as long as its pages take to allocate and
+        zero: hundreds of ms per GiB, seconds on a loaded node (2 GiB froze
+        every other thread for 16.7 s). ``mmap.madvise`` holds the GIL for
+        the whole call, so the touch calls libc's
+        ``madvise(MADV_POPULATE_WRITE)`` through ``ctypes``, which releases
+        it, as the daemon's pool does (NOTE [pool off the loop] in
+        ``shmloaderd.pool``). Where the kernel refuses it (before 5.14) a
+        write per page does the same in bytecode, which yields the GIL
+        between pages.
     """
-    try:
-        mm.madvise(23)  # MADV_POPULATE_WRITE (Linux 5.14+)
+    populate = LIBC_MADVISE is not None and len(mm) > 0
+    if populate and LIBC_MADVISE(_address(mm), len(mm), MADV_POPULATE_WRITE) == 0:
         return
-    except (OSError, ValueError):
-        pass
     view = memoryview(mm)
     try:
         for off in range(0, len(mm), PAGE):

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import arrival, segment
+from . import arrival, rng, segment
 from .channel import Hub, Spoke
 from .config import DEFAULT_TIMEOUT_S, Config
 from .cursor import Boundary, Cursor
@@ -139,7 +139,7 @@ def build(
                 pg, new_token(), node_override=config.node, runtime_parent=config.runtime_dir
             )
             made.topo = topo.close
-            loader, length, error = _agree_on_loader(make_loader, topo, pg)
+            loader, length, error = _agree_on_loader(make_loader, topo, pg, ranks)
         except (RuntimeError, dist.DistError) as exc:  # a peer died during set-up
             detail = f"the set-up exchange over the group failed: {exc}"
             raise PeerLostError(None, "peer", detail) from exc
@@ -260,7 +260,10 @@ def _context(shared: Shared, report: Callable[[], None]) -> Context:
 
 
 def _agree_on_loader(
-    make_loader: Callable[[], Iterable[Any]], topo: GroupTopology, pg: dist.ProcessGroup
+    make_loader: Callable[[], Iterable[Any]],
+    topo: GroupTopology,
+    pg: dist.ProcessGroup,
+    ranks: list[int] | None = None,
 ) -> tuple[Iterable[Any] | None, int | None, BaseException | None]:
     """The leader builds its loader and tells everyone its length, or why it failed.
 
@@ -268,17 +271,25 @@ def _agree_on_loader(
     this rank must raise: the original on the leader, a ``LeaderError``
     carrying it on the others; never a hang). The exception is returned, not
     raised, so that the caller does not take it for a peer lost during the
-    exchange.
+    exchange. The factory's draws from the default generators travel with
+    the length and every other rank mirrors them (NOTE [factory draws] in
+    ``rng``); a data-parallel sampler keyed on other replicas than the SP
+    groups is refused (NOTE [samplers over SP groups]).
     """
     error: BaseException | None = None
     loader = None
     report: dict[str, Any] = {"length": -1}
     if topo.is_leader:
         try:
+            before = rng.snapshot_all()
             loader = make_loader()
+            draws = rng.count_words(before)
             check_installable(loader)  # one DataLoader, one open ShmLoader (worker.py)
+            if ranks is not None:
+                check_samplers(loader, ranks, dist.get_world_size())
             with contextlib.suppress(TypeError):
                 report["length"] = len(loader)  # type: ignore[arg-type]
+            report["draws"] = _mirrorable(draws)
         except BaseException as exc:
             error = exc
             report = {"error": _error_body(0, exc)}
@@ -287,8 +298,97 @@ def _agree_on_loader(
     if "error" in agreed:
         body = agreed["error"] if isinstance(agreed["error"], dict) else {}
         return None, None, error or _leader_error(body, topo.leader)
+    if not topo.is_leader:
+        rng.mirror_words(agreed.get("draws", {}))  # NOTE [factory draws] (rng)
     length = agreed.get("length")
     return loader, length if isinstance(length, int) and length >= 0 else None, None
+
+
+def _mirrorable(draws: dict[str, int | None]) -> dict[str, int]:
+    """The counts followers mirror; one warning for a generator they cannot follow."""
+    lost = [name for name, n in draws.items() if n is None]
+    if lost:
+        log.warning(
+            "shmloader: make_loader drew from the default %s generator(s) in a way followers "
+            "cannot mirror (e.g. torch.randn, random.gauss): their RNG will differ from "
+            "sharing off; give those draws a generator of their own (NOTE [factory draws])",
+            "/".join(lost),
+        )
+    return {name: n for name, n in draws.items() if n}
+
+
+# NOTE [samplers over SP groups]
+#     With sharing on only each SP group's leader runs ``make_loader``, so a
+#     data-parallel sampler inside it must be keyed on the groups: as many
+#     replicas as SP groups (or fewer, where model-parallel ranks share a
+#     replica), and the group's own index among them. A
+#     ``DistributedSampler(ds)`` keyed on the global rank and world size runs
+#     only as the leaders' replicas (0 and 2 of 4 at SP2): half the dataset
+#     is never seen, silently. So ``check_samplers`` refuses, with a
+#     ``ConfigError`` that every rank gets, a ``DistributedSampler`` (torch's,
+#     torchdata's ``StatefulDistributedSampler``, any subclass) whose
+#     ``num_replicas`` exceeds the number of SP groups, or which has exactly as
+#     many replicas and another ``rank`` than the group's data-parallel index
+#     (``dp_topology_from_group``'s: the groups ordered by lowest rank, known
+#     here for groups of contiguous or evenly strided ranks). Fewer replicas
+#     than groups is a layout with model-parallel dimensions and is accepted.
+#     Sharing off, every rank runs its own sampler and nothing is lost.
+
+
+def check_samplers(loader: object, ranks: list[int], world: int) -> None:
+    """NOTE [samplers over SP groups]: refuse a DP sampler keyed on other replicas."""
+    size = len(ranks)
+    if size < 2 or world % size:
+        return
+    groups = world // size
+    index = _dp_index(sorted(ranks), groups)
+    for sampler in _samplers(loader):
+        replicas, rank = sampler.num_replicas, sampler.rank
+        kind = type(sampler).__name__
+        if replicas > groups:
+            raise ConfigError(
+                f"{kind}.num_replicas",
+                replicas,
+                f"the number of data-parallel replicas, {groups} SP groups of {size} ranks in a "
+                f"world of {world} (only each group's leader runs make_loader, so replicas "
+                f"{groups}..{replicas - 1} would never be loaded): build it with "
+                "num_replicas, rank = shmloader.dp_topology(mesh) (or "
+                "dp_topology_from_group(sp_group)), not the global world size and rank",
+            )
+        if replicas == groups and index is not None and rank != index:
+            raise ConfigError(
+                f"{kind}.rank",
+                rank,
+                f"this SP group's data-parallel index, {index} of {groups} (group {ranks}): "
+                "build it with num_replicas, rank = shmloader.dp_topology(mesh) (or "
+                "dp_topology_from_group(sp_group)), not the global rank",
+            )
+
+
+def _dp_index(ranks: list[int], groups: int) -> int | None:
+    """The group's index among all SP groups by lowest rank, where its ranks tell it."""
+    lead = ranks[0]
+    if ranks == list(range(lead, lead + len(ranks))) and lead % len(ranks) == 0:
+        return lead // len(ranks)  # contiguous blocks {0,1}, {2,3}
+    if ranks == [lead + k * groups for k in range(len(ranks))] and lead < groups:
+        return lead  # strided {0,2}, {1,3}
+    return None
+
+
+def _samplers(loader: object) -> list[Any]:
+    """The ``DistributedSampler`` objects a loader draws its indices from."""
+    from torch.utils.data import DistributedSampler
+
+    found: dict[int, Any] = {}
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for candidate in (
+        getattr(loader, "sampler", None),
+        batch_sampler,
+        getattr(batch_sampler, "sampler", None),
+    ):
+        if isinstance(candidate, DistributedSampler):
+            found[id(candidate)] = candidate
+    return list(found.values())
 
 
 def exchange_group(group: dist.ProcessGroup, timeout: float | None) -> dist.ProcessGroup:

@@ -306,3 +306,32 @@ def leader_dies_building(rank: int, world: int) -> dict:
 def test_a_leader_that_dies_building_its_loader_is_named_in_seconds():
     out = run_ranks(leader_dies_building, 2, expect_failure=True, timeout=60, gc_after=True)
     assert out[1]["type"] == "PeerLostError" and out[1]["seconds"] < 5, out[1]
+
+
+def slots_from_the_environment(rank: int, world: int) -> dict:
+    """Every rank's config from its own environment (``SHMLOADER_SLOTS`` differs)."""
+
+    def build() -> list:
+        loader = ShmLoader(lambda: [1], dist.group.WORLD)
+        try:
+            return list(loader)
+        finally:
+            loader.close()
+
+    return outcome(build)
+
+
+def test_each_rank_marks_its_own_slots_so_ranks_that_differ_only_in_slots_are_refused():
+    """The mark carries the rank's own ``Config.slots`` (``arrival.agreed_settings``),
+    not a default: SHMLOADER_SLOTS=4 on one rank is named on both, with both values."""
+    out = run_ranks(
+        slots_from_the_environment,
+        2,
+        env={"SHMLOADER": "1", "SHMLOADER_TIMEOUT": "30", "SHMLOADER_SLOTS": "3"},
+        rank_env={1: {"SHMLOADER_SLOTS": "4"}},
+    )
+    for rank, o in enumerate(out):
+        assert o.get("type") == MISMATCH, (rank, o)
+        text = o["message"]
+        assert "slots" in text and "rank 0: 3" in text and "rank 1: 4" in text, (rank, text)
+        assert "SHMLOADER_SLOTS" in text, (rank, text)

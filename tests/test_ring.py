@@ -13,6 +13,9 @@ import mmap
 import os
 import stat
 import struct
+import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -342,20 +345,50 @@ def test_touch_faults_every_page(made) -> None:
     mm.close()
 
 
-def test_touch_without_madvise_populate_keeps_header_and_data(made) -> None:
+def test_touch_without_madvise_populate_keeps_header_and_data(made, monkeypatch) -> None:
     """Kernels before 5.14 refuse MADV_POPULATE_WRITE: the per-page fallback must not write."""
-
-    class OldKernel(mmap.mmap):
-        def madvise(self, *args):
-            raise OSError(22, "Invalid argument")
-
+    monkeypatch.setattr(segment, "LIBC_MADVISE", lambda addr, length, advice: -1)
     seg = made("old", capacity=8 * PAGE)
-    mm = OldKernel(seg.fd, HEADER_SIZE + 8 * PAGE, flags=mmap.MAP_SHARED)
+    mm = mmap.mmap(seg.fd, HEADER_SIZE + 8 * PAGE, flags=mmap.MAP_SHARED)
     mm[HEADER_SIZE + PAGE : HEADER_SIZE + PAGE + 3] = b"xyz"
     segment.touch(mm)
     assert mm[:8] == MAGIC and mm[HEADER_SIZE + PAGE : HEADER_SIZE + PAGE + 3] == b"xyz"
     mm.close()
     assert segment.read_header(seg.name) == seg.header
+
+
+def test_touch_lets_other_threads_run(made) -> None:
+    """NOTE [touch off the GIL] (segment): another thread makes progress while a
+    big slot's pages fault in. The switch interval is raised so that this thread
+    never hands the GIL over by itself: the counter moves during the touch only
+    if the touch releases it (with ``mmap.madvise`` it stays where it was)."""
+    seg = made("big", capacity=256 << 20)
+    mm = seg.map_shared()
+    count = [0]
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            count[0] += 1
+            time.sleep(0)  # a blocking call: gives the GIL back every iteration
+
+    spinner = threading.Thread(target=spin)
+    interval = sys.getswitchinterval()
+    spinner.start()
+    try:
+        while count[0] == 0:  # the spinner runs
+            time.sleep(0.001)
+        sys.setswitchinterval(1000.0)
+        time.sleep(0.01)  # the spinner's next wait for the GIL reads the new interval
+        before = count[0]
+        segment.touch(mm)
+        during = count[0] - before
+    finally:
+        sys.setswitchinterval(interval)
+        stop.set()
+        spinner.join(30)
+        mm.close()
+    assert during > 0, "no other thread ran while 256 MiB were touched: the touch held the GIL"
 
 
 # --------------------------------------------------------------------- ring

@@ -282,8 +282,9 @@ def _unreserved() -> int:
 
 @pytest.mark.timeout(30)
 def test_forked_children_inherit_no_slot_mapping() -> None:
-    """MADV_DONTFORK: neither the writer's shared mappings nor a reader's
-    private views reach a forked child (it would pin retired slots)."""
+    """MADV_DONTFORK: the writer's shared mappings do not reach a forked child,
+    and a reader's private view reaches it only as an anonymous copy (NOTE
+    [batches cross a fork]): no mapping of a slot is left to pin it."""
     token = new_token()
     w = RingWriter(token, frozenset({1}), {"job": "t"})
     r = RingReader(token)

@@ -969,7 +969,8 @@ def test_filling_a_multi_gib_pool_keeps_stats_prompt(daemons: Daemons) -> None:
     finally:
         d.terminate(timeout=30)  # SIGTERM unlinks the pool: nothing of the 2 GiB stays
     assert len(times) >= 3, (
-        f"only {len(times)} requests answered in the {fill:.2f} s fill: the loop waited for it"
+        f"only {len(times)} requests answered in the {fill:.2f} s fill: "
+        "the loop waited for it (or the fill was too quick to tell)"
     )
     median = sorted(times)[len(times) // 2]
     assert max(times) < fill / 2, (

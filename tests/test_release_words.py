@@ -262,15 +262,6 @@ class Blocks(Dataset):
         return torch.full((1 << 16,), float(i))  # 256 KiB: every slot used is grown
 
 
-def _long_grace(_worker_id: int) -> None:
-    """A worker that could take a slot only by growing after the grace (60 s
-    here), or only once the main process synced (it makes no call for 30 s in
-    ``two_slots``), fills nothing within the test's bound, on any machine."""
-    import shmloader.pool as pool_mod
-
-    pool_mod.GROW_GRACE_S = LONG_TIMEOUT_S
-
-
 def two_slots(rank: int, world: int) -> dict:
     from shmloader import Config, ShmLoader
     from tests.faults.scenarios import outcome
@@ -279,13 +270,7 @@ def two_slots(rank: int, world: int) -> dict:
 
     def run() -> dict:
         loader = ShmLoader(
-            lambda: DataLoader(
-                Blocks(),
-                batch_size=None,
-                num_workers=1,
-                prefetch_factor=1,
-                worker_init_fn=_long_grace,
-            ),
+            lambda: DataLoader(Blocks(), batch_size=None, num_workers=1, prefetch_factor=1),
             group,
             config=Config.from_env(enabled=True),
         )
@@ -322,9 +307,11 @@ def test_a_lockstep_job_cycles_through_two_slots():
         assert out[rank]["ok"], out[rank]
         assert out[rank]["value"]["sums"] == [float(i << 16) for i in range(8)]
     lead = out[0]["value"]
+    # The worker wrote while the leader's main process made no call (30 s at most):
+    # not freed by a sync of the main process, which never came ...
     assert lead["filled_after_s"] is not None, "the worker wrote nothing while the leader waited"
-    # released by the words: long before the 60 s grow grace (the leader makes no call)
-    assert lead["filled_after_s"] < LONG_TIMEOUT_S / 4, lead
+    # ... and released by the words, not taken by growing a third slot after the grow
+    # grace (GROW_GRACE_S): which slot it took, not when, so that no clock is involved
     assert lead["grown"] == 2, lead
 
 

@@ -42,6 +42,11 @@ from shmloader.waits import WaitHistogram
 from tests.test_admin import run_cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: How long a test waits for a daemon's answer: a hang guard, not a latency bound.
+REQUEST_GUARD_S = 10.0
+#: How long a test waits for a reaper pass (every 0.05-0.5 s here) to reap a dead
+#: job: dozens of passes on any machine; without the reaper the job stays forever.
+REAP_GUARD_S = 20.0
 
 
 # ----------------------------------------------------------------- fixtures
@@ -59,7 +64,7 @@ class Daemon:
         return c
 
     def request(self, op: str, **fields) -> dict:
-        with DaemonClient(self.path, timeout=2.0) as c:
+        with DaemonClient(self.path, timeout=REQUEST_GUARD_S) as c:
             reply = c.request(op, **fields)
         assert reply is not None, f"no answer to {op}:\n{self.output()}"
         return reply
@@ -73,7 +78,7 @@ class Daemon:
         with open(self.log) as f:
             return f.read()
 
-    def terminate(self, timeout: float = 5.0) -> float:
+    def terminate(self, timeout: float = 30.0) -> float:
         """SIGTERM; seconds until it exited."""
         t0 = time.monotonic()
         self.proc.send_signal(signal.SIGTERM)
@@ -447,8 +452,8 @@ def test_register_admit_refuse_report_stats_metrics(daemons: Daemons, capsys) ->
     client.close()
 
 
-@pytest.mark.timeout(30)
-def test_sigkilled_writer_is_reaped_within_2s(daemons: Daemons, capsys) -> None:
+@pytest.mark.timeout(60)
+def test_sigkilled_writer_is_reaped_by_the_reaper(daemons: Daemons, capsys) -> None:
     d = daemons.start("--reap-interval", "0.5")
     token = new_token()
     ctx = mp.get_context("spawn")
@@ -461,8 +466,10 @@ def test_sigkilled_writer_is_reaped_within_2s(daemons: Daemons, capsys) -> None:
         ]
         assert exists(ctl) and exists(data_name)
         wait_until(lambda: token in {j["token"] for j in d.stats()["jobs"]}, 5, "job discovered")
+        killed_at = time.time()
         os.kill(child.pid, signal.SIGKILL)
-        took = wait_until(lambda: not exists(ctl) and not exists(data_name), 2.0, f"{ctl} reaped")
+        # reaped by a reaper pass (every 0.5 s); nothing else would ever remove them
+        wait_until(lambda: not exists(ctl) and not exists(data_name), REAP_GUARD_S, f"{ctl} reaped")
         child.join(5)
     doc = d.stats()
     assert doc["daemon"]["reaped_segments"] >= 2
@@ -473,13 +480,12 @@ def test_sigkilled_writer_is_reaped_within_2s(daemons: Daemons, capsys) -> None:
     assert job["job"] == "doomed-7", (job, d.output())
     ended = job["ended"]
     assert ended["reaped_segments"] == 2 and ended["reaped_bytes"] >= 2 * HEADER_SIZE + 100_000
-    assert time.time() - 5 < ended["unix"] <= time.time() and "died" in ended["why"]
+    assert killed_at <= ended["unix"] <= time.time() and "died" in ended["why"]
     code, text, _ = run_cli(["stat", "--daemon", d.path], capsys)
     assert code == 0 and "dead since" in text and "reaped 2 segment(s)" in text
     log = d.output()
     assert f"reaped {ctl}" in log and f"owner pid {child.pid}" in log
     assert f"job doomed-7 (ring {token}" in log  # log lines name the job, not only its token
-    assert took < 2.0
 
 
 @pytest.mark.timeout(30)
@@ -560,7 +566,11 @@ def test_malformed_control_messages_never_crash_it(daemons: Daemons) -> None:
     assert "rejected a malformed request" in d.output()
 
 
-@pytest.mark.timeout(40)
+#: A reaper interval no SIGTERM test waits out: the loop must end within its slice.
+SLOW_REAP_S = 120.0
+
+
+@pytest.mark.timeout(90)
 def test_restart_rediscovers_live_job_and_sigterm_is_prompt(daemons: Daemons) -> None:
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     abstract = f"shmloaderd-test-{os.getpid()}-{time.monotonic_ns()}"
@@ -577,9 +587,8 @@ def test_restart_rediscovers_live_job_and_sigterm_is_prompt(daemons: Daemons) ->
             assert notify.recv(4096) == b"WATCHDOG=1"  # again, 0.1 s later
             job = next(j for j in first.stats()["jobs"] if j["token"] == ring.token)
             assert job["state"] == "live" and job["registered"] is False
-            took = first.terminate()
+            first.terminate(timeout=30)
             assert first.proc.returncode == 0
-            assert took < 1.0, f"SIGTERM took {took:.2f} s"
             while (msg := notify.recv(4096)) == b"WATCHDOG=1":
                 pass
             assert msg == b"STOPPING=1"
@@ -594,6 +603,16 @@ def test_restart_rediscovers_live_job_and_sigterm_is_prompt(daemons: Daemons) ->
             assert exists(ctl), "the restarted daemon unlinked a live job's control segment"
             assert f"discovered job {ring.token}" in second.output()
             second.terminate()
+
+            # prompt: SIGTERM ends the loop within its 0.1 s slice, where a loop that
+            # slept until its next reaper pass would take the whole 120 s interval
+            third = daemons.start("--reap-interval", str(SLOW_REAP_S), name="t.sock")
+            try:
+                took = third.terminate(timeout=SLOW_REAP_S / 4)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"SIGTERM did not stop the daemon within {SLOW_REAP_S / 4:.0f} s")
+            assert third.proc.returncode == 0 and took < SLOW_REAP_S / 4, took
+            assert exists(ctl), "SIGTERM unlinked a live job's control segment"
     finally:
         notify.close()
 
@@ -602,21 +621,25 @@ def test_restart_rediscovers_live_job_and_sigterm_is_prompt(daemons: Daemons) ->
 def test_client_survives_a_sigkilled_daemon(daemons: Daemons, caplog) -> None:
     assert DaemonClient(os.path.join(daemons.dir, "nobody.sock"), timeout=0.3).connect() is False
     d = daemons.start()
-    client = d.client(timeout=0.5)
+    wait_s = 2.0  # the client's bounded wait for an answer
+    client = d.client(timeout=wait_s)
     token = new_token()
     client.register(description(token))
     d.proc.kill()
     d.proc.wait(5)
     t0 = time.monotonic()
     client.admit(token, 1 << 20)  # no answer: granted by default, after one bounded wait
-    assert time.monotonic() - t0 < 1.5
+    took = time.monotonic() - t0
+    assert took < 2 * wait_s, f"{took:.1f} s: more than one {wait_s} s wait"
     assert client.state == DaemonClient.DOWN
     t0 = time.monotonic()
     for _ in range(50):
         client.report(token, 1, consumed=1)
         client.admit(token, 1 << 40)  # a no-op now, never ShmCapacityError
     client.unregister(token)
-    assert time.monotonic() - t0 < 0.5
+    took = time.monotonic() - t0
+    # 101 calls together take less than the one wait a single call would make if it waited
+    assert took < wait_s, f"{took:.1f} s for 101 calls on a DOWN client: they waited"
     assert client.stats() is None
     client.close()
     lost = [r for r in caplog.records if "lost shmloaderd" in r.getMessage()]
@@ -635,7 +658,7 @@ def test_warm_pool_adopt(daemons: Daemons) -> None:
     too_big = d.request("adopt", token=token, name=name, bytes=2 << 20, pid=os.getpid(),
                         start=MY_START)  # fmt: skip
     assert too_big["ok"] and too_big["adopted"] is False and "--pool-segment" in too_big["reason"]
-    with DaemonClient(d.path) as client:
+    with DaemonClient(d.path, timeout=REQUEST_GUARD_S) as client:
         assert client.adopt(token, name, 512 << 10) == 1 << 20
     seg = Segment.attach(name, kind=KIND_DATA, token=token)
     try:
@@ -683,7 +706,7 @@ def test_warm_pool_names_cannot_be_planted(daemons: Daemons) -> None:
             planted.append(path)
         squat = {os.path.basename(p) for p in planted}
         for k in range(2):  # each adoption asks the pool for a new segment
-            with DaemonClient(d.path) as client:
+            with DaemonClient(d.path, timeout=REQUEST_GUARD_S) as client:
                 assert client.adopt(token, f"/shml-{token}-{k}.0.a{k}", 4096) == 1 << 20
 
         def made_since() -> list[str]:
@@ -696,9 +719,8 @@ def test_warm_pool_names_cannot_be_planted(daemons: Daemons) -> None:
             return out
 
         wait_until(lambda: len(made_since()) == 2, 10, "pool refilled past the planted names")
-        t0 = time.monotonic()
+        # still answering: a loop that opened a planted FIFO would wait for a writer forever
         assert d.request("hello")["ok"]
-        assert time.monotonic() - t0 < 1.0
     finally:
         for path in planted:
             with contextlib.suppress(FileNotFoundError):
@@ -883,12 +905,12 @@ def test_pool_refill_never_blocks_the_loop(monkeypatch, tmp_path) -> None:
     from shmloaderd import pool as pool_module
     from shmloaderd.server import Daemon as InProcessDaemon
 
-    touching = threading.Event()
+    touching, done = threading.Event(), threading.Event()
     real_populate = pool_module.populate
 
-    def slow_populate(mm) -> None:  # a 1 GiB segment on a busy node
+    def slow_populate(mm) -> None:  # a 1 GiB segment on a busy node: until the test is done
         touching.set()
-        time.sleep(2.5)
+        done.wait(60)
         real_populate(mm)
 
     monkeypatch.setattr(pool_module, "populate", slow_populate)
@@ -899,28 +921,30 @@ def test_pool_refill_never_blocks_the_loop(monkeypatch, tmp_path) -> None:
     stop = threading.Event()
     loop = threading.Thread(target=d.serve, args=(stop,))
     loop.start()
-    slowest = 0.0
+    answered = 0
     try:
-        with DaemonClient(d.path, timeout=2.0) as client:
+        with DaemonClient(d.path, timeout=REQUEST_GUARD_S) as client:
             assert touching.wait(10), "the pool never started filling"
-            t_end = time.monotonic() + 2.0
-            while time.monotonic() < t_end:
-                t0 = time.monotonic()
-                assert client.request("hello") is not None
-                slowest = max(slowest, time.monotonic() - t0)
+            # the fill does not end while these are asked: a request behind it is never answered
+            for _ in range(20):
+                assert client.request("hello") is not None, "a request waited behind the refill"
+                answered += 1
                 time.sleep(0.02)
             assert client.state != DaemonClient.DOWN
     finally:
+        done.set()
         stop.set()
         loop.join(10)
         d.close()
-    assert slowest < 0.5, f"a request waited {slowest:.2f} s behind the pool refill"
+    assert answered == 20
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(300)
 def test_filling_a_multi_gib_pool_keeps_stats_prompt(daemons: Daemons) -> None:
-    """Faulting 2 GiB in holds no lock the loop needs, the GIL included: every
-    ``stats`` request during the fill is answered within 100 ms."""
+    """Faulting 2 GiB in holds no lock the loop needs, the GIL included: ``stats``
+    requests keep being answered during the fill, none waiting for a good part of
+    it (measured against the fill's own duration in the same run: a fill holding
+    the GIL or a lock of the loop holds a request for the rest of the fill)."""
     seg_bytes = 2 << 30
     free = admin.shm_free_bytes()
     if free is not None and free < 3 * seg_bytes:
@@ -930,9 +954,10 @@ def test_filling_a_multi_gib_pool_keeps_stats_prompt(daemons: Daemons) -> None:
         "--reap-interval", "0.05",
     )  # fmt: skip
     times: list[float] = []
-    deadline = time.monotonic() + 60
+    began = None  # when the first request that saw the fill was sent
+    deadline = time.monotonic() + 240  # a hang guard: 2 GiB on a loaded node
     try:
-        with DaemonClient(d.path, timeout=10.0) as client:
+        with DaemonClient(d.path, timeout=REQUEST_GUARD_S) as client:
             while True:
                 t0 = time.monotonic()
                 reply = client.request("stats")
@@ -940,19 +965,22 @@ def test_filling_a_multi_gib_pool_keeps_stats_prompt(daemons: Daemons) -> None:
                 assert reply is not None and reply["ok"], d.output()
                 daemon = reply["stats"]["daemon"]
                 if daemon["pool_segments"]:
+                    fill = time.monotonic() - (t0 if began is None else began)
                     break
                 if daemon["pool_bytes"]:  # the filler holds the segment it is making
+                    began = t0 if began is None else began
                     times.append(took)
                 assert time.monotonic() < deadline, "the pool never filled"
                 time.sleep(0.01)
     finally:
         d.terminate(timeout=30)  # SIGTERM unlinks the pool: nothing of the 2 GiB stays
-    assert len(times) >= 3, f"only {len(times)} requests while filling: the fill was too quick"
+    assert len(times) >= 3, (
+        f"only {len(times)} requests answered in the {fill:.2f} s fill: "
+        "the loop waited for it (or the fill was too quick to tell)"
+    )
     median = sorted(times)[len(times) // 2]
-    # 100 ms; on a node so busy that a request's median is over 10 ms, 10 medians
-    # (a fill holding the GIL stalls a request for seconds)
-    assert max(times) < max(0.1, 10 * median), (
-        f"a stats request waited {max(times) * 1e3:.0f} ms while the pool filled "
+    assert max(times) < fill / 2, (
+        f"a stats request waited {max(times) * 1e3:.0f} ms of the {fill * 1e3:.0f} ms fill "
         f"({len(times)} requests, median {median * 1e3:.1f} ms)"
     )
 

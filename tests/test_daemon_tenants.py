@@ -548,13 +548,13 @@ def _two_users(daemons: Daemons, path: str, port: int, base: str, a_uid: int, b_
         assert values[f'shmloaderd_uid_budget_bytes{{uid="{a_uid}",user="{a_uid}"}}'] == 4 << 20
         assert values[f'shmloaderd_uid_reaped_bytes_total{{uid="{b_uid}",user="{b_uid}"}}'] > 0
 
-        # -- a SIGKILLed job of each user is reaped within about a second
+        # -- a SIGKILLed job of each user is reaped by the reaper (every 0.2 s): within
+        # 100 passes on any machine; a reaper that skipped a user's jobs never reaps them
         names = ra["names"] + rb["names"] + rc["names"] + [planted]
         assert all(exists(n) for n in names) and len(names) >= 4
         a.kill()
         b.kill()
-        took = wait_until(lambda: not any(exists(n) for n in names), 3.0, "both jobs reaped")
-        assert took < 1.5, took
+        wait_until(lambda: not any(exists(n) for n in names), 20.0, "both jobs reaped")
         log = d.output()
         for uid, token in ((a_uid, ta), (b_uid, tb)):  # uid, job name and bytes of each reap
             assert f"uid {uid} {uid}, job job-of-{uid} (ring {token})): owner pid" in log, log

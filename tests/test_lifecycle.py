@@ -222,7 +222,8 @@ def test_a_rank_that_never_constructs_is_named_within_the_timeout():
     for o in out[:2]:
         assert o["type"] == "PeerLostError", o
         assert "rank 2" in o["message"] and "not constructed" in o["message"], o
-        assert o["seconds"] < 5, o
+        # its 2 s timeout, not the process group's 60 s (harness) it would otherwise follow
+        assert 1.5 < o["seconds"] < 15, o
 
 
 def test_allow_pickle_with_sharing_on_reaches_every_rank():

@@ -143,9 +143,12 @@ def make_loader_raises(rank: int, world: int) -> dict:
 
 
 def leader_closes_early(rank: int, world: int) -> dict:
-    """The leader leaves its loop after 2 batches and closes; followers keep iterating."""
+    """The leader leaves its loop after 2 batches and closes; followers keep iterating
+    (a timeout of 60 s: what a follower that did not know would wait)."""
     loader = ShmLoader(
-        lambda: Exploding(6, 99, Boom), dist.group.WORLD, config=Config.from_env(enabled=True)
+        lambda: Exploding(6, 99, Boom),
+        dist.group.WORLD,
+        config=Config.from_env(enabled=True, timeout=60.0),
     )
     got: list[int] = []
 

@@ -101,14 +101,14 @@ def test_a_planted_fifo_is_refused_without_blocking() -> None:
     token = new_token()
     name = f"/shml-{token}-ctl.0"
     with planted(segment.shm_path(name), "fifo"):
-        t0 = time.monotonic()
+        # An open that blocks waits forever for a writer nobody starts: this test's
+        # 20 s timeout is the check, there is no latency bound.
         with pytest.raises(ProtocolError, match="not a regular file"):
             segment.read_header(name)
         with pytest.raises(ProtocolError, match="not a regular file"):
             Segment.attach(name, kind=KIND_DATA, token=token)
         entry = admin.inspect(name)  # stat / gc too
         assert entry is not None and entry.header is None and entry.error
-        assert time.monotonic() - t0 < 5
 
 
 @pytest.mark.timeout(20)
@@ -607,7 +607,7 @@ def test_a_peer_in_another_pid_namespace_is_judged_by_its_life_lock() -> None:
         p.stdin.write("\n")
         p.stdin.flush()
         p.wait(10)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # a hang guard: the process has exited
         while peer.alive() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not peer.alive(), "a dead peer of another pid namespace still counts as alive"
@@ -663,19 +663,24 @@ def test_ranks_in_different_pid_namespaces_share_a_ring() -> None:
     assert results[0]["value"] == results[1]["value"]
 
 
-@pytest.mark.timeout(120)
+#: SHMLOADER_TIMEOUT of the dead-peer test: what the leader would wait without
+#: the life lock telling it the peer died.
+DEAD_PEER_TIMEOUT_S = 100
+
+
+@pytest.mark.timeout(150)
 def test_a_dead_peer_of_another_pid_namespace_is_detected_fast() -> None:
+    env = {"FAKE_PID": str(dead_pid()), "SHMLOADER_SLOTS": "2"}
+    env["SHMLOADER_TIMEOUT"] = str(DEAD_PEER_TIMEOUT_S)
     results = run_ranks(
-        other_pidns,
-        2,
-        kwargs={"die": True},
-        env={"FAKE_PID": str(dead_pid()), "SHMLOADER_SLOTS": "2", "SHMLOADER_TIMEOUT": "60"},
-        expect_failure=True,
+        other_pidns, 2, kwargs={"die": True}, env=env, expect_failure=True, timeout=130
     )
     leader = results[0]
     assert isinstance(leader, dict), leader
     assert not leader["ok"] and leader["type"] == "PeerLostError", leader
-    assert "died" in leader["message"] and leader["seconds"] < 30, leader
+    # told by the life lock, long before the 100 s timeout it would otherwise wait
+    assert "died" in leader["message"], leader
+    assert leader["seconds"] < DEAD_PEER_TIMEOUT_S / 4, leader
 
 
 # ------------------------------------------------------------------ item 10

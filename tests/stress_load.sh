@@ -3,7 +3,7 @@
 # processes per core runs beside it, at the same priority, for as long as
 # pytest runs.
 #
-#   tests/stress_load.sh                          # the README's selection (pytest -q)
+#   tests/stress_load.sh                          # the README's test command's arguments
 #   tests/stress_load.sh -q tests/test_daemon.py  # any pytest arguments
 #   STRESS_PER_CORE=2 tests/stress_load.sh -q -m "not slow"
 #
@@ -19,7 +19,7 @@ cores=$(nproc)
 count=$((per_core * cores))
 python=${PYTHON:-.venv/bin/python}
 [ -x "$python" ] || python=python3
-[ $# -gt 0 ] || set -- -q # what the README's test command runs
+[ $# -gt 0 ] || set -- -q -n 2 --dist worksteal # what the README's test command runs
 
 me=$$
 hogs=()

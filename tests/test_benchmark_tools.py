@@ -39,6 +39,7 @@ def test_breakdown_times_only_steps_that_exist() -> None:
 TOOL_GUARD_S = 840
 
 
+@pytest.mark.slow  # a whole program end to end (README: selections)
 @pytest.mark.timeout(TOOL_GUARD_S + 60)
 def test_breakdown_runs_at_a_tiny_size(tmp_path) -> None:
     out = tmp_path / "bd"

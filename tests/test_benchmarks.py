@@ -24,6 +24,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 QUICK_GUARD_S = 840
 
 
+@pytest.mark.slow  # a whole program end to end (README: selections)
 @pytest.mark.timeout(QUICK_GUARD_S + 60)
 def test_quick_benchmark_writes_json_markdown_and_plots(tmp_path):
     out = tmp_path / "results"

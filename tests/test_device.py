@@ -555,6 +555,7 @@ def test_gpu_benchmark_has_help_and_a_clear_error_without_cuda():
         assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr
 
 
+@pytest.mark.slow  # a whole program end to end (README: selections)
 @pytest.mark.timeout(240)
 def test_gpu_benchmark_runs_every_way_on_a_host_stand_in(tmp_path):
     # ``--cpu-smoke``: benchmarks/gpu.py's code paths (ranks, the four ways, the

@@ -26,6 +26,7 @@ def _run(share: bool, log: str, *extra: str) -> list[dict]:
     return lines
 
 
+@pytest.mark.slow  # a whole program end to end (README: selections)
 @pytest.mark.timeout(400)
 def test_train_sp_losses_equal_shared_unshared_and_across_a_resume():
     with tempfile.TemporaryDirectory() as tmp:

@@ -37,7 +37,7 @@ class _Hub:
     def receive(self, timeout: float):
         return None
 
-    def wait(self, handle, peers, *, timeout: float, doing: str) -> None:
+    def wait(self, handle, peers, *, timeout: float, doing: str, idle=None) -> None:
         self.waited.append(peers())
         ack = wire.parse(wire.frames(Kind.ACK, self.published[-1].seq, rank=1))
         assert handle(ack, 1), "the reader ACKed the last word and the writer still waits"
@@ -54,7 +54,8 @@ def _writer(batches: int) -> tuple[Writer, _Hub]:
         stats=types.SimpleNamespace(counts=collections.defaultdict(float)),
         report=lambda: None,
     )
-    w = Writer(ctx, topo, types.SimpleNamespace(), hub, None)  # type: ignore[arg-type]
+    ring = types.SimpleNamespace(take_retired=list)  # no slot retired (NOTE [retired slots])
+    w = Writer(ctx, topo, ring, hub, None)  # type: ignore[arg-type]
     w.hello.add(1)
     w.seq = batches
     w.acked[1] = batches  # the reader ACKed batches 0 .. batches - 1: every one

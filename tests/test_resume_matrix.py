@@ -151,6 +151,7 @@ def matrix_phase(rank: int, world: int, *, phase: str, ckpt_dir: str) -> dict:
     return out
 
 
+@pytest.mark.slow  # the whole matrix: 72 loaders in two launches (README: selections)
 @pytest.mark.timeout(420)
 def test_resume_matrix_is_exact_per_batch():
     # Both ranks on one simulated node with its own tmpfs (tests.harness): the 72

@@ -22,6 +22,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ROOT = os.geteuid() == 0
 
 
+@pytest.mark.slow  # a whole program end to end (README: selections)
 @pytest.mark.timeout(300)
 def test_quick_step_benchmark_writes_json_markdown_and_plot(tmp_path):
     out = tmp_path / "step"

@@ -84,14 +84,23 @@ def resolved_timeouts(rank: int, world: int) -> dict:
 
 
 def absent_rank(rank: int, world: int) -> dict:
-    if rank == 2:
-        time.sleep(6)  # never constructs its loader
+    import datetime
+
+    store = dist.distributed_c10d._get_default_store()
+    guard = datetime.timedelta(seconds=60)
+    if rank == 2:  # never constructs its loader; lives until both others named it
+        store.wait(["named0", "named1"], guard)
         return {"ok": True}
-    return outcome(
+    out = outcome(
         lambda: ShmLoader(
             lambda: [1], dist.group.WORLD, config=Config.from_env(enabled=True, timeout=2.0)
         )
     )
+    # Stay until the other rank has named rank 2 as well: a rank that exits first
+    # would be the peer that rank sees lost (a race of the two timeouts).
+    store.set(f"named{rank}", "1")
+    store.wait([f"named{1 - rank}"], guard)
+    return out
 
 
 def pickled_leaves(rank: int, world: int) -> dict:

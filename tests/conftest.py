@@ -206,6 +206,9 @@ def pytest_collection_modifyitems(config, items) -> None:
             for f in funcs
         ):
             item.add_marker(pytest.mark.procs)
+    # The longest tests first: with two workers (the README's command), one of
+    # them left for the end of a worker's queue would keep the run waiting on it.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def pytest_configure(config) -> None:

@@ -990,7 +990,9 @@ def register(subparsers: Any) -> None:
         "SHMLOADER_DAEMON or /run/shmloader/control.sock) when reachable, else scans /dev/shm.",
     )
     p.add_argument(
-        "--json", action="store_true", help=f"print the schema-{SCHEMA} JSON document (README)"
+        "--json",
+        action="store_true",
+        help=f"print the schema-{SCHEMA} JSON document (docs/operating.md)",
     )
     p.add_argument(
         "--watch",

@@ -2,7 +2,7 @@
 
 ``/dev/shm`` by default; ``SHMLOADER_SHM_DIR`` (``Config.shm_dir``) points
 the ring at another directory, such as a tmpfs mounted with
-``huge=within_size`` (README, "A huge-page ring"). This module only looks:
+``huge=within_size`` (docs/operating.md, "A huge-page ring"). This module only looks:
 it validates a directory for use (``check``) and describes the filesystem
 holding it (``describe``: type, ``huge=`` option, mode, and whether files
 there really get 2 MiB pages). ``segment`` keeps which directory this

@@ -336,7 +336,7 @@ def test_batches_not_in_the_ring_are_copied_plainly():
 
 
 def shard(batch, rank: int = 1, sp: int = 4):
-    """The SP-shard example of the README: this rank's quarter of the sequence."""
+    """The SP-shard example of docs/gpu.md: this rank's quarter of the sequence."""
     x = batch["x"]
     n = x.shape[-1] // sp
     return {"x": x[..., rank * n : (rank + 1) * n], "i": batch["i"]}

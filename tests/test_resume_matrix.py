@@ -10,7 +10,7 @@ must repeat the uninterrupted one from the saved cursor on: the sample ids,
 a random augmentation drawn in the dataset's ``__getitem__`` (in the
 DataLoader's workers when it has any) and the step's own draws (dropout).
 
-The one combination that cannot be exact is named in the README: with
+The one combination that cannot be exact is named in docs/user-guide.md: with
 persistent workers, the workers' generators carry their state from one
 epoch into the next, and no checkpoint holds it, so after a resume in a
 later epoch only the ids and the step's draws repeat (the augmentation is

@@ -15,7 +15,7 @@ NOTE [per-rank state in frameworks]
     loader's state happens to have); it is read back with
     ``weights_only=True``. Resuming needs the world size the checkpoint was
     taken at (a rank with no key of its own is told so); for a DP resize
-    save and load ``loader.state_dict()`` per rank as the README says.
+    save and load ``loader.state_dict()`` per rank as docs/user-guide.md says.
 """
 
 from __future__ import annotations

@@ -877,7 +877,8 @@ def _copy_in_child() -> None:
     _Forking.views, _Forking.done = [], None
     try:
         for _mm, addr, length in views:
-            _own_copy(addr, length)
+            if not _own_copy(addr, length):
+                _deny(addr, length)
     finally:
         del views
         if done is not None:
@@ -886,6 +887,17 @@ def _copy_in_child() -> None:
             for fd in done:
                 with contextlib.suppress(OSError):
                     os.close(fd)
+
+
+def _deny(addr: int, length: int) -> None:
+    """A view the child could not copy is made inaccessible, never left shared.
+
+    Left as it is, it would show the child whatever the slot holds next: other
+    bytes than the batch, with no error. Touched, it now faults instead.
+    """
+    if LIBC_MMAP is not None:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE
+        LIBC_MMAP(addr, length, mmap.PROT_NONE, flags, -1, 0)
 
 
 def _own_copy(addr: int, length: int) -> bool:

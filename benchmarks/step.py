@@ -66,7 +66,8 @@ import torch.distributed as dist
 from . import hugedir, procstat, report, transports
 from .rank import WAYS as RANK_WAYS
 from .rank import Broadcast, Case
-from .workload import BatchSpec, TemplatedBatches, tensors, transport_loader
+from .rank import read_per_page as rank_read_per_page
+from .workload import BatchSpec, TemplatedBatches, transport_loader
 
 MiB = 1 << 20
 #: Topology name -> (SP size, node of each rank or None for one node).
@@ -104,16 +105,7 @@ def read_per_page(batch: Any, page: int) -> int:
     window, one read fault maps the whole window of a shared-memory file, as
     a full read would). Returns the sum read (so nothing is optimised away).
     """
-    total = 0
-    seen: set[int] = set()
-    for t in tensors(batch):
-        storage = t.untyped_storage()
-        if storage.data_ptr() in seen or not storage.nbytes():
-            continue
-        seen.add(storage.data_ptr())
-        flat = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
-        total += int(np.add.reduce(flat[::page], dtype=np.uint64)) + int(flat[-1])
-    return total
+    return rank_read_per_page(batch, page)
 
 
 def compute(ms: float, kind: str) -> None:

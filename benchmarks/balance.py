@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from shmloader import BalancedBatchSampler, ShardedSampler
-from shmloader.balanced import _greedy_bins
+from shmloader.samplers.balanced import _greedy_bins
 
 TARGETS = {"tokens": 1.05, "attention": 1.10}
 PLAN_TARGET_MS = 50.0

@@ -53,8 +53,11 @@ def _timed(fn: Callable[..., Any], acc: dict[str, list[float]], name: str) -> Ca
 
 def targets() -> list[tuple[Any, str, str]]:
     """(owner, attribute, label) of every library step the breakdown times."""
-    from shmloader import codec, follower, leader, ring, writer
-    from shmloader.channel import Spoke
+    from shmloader._node import ring
+    from shmloader._proto import codec
+    from shmloader._roles import follower, leader
+    from shmloader._roles import node_writer as writer
+    from shmloader._transport.channel import Spoke
 
     targets: list[tuple[Any, str, str]] = [
         (codec, "encode", "leader: codec.encode"),
@@ -164,7 +167,7 @@ def cache_effect(sizes: tuple[int, ...] = (1, 64, 256, 1024), repeats: int = 11)
 
     import numpy as np
 
-    from shmloader import codec
+    from shmloader._proto import codec
 
     enc = codec.encode(TemplatedBatches(BatchSpec.for_bytes(MiB), 1).batch(0))
     payload = np.zeros(enc.nbytes, np.uint8)

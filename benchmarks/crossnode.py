@@ -89,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from tests.harness import run_ranks
+    from tests.support.harness import run_ranks
 
     with contextlib.ExitStack() as stack:
         files = [sys.stdout]

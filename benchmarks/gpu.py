@@ -45,7 +45,7 @@ The ranks stay in the launcher's process group and die with it
 Every CUDA call a rank makes goes through :class:`Cuda`. ``--cpu-smoke``
 swaps in :class:`HostStandIn` (host copies, a sleep for the GPU work,
 :class:`HostOps` as the device of ``ShmLoader``) so that every code path of
-this benchmark runs without a GPU: ``tests/test_device.py`` runs it, so the
+this benchmark runs without a GPU: ``tests/device/test_device.py`` runs it, so the
 benchmark cannot rot before it first meets a GPU. Its figures say nothing.
 """
 
@@ -224,7 +224,7 @@ class Cuda:
 class HostStandIn(Cuda):
     """``--cpu-smoke``: every CUDA call replaced by its host analogue, so that the code
     paths of this benchmark run (and stay runnable) where there is no GPU. The
-    device way delivers through ``HostOps`` (``shmloader.device.DeviceOps`` on the
+    device way delivers through ``HostOps`` (``shmloader.device.stage.DeviceOps`` on the
     host). The figures mean nothing about GPUs; ``main`` says so in the results.
     """
 
@@ -268,7 +268,7 @@ class HostStandIn(Cuda):
 
 
 class HostOps:
-    """A ``shmloader.device.DeviceOps`` on the host: copies run at once, events are done.
+    """A ``shmloader.device.stage.DeviceOps`` on the host: copies run at once, events are done.
 
     The "device" is called ``cuda:0`` so that stats read as on a GPU rank; its
     memory is host memory. Copy time is the host copy's.
@@ -621,7 +621,7 @@ def targets(rows: list[dict]) -> list[dict]:
     regs, slots = dev.get("registrations"), dev.get("ring_slots")
     per_batch = regs is not None and slots is not None and regs <= slots * dev["sp"]
     # Pinned host memory is only the stage's staging buffers for small leaves
-    # (NOTE [no pageable copies] in shmloader.device): far below one batch per rank.
+    # (NOTE [no pageable copies] in shmloader.device.stage): far below one batch per rank.
     small = None if pinned is None else pinned <= 0.1 * dev["payload_mib"] * dev["sp"]
     add(
         "no pin_memory() copies of batches (pinned: small-leaf staging only) and zero "
@@ -724,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "benchmarks.gpu needs a CUDA GPU: torch.cuda.is_available() is False here "
             f"(torch {torch.__version__}). Run it on a GPU node; the CPU logic of device "
-            "delivery is covered by tests/test_device.py (--cpu-smoke runs this benchmark's "
+            "delivery is covered by tests/device/test_device.py (--cpu-smoke runs this benchmark's "
             "code paths with a host stand-in for CUDA, figures meaningless).",
             file=sys.stderr,
         )

@@ -5,7 +5,7 @@ spawns afterwards) enter a private mount namespace and mounts a tmpfs with
 ``huge=within_size`` there, so nothing of it is visible to the rest of the
 machine and the kernel frees it when the run ends. Root only; anything
 else, or a kernel that gives the mount no huge pages, is a reason to skip
-the way (NOTE [huge-page ring] in ``shmloader.ringdir``).
+the way (NOTE [huge-page ring] in ``shmloader._node.ringdir``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def mount(size_bytes: int) -> tuple[str | None, str]:
         err = os.strerror(ctypes.get_errno())
         os.rmdir(path)
         return None, f"mount -t tmpfs -o {options}: {err}"
-    from shmloader import ringdir
+    from shmloader._node import ringdir
 
     facts = ringdir.describe(path)
     if not facts.huge:

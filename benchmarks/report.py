@@ -29,7 +29,7 @@ Every number in a row (``aggregate``) and what it means:
 - ``build_ms_p50``: the loading rank's DataLoader worker writing the batch
   (the transport workload's collate, which allocates like ``default_collate``):
   into fresh shared memory for the base ways, into its ring slot for the
-  zero-copy way (NOTE [collate into the slot] in ``shmloader.worker``).
+  zero-copy way (NOTE [collate into the slot] in ``shmloader._workers.collate``).
   ``worker_write_ms_p50``: what the zero-copy worker copied after that (the
   leaves its collate did not make in the slot).
 - ``e2e_ms_p50/p99``: phase B, from the leader's loader handing over the batch

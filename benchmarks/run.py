@@ -259,7 +259,7 @@ def _collect(
 def _collect_garbage() -> None:
     """After a killed or failed configuration: remove what dead ranks left in /dev/shm."""
     with contextlib.suppress(Exception):
-        from shmloader import admin
+        from shmloader._node import inventory as admin
 
         admin.collect_garbage(dry_run=False)
 

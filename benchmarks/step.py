@@ -10,7 +10,7 @@ user runs. Every rank of one SP group runs simulated training steps::
     all_reduce(one value)     # allreduce_ms: the step's sync with its peers
 
 for four ways, back to back in one run, on freshly started ranks each
-(``tests.harness.run_ranks``, gloo on loopback): ``base`` (every rank runs
+(``tests.support.harness.run_ranks``, gloo on loopback): ``base`` (every rank runs
 its own DataLoader), ``broadcast`` (the leader loads; the batch skeleton by
 ``broadcast_object_list``, every tensor by ``dist.broadcast``, as the
 XTuner seed does: ``transports.send_broadcast``), ``shmloader``
@@ -201,7 +201,7 @@ def step_rank(
 def ring_facts() -> dict[str, Any]:
     """Where this rank's ring was: its directory as this rank sees it (the inode tells
     one node's from another's, NOTE [one huge ring per node]) and its page size."""
-    from shmloader import ringdir
+    from shmloader._node import ringdir
 
     path = ringdir.from_env()
     st = os.stat(path)
@@ -306,9 +306,9 @@ def compute_for(calibration: list[dict[str, Any]], args: argparse.Namespace) -> 
 
 def launch(cfg: Config, fn: str, kwargs: dict, args: argparse.Namespace, rank_env: dict) -> Any:
     """Run this module's function ``fn`` on fresh ranks of ``cfg``'s topology
-    (``tests.harness.run_ranks``). By name: under ``python -m`` this module is
+    (``tests.support.harness.run_ranks``). By name: under ``python -m`` this module is
     ``__main__``, which a rank cannot import."""
-    from tests.harness import run_ranks
+    from tests.support.harness import run_ranks
 
     return run_ranks(
         f"benchmarks.step:{fn}",
@@ -363,7 +363,7 @@ def bind_own_ring() -> None:
     huge-page tmpfs (``hugedir.mount``, in the parent's private mount
     namespace) holds one directory per node; every rank names ``node0``'s,
     and each rank of another node, already in its node's private mount
-    namespace (``tests.harness``: a rank of node k > 0 always has one),
+    namespace (``tests.support.harness``: a rank of node k > 0 always has one),
     bind-mounts its own node's directory over that path first. So every
     node sees its own huge-page ring at the same path, and nothing of
     another's, as on two hosts.

@@ -27,7 +27,7 @@ Two datasets produce it:
   measurements are not drowned by decode work. The batch carries
   ``build_ms``, the time that write took (the worker's write into fresh
   shared memory for the base ways, into its ring slot for shmloader's
-  zero-copy way: NOTE [collate into the slot] in ``shmloader.worker``).
+  zero-copy way: NOTE [collate into the slot] in ``shmloader._workers.collate``).
 - :class:`RealisticSamples` (CPU/memory runs): every item is one sample whose
   images and video frames are "decoded" (random pixels at ``decode_scale``
   times the target resolution), resized with ``avg_pool2d``, normalised and

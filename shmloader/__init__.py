@@ -31,17 +31,17 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .balanced import BalancedBatchSampler
     from .loader import ShmLoader
     from .mesh import dp_topology
-    from .sampler import ShardedBatchSampler, ShardedSampler, dp_topology_from_group
+    from .samplers.balanced import BalancedBatchSampler
+    from .samplers.sharded import ShardedBatchSampler, ShardedSampler, dp_topology_from_group
 
 _LAZY = {
-    "BalancedBatchSampler": "balanced",
+    "BalancedBatchSampler": "samplers.balanced",
     "ShmLoader": "loader",
-    "ShardedSampler": "sampler",
-    "ShardedBatchSampler": "sampler",
-    "dp_topology_from_group": "sampler",
+    "ShardedSampler": "samplers.sharded",
+    "ShardedBatchSampler": "samplers.sharded",
+    "dp_topology_from_group": "samplers.sharded",
     "dp_topology": "mesh",
 }
 

@@ -31,15 +31,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from . import rng
-from .cursor import Boundary, Cursor
+from ._roles import rng
+from ._roles.base import log
+from ._roles.cursor import Boundary, Cursor
+from ._roles.local import Source, stateful
 from .errors import ConfigError, TopologyMismatchError
-from .local import Source, stateful
-from .roles import log
-from .sampler import ShardedBatchSampler, ShardedSampler
+from .samplers.sharded import ShardedBatchSampler, ShardedSampler
 
 if TYPE_CHECKING:
-    from .device import DeviceStage
+    from .device.stage import DeviceStage
 
 STATE_FORMAT = "shmloader.state/3"
 #: Earlier formats ``load_state_dict`` still accepts: 2 has no RNG of the epoch's start

@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from . import ringdir
+from ._node import ringdir
 from .errors import ConfigError
 
 #: Seconds a rank waits for a peer that is alive but silent when neither
@@ -37,7 +37,7 @@ DEFAULT_SMALL_COPY_BYTES = 64 << 10
 #: default keeps just enough to overlap one publish with one step.
 DEFAULT_SLOTS = 2
 
-# -- device delivery (shmloader.device) --------------------------------------
+# -- device delivery (shmloader.device.stage) --------------------------------------
 #: Default device of delivered batches: today's host-memory views.
 DEFAULT_DEVICE = "cpu"
 #: Default batches copied to the device ahead of the one the user holds.
@@ -75,7 +75,7 @@ class Config:
         verify: checksum every payload end to end, CRC-32 (``SHMLOADER_VERIFY``).
         allow_pickle: pickle leaves the codec does not know. Off by default.
         device: where delivered tensors live (``SHMLOADER_DEVICE``): ``cpu``
-            (the default), ``cuda``, ``cuda:N`` or ``auto``; see ``shmloader.device``.
+            (the default), ``cuda``, ``cuda:N`` or ``auto``; see ``shmloader.device.stage``.
         prefetch: batches copied to the device ahead of the one the user
             holds (``SHMLOADER_PREFETCH``, default 2); only with a CUDA device.
         small_copy_bytes: leaves of at most this many bytes are owned copies, not
@@ -84,14 +84,14 @@ class Config:
             launcher's run id: ``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID``).
         collate_in_slot: DataLoader workers collate straight into their ring
             slot (``SHMLOADER_COLLATE_IN_SLOT``, on by default; NOTE [collate
-            into the slot] in ``shmloader.worker``). Off: one copy after the collate.
+            into the slot] in ``shmloader._workers.collate``). Off: one copy after the collate.
         shm_dir: the directory that holds the ring's segments (``SHMLOADER_SHM_DIR``,
             default ``/dev/shm``): a tmpfs mounted with ``huge=within_size`` makes a
-            huge-page ring (NOTE [huge-page ring] in ``shmloader.ringdir``). Every
+            huge-page ring (NOTE [huge-page ring] in ``shmloader._node.ringdir``). Every
             rank of a group sets the same one; it must exist, belong to you or
             root, and be safe from other users (sticky when others may write).
         quiet: no line at the first ``iter()`` saying whether sharing is on
-            (``SHMLOADER_QUIET=1``; NOTE [the sharing line] in ``shmloader.banner``).
+            (``SHMLOADER_QUIET=1``; NOTE [the sharing line] in ``shmloader._setup.banner``).
 
     A ``Config`` built directly holds exactly its arguments: it does not read
     the environment, so ``Config(allow_pickle=True)`` means sharing off

@@ -52,20 +52,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from . import arrival, banner, codec, wire  # noqa: F401  (tests/faults patch loader.codec, .wire)
+from ._proto import codec, wire  # noqa: F401  (tests/faults patch loader.codec, .wire)
+from ._proto.wire import Kind  # noqa: F401  (tests/faults patch loader.wire.frames by kind)
+from ._roles.base import CLOSE_WAIT_S, Gate, Role
+from ._roles.cursor import Boundary, Cursor
+from ._roles.stats import RankStats
+from ._roles.topology import GroupTopology
+from ._setup import arrival, banner
+from ._setup.build import Shared, build, build_local, close_quietly, group_ranks, resolve_config
+from ._transport.xnode import CrossNode  # noqa: F401  (tests/faults patch loader.CrossNode)
 from .checkpoint import Checkpoints
 from .config import Config
-from .cursor import Boundary, Cursor
-from .device import DeviceOps, DeviceStage
-from .device import resolve as resolve_device
+from .device.stage import DeviceOps, DeviceStage
+from .device.stage import resolve as resolve_device
 from .errors import ConfigError, LoaderStateError
 from .mesh import resolve_group
-from .report import RankStats
-from .roles import CLOSE_WAIT_S, Gate, Role
-from .startup import Shared, build, build_local, close_quietly, group_ranks, resolve_config
-from .topology import GroupTopology
-from .wire import Kind  # noqa: F401  (tests/faults patch loader.wire.frames by kind)
-from .xnode import CrossNode  # noqa: F401  (tests/faults patch loader.CrossNode)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -92,11 +93,11 @@ class ShmLoader:
             ``"cuda"``, ``"cuda:N"`` or ``"auto"``: with a CUDA device every
             tensor of every batch arrives on it, copied from the registered
             ring on a side stream ``Config.prefetch`` batches ahead
-            (``shmloader.device``).
+            (``shmloader.device.stage``).
         select: ``select(batch) -> batch`` (or ``select(batch, step)``: the
             batch's position in its epoch), applied to the shared CPU view
             before any device copy, on every path (NOTE [select] in
-            ``shmloader.device``); e.g. this rank's sequence shard.
+            ``shmloader.device.stage``); e.g. this rank's sequence shard.
 
     Construction is collective over ``group`` when sharing is on: every rank
     of the group must construct its ``ShmLoader`` at the same point.
@@ -123,7 +124,7 @@ class ShmLoader:
             raise ConfigError("accumulation_steps", accumulation_steps, "an integer >= 1")
         group = resolve_group(group, mesh_dim)
         self.config = resolve_config(config, group)
-        # Device delivery: validated before anything is built (shmloader.device).
+        # Device delivery: validated before anything is built (shmloader.device.stage).
         target = device
         if not isinstance(device, DeviceOps):
             target = resolve_device(device, self.config.device)

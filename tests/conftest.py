@@ -56,15 +56,15 @@ def _descends_from_us(pid: int) -> bool:
 
 def ring_dirs() -> list[str]:
     """Where this run's segments can be: /dev/shm, SHMLOADER_SHM_DIR, ``RING_DIRS``."""
-    from shmloader.admin import ring_dirs as dirs
+    from shmloader._node.inventory import ring_dirs as dirs
 
     return dirs(RING_DIRS)
 
 
 def run_jobs() -> dict[str, str | None]:
     """Ring token -> the job its control segment describes, for every control segment."""
-    from shmloader.admin import scan_entries
-    from shmloader.segment import KIND_CONTROL
+    from shmloader._node.inventory import scan_entries
+    from shmloader._node.segment import KIND_CONTROL
 
     out: dict[str, str | None] = {}
     for entry in scan_entries(dirs=ring_dirs()):
@@ -79,8 +79,8 @@ def ours(name: str, jobs: dict[str, str | None] | None = None, directory: str = 
 
     ``directory``: the ring directory it is in (this process's by default).
     """
+    from shmloader._node.segment import in_dir, read_header, ring_dir
     from shmloader.errors import ProtocolError
-    from shmloader.segment import in_dir, read_header, ring_dir
 
     try:
         with in_dir(directory or ring_dir()):
@@ -92,7 +92,7 @@ def ours(name: str, jobs: dict[str, str | None] | None = None, directory: str = 
 
 def judge(header, jobs: dict[str, str | None]) -> bool:
     """The rule of :func:`ours` for one segment header (None: unreadable)."""
-    from shmloader.segment import owner_alive
+    from shmloader._node.segment import owner_alive
 
     if header is None:
         return False  # nobody can say whose it is
@@ -114,10 +114,10 @@ def _children() -> set[int]:
     """Live (non-zombie) child processes of this pytest process, and its ranks.
 
     Ranks are forked by the warm forkserver (NOTE [warm ranks] in
-    tests/harness.py), so they are its children, not ours: the harness lists
+    tests/support/harness.py), so they are its children, not ours: the harness lists
     every one it started (``STARTED``), and those still alive count too.
     """
-    from tests.harness import STARTED
+    from tests.support.harness import STARTED
 
     # Our children as the kernel lists them per thread (no scan of every
     # process on the node: reading another process's cmdline is slow).
@@ -212,9 +212,9 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 def pytest_configure(config) -> None:
-    from tests.harness import WARM_MODULES, fork_safe_workers
+    from tests.support.harness import WARM_MODULES, fork_safe_workers
 
-    # This process starts DataLoader workers too (tests/test_forks.py); its
+    # This process starts DataLoader workers too (tests/multirank/test_forks.py); its
     # forkserver is also the one ranks are forked from (NOTE [warm ranks]).
     fork_safe_workers(WARM_MODULES)
 
@@ -270,7 +270,7 @@ def huge_dir():
     frees it when the run ends. Skipped, with the reason, when not root or
     when the mount fails; the leak check covers it (``RING_DIRS``).
     """
-    from tests.harness import huge_tmpfs
+    from tests.support.harness import huge_tmpfs
 
     try:
         path = huge_tmpfs()

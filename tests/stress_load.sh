@@ -4,7 +4,7 @@
 # pytest runs.
 #
 #   tests/stress_load.sh                          # the README's test command's arguments
-#   tests/stress_load.sh -q tests/test_daemon.py  # any pytest arguments
+#   tests/stress_load.sh -q tests/daemon/test_daemon.py  # any pytest arguments
 #   STRESS_PER_CORE=2 tests/stress_load.sh -q -m "not slow"
 #
 # The hog is bounded: it is stopped when pytest ends (passed, failed or

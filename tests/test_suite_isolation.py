@@ -13,8 +13,8 @@ import subprocess
 
 import pytest
 
-from shmloader.ring import RingWriter, new_token
-from shmloader.segment import KIND_CONTROL, KIND_DATA, MY_START, Header, proc_start_time
+from shmloader._node.ring import RingWriter, new_token
+from shmloader._node.segment import KIND_CONTROL, KIND_DATA, MY_START, Header, proc_start_time
 from tests.conftest import RUN_JOB, judge, run_jobs
 
 

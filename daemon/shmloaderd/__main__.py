@@ -27,9 +27,9 @@ import threading
 
 # shmloader's package __init__ imports torch lazily, so the daemon loads only
 # the light modules it uses (segment, ring, admin, daemon_client, errors).
-from shmloader import ringdir, segment
-from shmloader.admin import ring_dirs
-from shmloader.daemon_client import DEFAULT_SOCKET
+from shmloader._node import ringdir, segment
+from shmloader._node.inventory import ring_dirs
+from shmloader._transport.daemon_client import DEFAULT_SOCKET
 from shmloader.errors import ConfigError, human_bytes
 
 from . import notify

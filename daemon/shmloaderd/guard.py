@@ -24,7 +24,7 @@ NOTE [connection bound]
 
     A user at the bound loses only its newest connections (such a client
     finds the daemon away and runs on: NOTE [daemon restarts] in
-    ``shmloader.daemon_client``).
+    ``shmloader._transport.daemon_client``).
 """
 
 from __future__ import annotations

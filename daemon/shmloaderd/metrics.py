@@ -22,7 +22,7 @@ whole scrape.
     shmloaderd_rank_wait_seconds_p50{token,job,uid,rank,role} gauge median wait for a batch
     shmloaderd_rank_wait_seconds{token,job,uid,rank,role} histogram  wait for each batch
                                                 since the rank's first (buckets 2**k ms,
-                                                k = -7..17, from ``shmloader.waits``)
+                                                k = -7..17, from ``shmloader._proto.waits``)
     shmloaderd_reaped_segments_total            counter
     shmloaderd_reaped_bytes_total               counter
     shmloaderd_reaped_sockets_total             counter
@@ -51,7 +51,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from shmloader.waits import BOUNDS_MS, NBUCKETS
+from shmloader._proto.waits import BOUNDS_MS, NBUCKETS
 
 #: The exported buckets: every 4th bound of ``waits.BOUNDS_MS`` (2**k ms), whose
 #: cumulative counts are exact (a bucket edge of the rank's histogram).

@@ -22,7 +22,7 @@ the segment itself, after ``admit``). ``/dev/shm`` files are renamed with
 ``link`` + ``unlink`` rather than ``rename`` so an existing name is never
 replaced. A header rewritten to the new owner before the link means the
 segment is, at every instant, owned either by the live daemon or by the
-adopter: the reaper's rule (NOTE [reaping rule] in ``shmloader.admin``) keeps
+adopter: the reaper's rule (NOTE [reaping rule] in ``shmloader._node.inventory``) keeps
 it while that owner lives and frees it after.
 
 Pool state per segment (zero is invalid)::
@@ -41,7 +41,7 @@ NOTE [pool names]
     it were ``<token>-<n>``: a FIFO or a file planted at the next one made
     every refill fail (the pool never filled again). Each pooled segment
     therefore ends in its own random part (``Segment.create_unique``, NOTE
-    [unpredictable names] in ``shmloader.segment``): a name already taken
+    [unpredictable names] in ``shmloader._node.segment``): a name already taken
     means another draw. Every open is ``O_NOFOLLOW | O_NONBLOCK`` and checked
     regular, ours and 0600 before use (``Segment``). ``adopt`` links the
     segment to the name the client drew (also random); ``link`` never follows
@@ -75,9 +75,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from shmloader import segment as segment_module
-from shmloader.errors import ProtocolError, ShmCapacityError, human_bytes
-from shmloader.segment import (
+from shmloader._node import segment as segment_module
+from shmloader._node.segment import (
     HEADER_SIZE,
     KIND_DATA,
     PREFIX,
@@ -88,6 +87,7 @@ from shmloader.segment import (
     shm_path,
     touch,
 )
+from shmloader.errors import ProtocolError, ShmCapacityError, human_bytes
 
 log = logging.getLogger("shmloaderd")
 

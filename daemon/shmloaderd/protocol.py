@@ -4,7 +4,7 @@ Transport: ZeroMQ over ``ipc://<socket>`` (the file is mode 0600 in a 0700
 directory, so only the daemon's own user can connect; in node mode 0666 in a
 0755 directory, and each request is judged by its connection's
 ``SO_PEERCRED``: NOTE [tenants] in ``tenants``). The daemon binds a
-ROUTER; clients use REQ (``shmloader.daemon_client``) or DEALER. Every request
+ROUTER; clients use REQ (``shmloader._transport.daemon_client``) or DEALER. Every request
 and every reply is exactly one frame holding one UTF-8 JSON object, at most
 ``MAX_REQUEST`` bytes; never pickle::
 
@@ -13,7 +13,7 @@ and every reply is exactly one frame holding one UTF-8 JSON object, at most
              {"v": 1, "ok": false, "daemon_id": str, "error": "<what was wrong and how to fix it>"}
 
 ``daemon_id`` is random per daemon process: a client that sees it change
-registers its ring again (NOTE [daemon restarts] in ``shmloader.daemon_client``).
+registers its ring again (NOTE [daemon restarts] in ``shmloader._transport.daemon_client``).
 
 Unknown fields are ignored (newer clients may send more); a missing or wrong
 field type, an unknown op or another ``v`` is answered with ``ok: false``.
@@ -36,7 +36,7 @@ field type, an unknown op or another ``v`` is answered with ``ok: false``.
                 "follower"), wait_ms_p50?, wait_ms_p95?,
                 wait_ms_p99? (floats), wait_share? (float
                 0..1), wait_hist? ([int] of
-                ``shmloader.waits.NBUCKETS``: waits per
+                ``shmloader._proto.waits.NBUCKETS``: waits per
                 bucket since the first batch),
                 wait_ms_sum? (float), bytes? (traffic),
                 device? str, device_batches?,
@@ -74,10 +74,10 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from shmloader.daemon_client import MAX_REQUEST, PROTOCOL_VERSION
+from shmloader._node.segment import PREFIX
+from shmloader._proto.waits import NBUCKETS, valid_counts
+from shmloader._transport.daemon_client import MAX_REQUEST, PROTOCOL_VERSION
 from shmloader.errors import ProtocolError
-from shmloader.segment import PREFIX
-from shmloader.waits import NBUCKETS, valid_counts
 
 VERSION = PROTOCOL_VERSION
 TOKEN_RE = re.compile(r"^[0-9A-Za-z]{1,16}$")

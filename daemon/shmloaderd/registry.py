@@ -17,7 +17,7 @@ Job life cycle (zero is invalid)::
                                                  DROPPED (segments of dead owners reaped)
 
 Memory a job holds (``usage``) is what the daemon *observes* (NOTE [honest
-bytes] in ``shmloader.admin``: its segments named in /dev/shm and the
+bytes] in ``shmloader._node.inventory``: its segments named in /dev/shm and the
 writer's mappings of its ring in ``/proc/<pid>/maps``, unlinked slots
 included), plus *pending grants*: bytes ``admit`` granted that have not shown
 up yet. A grant stops counting once the job's observed bytes grew by it, or
@@ -112,8 +112,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shmloader import segment
-from shmloader.admin import (
+from shmloader._node import segment
+from shmloader._node.inventory import (
     DEVICE_REPORTED,
     Entry,
     job_pids,
@@ -122,8 +122,8 @@ from shmloader.admin import (
     ring_dirs,
     token_entries,
 )
+from shmloader._node.segment import process_alive, shm_free_bytes
 from shmloader.errors import human_bytes
-from shmloader.segment import process_alive, shm_free_bytes
 
 from .tenants import user_name
 
@@ -537,7 +537,7 @@ class Registry:
         self._observe(job, [e for e in entries if e.header is not None])
 
     def _observe(self, job: Job, entries: list[Entry]) -> None:
-        """Observed bytes (NOTE [honest bytes] in ``shmloader.admin``): the named
+        """Observed bytes (NOTE [honest bytes] in ``shmloader._node.inventory``): the named
         segments of the job's uid (NOTE [whose job]), and the mappings of the
         writer (the live owner of the control segment: one ``/proc/<pid>/maps``
         read per job and pass, whatever a client claims about pids)."""

@@ -13,7 +13,7 @@ Main loop (every step bounded; ``stop`` ends it within ``SLICE_S``)::
                        └─────────────── until stop is set ─────────────────┘
                        STOPPING=1 ─> unlink the pool and the socket, exit
 
-The reaper follows NOTE [reaping rule] in ``shmloader.admin``: a segment goes
+The reaper follows NOTE [reaping rule] in ``shmloader._node.inventory``: a segment goes
 only when its header validates and its owner (pid, start time) is dead; a
 socket ``<token>-<pid>.sock`` in one of our uid's runtime directories goes
 when its pid is gone (``admin.stale_sockets``, the rule ``shmloader gc``
@@ -45,8 +45,9 @@ from typing import Any
 
 import zmq
 
-from shmloader import segment as segment_module
-from shmloader.admin import (
+from shmloader._node import segment as segment_module
+from shmloader._node.cleanup import remove_runtime_dir
+from shmloader._node.inventory import (
     DEVICE_KEYS,
     build_document,
     dead_runtime_dirs,
@@ -57,10 +58,9 @@ from shmloader.admin import (
     scan_entries,
     stale_sockets,
 )
-from shmloader.cleanup import remove_runtime_dir
-from shmloader.daemon_client import MAX_REQUEST, DaemonClient
+from shmloader._node.segment import HEADER_SIZE
+from shmloader._transport.daemon_client import MAX_REQUEST, DaemonClient
 from shmloader.errors import ProtocolError, human_bytes
-from shmloader.segment import HEADER_SIZE
 
 from . import notify, protocol
 from ._version import __version__
@@ -376,7 +376,7 @@ class Daemon:
 
     def reap_pass(self) -> None:
         """Unlink what dead owners left, update the registry, refill the pool."""
-        every_uid = self.tenancy.enabled  # NOTE [reaping rule] in shmloader.admin
+        every_uid = self.tenancy.enabled  # NOTE [reaping rule] in shmloader._node.inventory
         try:
             entries = scan_entries(every_uid=every_uid, dirs=self.shm_dirs)
             names = self._job_names(entries)

@@ -39,8 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shmloader import segment
-from shmloader.admin import process_uid
+from shmloader._node import segment
+from shmloader._node.inventory import process_uid
 
 log = logging.getLogger("shmloaderd")
 

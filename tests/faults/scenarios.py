@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from shmloader import Config, ShmLoader
-from tests import ranks
+from tests.support import ranks
 
 
 def die() -> None:

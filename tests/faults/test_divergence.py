@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from shmloader import Config, ShmLoader
 from tests.faults.scenarios import outcome
-from tests.harness import capture_warnings, run_ranks
+from tests.support.harness import capture_warnings, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.faults import scenarios
-from tests.harness import run_ranks
+from tests.support.harness import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 

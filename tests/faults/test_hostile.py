@@ -10,12 +10,13 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from shmloader import Config, ShmLoader, wire
-from shmloader.channel import Hub, check_private_dir, make_private_dir, socket_path
+from shmloader import Config, ShmLoader
+from shmloader._proto import wire
+from shmloader._transport.channel import Hub, check_private_dir, make_private_dir, socket_path
 from shmloader.errors import ConfigError, ProtocolError
-from tests import ranks
 from tests.faults.scenarios import outcome
-from tests.harness import run_ranks
+from tests.support import ranks
+from tests.support.harness import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,7 +32,7 @@ def big_batch(rank: int, world: int) -> dict:
 
 
 def verified(rank: int, world: int, *, corrupt: bool) -> dict:
-    import shmloader.ring as ring_module
+    import shmloader._node.ring as ring_module
 
     if corrupt and rank == 2:
         real = ring_module.RingReader.view
@@ -137,7 +138,7 @@ def test_garbage_frames_are_dropped_and_logged_never_a_crash(no_leaks, caplog):
         [b"SL\x01\x05" + b"\x00" * 8, b'{"rank": 1, "slot": "x", "gen": 0}'],  # wrong type
     ]
     try:
-        with caplog.at_level(logging.WARNING, logger="shmloader.channel"):
+        with caplog.at_level(logging.WARNING, logger="shmloader._transport.channel"):
             for parts in hostile:
                 peer.send_multipart(parts)
             peer.send_multipart(wire.frames(wire.Kind.HELLO, rank=1, pid=os.getpid(), start=0))

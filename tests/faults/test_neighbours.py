@@ -30,8 +30,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shmloader import Config, ShmLoader, admin, cleanup, codec, reap, rng, segment
-from shmloader.channel import (
+from shmloader import Config, ShmLoader
+from shmloader._node import cleanup, reap, segment
+from shmloader._node import inventory as admin
+from shmloader._node.ring import RingReader, RingWriter, new_token
+from shmloader._node.segment import KIND_DATA, KIND_PROBE, PAGE, Segment
+from shmloader._proto import codec
+from shmloader._roles import rng
+from shmloader._transport.channel import (
     SOCKET_NAME,
     Hub,
     Peer,
@@ -41,11 +47,9 @@ from shmloader.channel import (
     socket_path,
 )
 from shmloader.errors import ProtocolError
-from shmloader.ring import RingReader, RingWriter, new_token
-from shmloader.segment import KIND_DATA, KIND_PROBE, PAGE, Segment
-from tests import ranks
 from tests.faults.scenarios import outcome
-from tests.harness import run_ranks
+from tests.support import ranks
+from tests.support.harness import run_ranks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -235,8 +239,8 @@ def test_a_job_runs_with_a_squatted_runtime_base(no_leaks) -> None:
 
 _FORK_EXIT = """
     import os, sys
-    from shmloader.channel import Hub, make_private_dir, socket_path
-    from shmloader.ring import RingWriter, new_token
+    from shmloader._transport.channel import Hub, make_private_dir, socket_path
+    from shmloader._node.ring import RingWriter, new_token
     token = new_token()
     w = RingWriter(token, frozenset({1}), {"job": "t"})
     slot = w.acquire(1000)  # named until rank 1 attaches
@@ -316,7 +320,7 @@ def test_forked_children_inherit_no_slot_mapping() -> None:
 
 @pytest.mark.timeout(30)
 def test_a_worker_maps_a_slot_itself_to_write_it() -> None:
-    from shmloader.ring import open_slot_for_worker
+    from shmloader._node.ring import open_slot_for_worker
 
     token = new_token()
     w = RingWriter(token, frozenset({1}), {"job": "t"})
@@ -346,8 +350,8 @@ def test_a_worker_maps_a_slot_itself_to_write_it() -> None:
 
 _SIGTERM = """
     import os, signal, sys, time
-    from shmloader.channel import Hub, make_private_dir, socket_path
-    from shmloader.ring import RingWriter
+    from shmloader._transport.channel import Hub, make_private_dir, socket_path
+    from shmloader._node.ring import RingWriter
     mode = sys.argv[1] if len(sys.argv) > 1 else "default"
     if mode == "chained":
         def app(signum, frame):
@@ -360,7 +364,7 @@ _SIGTERM = """
     slot = w.acquire(1000)  # named: rank 1 never attached
     if mode == "grown":  # a forked worker grows a pool slot in our name (pool._grow)
         import dataclasses
-        from shmloader.segment import KIND_DATA, MY_START, Segment
+        from shmloader._node.segment import KIND_DATA, MY_START, Segment
         parent, start = os.getpid(), MY_START
         child = os.fork()
         if child == 0:
@@ -537,7 +541,7 @@ def test_gc_cli_removes_dead_runtime_directories_and_scopes_by_token(
 ) -> None:
     import dataclasses
 
-    from shmloader import cli
+    from shmloader.tools import cli
 
     dead = dead_pid()
     dead_dir = os.path.join(no_leaks, rundir_prefix(dead, 1, segment.MY_PIDNS) + "xyz")
@@ -571,7 +575,7 @@ def test_gc_cli_removes_dead_runtime_directories_and_scopes_by_token(
 
 _OTHER_PIDNS = """
     import fcntl, os, sys, time
-    from shmloader.segment import KIND_PROBE, MY_PIDNS, Segment
+    from shmloader._node.segment import KIND_PROBE, MY_PIDNS, Segment
     probe = Segment.create_unique("/shml-{token}-probe", KIND_PROBE, "{token}", 0)
     fcntl.flock(probe.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     print(probe.name, os.getpid(), MY_PIDNS, probe.header.start, flush=True)
@@ -744,7 +748,7 @@ def test_peer_counts_are_bounded() -> None:
 
 @pytest.mark.timeout(10)
 def test_a_cross_node_header_with_a_huge_meta_len_is_refused_before_allocating() -> None:
-    from shmloader import xnode
+    from shmloader._transport import xnode
 
     class Fake(xnode.CrossNode):
         def __init__(self, head: list[int]) -> None:
@@ -771,10 +775,10 @@ def nothing(rank: int, world: int) -> int:
 
 _SUITE_GC = """
     import dataclasses, os, subprocess
-    from shmloader import segment
-    from shmloader.ring import new_token
-    from shmloader.segment import KIND_DATA, PAGE, Segment
-    from tests.harness import run_ranks
+    from shmloader._node import segment
+    from shmloader._node.ring import new_token
+    from shmloader._node.segment import KIND_DATA, PAGE, Segment
+    from tests.support.harness import run_ranks
     from tests.faults.test_neighbours import nothing
 
     token = new_token()
@@ -815,8 +819,8 @@ def test_a_forked_child_does_not_keep_its_parents_life_lock() -> None:
     look alive to peers of another pid namespace."""
     import fcntl
 
-    from shmloader.channel import life_lock_held
-    from shmloader.topology import _Held
+    from shmloader._roles.topology import _Held
+    from shmloader._transport.channel import life_lock_held
 
     token = new_token()
     probe = Segment.create_unique(f"/shml-{token}-probe", KIND_PROBE, token, 0)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from shmloader import Config, ShmLoader
-from tests.harness import run_ranks
+from tests.support.harness import run_ranks
 
 STEPS = 20_000
 

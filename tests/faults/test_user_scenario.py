@@ -8,7 +8,7 @@ sends SIGTERM to the others. The job must end (no hang), the ring must not
 have grown past its depth although labels were kept (small leaves are owned
 copies, NOTE [small leaves] in ``roles``), and nothing of the job may be
 left: no segment in /dev/shm, nothing in the runtime directory, no process.
-The helper script is tests/user_scenario.py.
+The helper script is tests/support/user_scenario.py.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import time
 
 import pytest
 
-from shmloader.segment import list_segments, proc_start_time
+from shmloader._node.segment import list_segments, proc_start_time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "tests", "user_scenario.py")
+SCRIPT = os.path.join(ROOT, "tests", "support", "user_scenario.py")
 #: The prefetch queue (2) and the thread's batch waiting to be put are kept
 #: batches the user asked for: the ring's depth must cover them, the labels not.
 SLOTS = 4

@@ -3,7 +3,7 @@
 Run where there is a GPU: ``python -m pytest -q tests/gpu`` (one GPU is
 enough: all ranks share it). The logic behind these tests (prefetch, events,
 release, registration counting, fallback) is covered without a GPU by
-``tests/test_device.py``; these check what only CUDA can: bit-equal device
+``tests/device/test_device.py``; these check what only CUDA can: bit-equal device
 values, real ``cudaHostRegister`` on shared slots next to copy-on-write
 views, device memory, and a registration CUDA itself refuses.
 """
@@ -17,15 +17,17 @@ import numpy as np
 import pytest
 import torch
 
-from shmloader import Config, ShmLoader, cudaops, device
+from shmloader import Config, ShmLoader
+from shmloader.device import cuda as cudaops
+from shmloader.device import stage as device
 from shmloader.errors import ConfigError
-from tests.harness import run_ranks
-from tests.test_device import RingSource, _all_dtypes_batch, _assert_same, same
+from tests.device.test_device import RingSource, _all_dtypes_batch, _assert_same, same
+from tests.support.harness import run_ranks
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="needs a CUDA device (torch.cuda.is_available() is False); "
-    "tests/test_device.py covers the stage's logic without one",
+    "tests/device/test_device.py covers the stage's logic without one",
 )
 
 
@@ -194,7 +196,7 @@ def gpu_rank(rank: int, world: int, *, devices: dict, write: bool, steps: int) -
         return real(self, address, nbytes, flags)
 
     cudaops._Cudart.register = counting  # type: ignore[method-assign]
-    from shmloader import ring
+    from shmloader._node import ring
 
     mapped: list[str] = []
     real_map = ring.map_shared_readonly

@@ -1,6 +1,6 @@
 """What the device path promises, proved on CUDA (skipped where there is none).
 
-Each test here has a fake-device counterpart in ``tests/test_device.py`` for
+Each test here has a fake-device counterpart in ``tests/device/test_device.py`` for
 the logic; these check the same promise against the real driver and
 allocator:
 
@@ -29,14 +29,18 @@ import logging
 import pytest
 import torch
 
-from shmloader import Config, ShmLoader, cudaops, device, hostmem, ringdir
-from tests.harness import run_ranks
-from tests.test_device import RingSource, same
+from shmloader import Config, ShmLoader
+from shmloader._node import ringdir
+from shmloader.device import cuda as cudaops
+from shmloader.device import registrar as hostmem
+from shmloader.device import stage as device
+from tests.device.test_device import RingSource, same
+from tests.support.harness import run_ranks
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="needs a CUDA device (torch.cuda.is_available() is False); "
-    "tests/test_device.py covers the stage's logic without one",
+    "tests/device/test_device.py covers the stage's logic without one",
 )
 
 #: ``torch.cuda._sleep`` cycles that keep a stream busy for tens of ms on any current GPU.
@@ -287,13 +291,13 @@ class EpochSampler(torch.utils.data.Sampler):
 
 
 class Growing(torch.utils.data.Dataset):
-    """``tests.ranks.Synthetic`` samples, 1x, 41x, 81x long in epochs 0, 1, 2 (then again)."""
+    """``tests.support.ranks.Synthetic`` samples: 1x, 41x, 81x long in epochs 0, 1, 2, ..."""
 
     def __len__(self) -> int:
         return 10**6
 
     def __getitem__(self, i: int) -> dict:
-        from tests import ranks
+        from tests.support import ranks
 
         return ranks.Synthetic(1000, scale=1 + 40 * ((i // 1000) % 3))[i % 1000]
 
@@ -304,7 +308,7 @@ def epochs_rank(rank: int, world: int, *, devices: dict, epochs: int, workers: i
     import torch.distributed as dist
     from torch.utils.data import DataLoader
 
-    from tests import ranks
+    from tests.support import ranks
 
     group = dist.new_group(list(range(world)))
 

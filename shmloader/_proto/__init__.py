@@ -1,0 +1,3 @@
+"""The wire layer, pure (no I/O): the batch codec, message frames and kinds,
+wait histograms.
+"""

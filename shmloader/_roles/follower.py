@@ -1,0 +1,378 @@
+"""A follower: maps what its node's writer published.
+
+One batch, on a follower (``Follower.iterate``)::
+
+    writer                          follower
+    ------                          --------
+    hub.publish(BATCH) --ZeroMQ---> _next_event: spoke receives BATCH
+                                    (stamp checked: NOTE [iteration numbers] in cursor)
+                    <----ACK------- took batch seq
+                    <--ATTACHED---- _attach: first map of the segment
+                                    mmap slot MAP_PRIVATE (_map)
+                                    yield codec.decode(view)
+                                    ... batch garbage ->
+    ring.release  <--RELEASE------- weakref.finalize (_Releaser, NOTE [prompt release])
+    a slot retired --RETIRE-------> its descriptor closed (NOTE [retired slots] in ring)
+
+A follower holds a ``Reader`` (stamp checks and delivery), its node's
+``RingReader`` (mappings), its ``Spoke`` and the ``_Releaser`` that owns the
+spoke's outgoing side. It owns ``stash`` (a message of the writer's next
+iteration) and ``writer_closed``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from .._node.release import announced_words
+from .._node.ring import RingReader
+from .._proto import wire
+from .._proto.wire import Kind
+from .._transport.channel import SLICE_S, Spoke
+from ..errors import PeerLostError, ProtocolError, ShmLoaderError
+from . import rng
+from .base import CLOSE_WAIT_S, Context, _check_crc, _leader_error, log
+from .reader import Reader
+from .topology import GroupTopology
+
+
+class _Releaser:
+    """A reader's outgoing messages, and its RELEASEs sent the moment a batch dies.
+
+    NOTE [prompt release]
+        A reader's batch dies (``weakref.finalize`` on its mapping) when the
+        user drops it, typically when ``batch`` is rebound at the top of the
+        next step. Sending RELEASE right then, instead of with the reader's
+        next request, lets the writer reuse that slot for the very next
+        batch, so a lockstep job needs two slots, not three.
+
+    NOTE [one thread per socket]
+        ZeroMQ sockets are not thread-safe, and a finalizer runs on whichever
+        thread drops the last reference (a prefetch thread iterates while
+        the main thread drops batches; a garbage collection runs finalizers
+        anywhere, even inside one of our own socket calls). So:
+
+        - the *owner* is the thread that iterates: every ``next()`` claims
+          the socket for its thread (``claim``);
+        - a finalizer only appends to ``pending`` (a deque: atomic appends),
+          and sends at once only when it runs on the owner thread and takes
+          ``lock`` without blocking, i.e. when no socket call is under way;
+        - every socket call holds ``lock`` and first flushes ``pending``, and
+          a wait flushes it once per slice: releases queued by other threads
+          leave with the owner's next call or within one slice of a wait;
+        - ``close()`` on another thread first waits for the iterating thread
+          to leave (NOTE [close from any thread] in ``roles``), and closes
+          the socket under ``lock``.
+    """
+
+    def __init__(self, spoke: Spoke, rank: int) -> None:
+        self.spoke = spoke
+        self.rank = rank
+        self.pending: collections.deque = collections.deque()
+        self.lock = threading.Lock()
+        self.holder = 0  # the thread holding ``lock``, 0 when free
+        self.owner = threading.get_ident()
+        self.closed = False  # after close(): batches that die later release nothing
+
+    def claim(self) -> None:
+        """The calling thread iterates: it owns the socket from now on."""
+        self.owner = threading.get_ident()
+
+    def release(self, item: tuple[int, int, int]) -> None:
+        """The finalizer callback: queue, and send now when that is safe."""
+        if self.closed:
+            return
+        self.pending.append(item)
+        if threading.get_ident() == self.owner and self.lock.acquire(blocking=False):
+            self.holder = threading.get_ident()
+            try:
+                self._flush()
+            finally:
+                self.holder = 0
+                self.lock.release()
+
+    def send(self, parts: list) -> None:
+        """Send ``parts`` (if any) after every queued RELEASE."""
+        me = threading.get_ident()
+        if self.holder == me:  # inside our own wait (a handler): the socket is ours
+            self._flush()
+            if parts:
+                self.spoke.send(parts)
+            return
+        with self._holding():
+            self._flush()
+            if parts:
+                self.spoke.send(parts)
+
+    def flush(self) -> None:
+        """Send what other threads queued; only from inside ``receiving``."""
+        if self.holder == threading.get_ident():
+            self._flush()
+
+    def close(self) -> None:
+        """Close the socket; batches that die later release nothing (NOTE [held past close]).
+
+        Under ``lock``: a finalizer on the owner thread may be sending right now.
+        """
+        self.closed = True
+        self.pending.clear()
+        if self.holder == threading.get_ident():
+            self.spoke.close()
+            return
+        got = self.lock.acquire(timeout=CLOSE_WAIT_S)
+        try:
+            self.spoke.close()
+        finally:
+            if got:
+                self.lock.release()
+
+    def _flush(self) -> None:
+        while self.pending and not self.closed:
+            try:
+                index, gen, seq = self.pending.popleft()
+            except IndexError:
+                return
+            self.spoke.send(wire.frames(Kind.RELEASE, seq, rank=self.rank, slot=index, gen=gen))
+
+    @contextlib.contextmanager
+    def _holding(self) -> Iterator[None]:
+        if not self.lock.acquire(timeout=CLOSE_WAIT_S):
+            raise ShmLoaderError(
+                "a reader's socket stayed busy for 10 s: two threads iterate one ShmLoader "
+                "at once; iterate it from one thread (a prefetch thread is fine)"
+            )
+        self.holder = threading.get_ident()
+        try:
+            yield
+        finally:
+            self.holder = 0
+            self.lock.release()
+
+    @contextlib.contextmanager
+    def receiving(self) -> Iterator[None]:
+        """Hold the socket for a wait; finalizers meanwhile only queue."""
+        with self._holding():
+            self._flush()
+            yield
+
+
+class Follower:
+    """The follower's loop: BATCH messages of its node's writer, mapped."""
+
+    name = "follower"
+
+    def __init__(
+        self, ctx: Context, topo: GroupTopology, reader: Reader, ring: RingReader, spoke: Spoke
+    ) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+        self.topo = topo
+        self.reader = reader
+        self.ring = ring
+        self.spoke = spoke
+        self.out = _Releaser(spoke, topo.me)
+        self.stash: wire.Message | None = None
+        self.writer_closed = False  # the writer told us it closed: fail fast
+        me = topo.fact(topo.me)
+        self.out.send(wire.frames(Kind.HELLO, rank=topo.me, pid=me.pid, start=me.start))
+
+    def ready(self) -> None:
+        if self.writer_closed:
+            raise PeerLostError(
+                self.topo.writer, "writer", "it closed its ShmLoader: no more batches will come"
+            )
+
+    def iterate(self, it: int, cursor: int, skip: bool) -> Iterator[Any]:
+        return self._loop(it)
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def close(self) -> None:
+        self.ring.own_views()  # NOTE [held past close] (ring): before BYE drops the holds
+        with contextlib.suppress(Exception):
+            self.out.send(wire.frames(Kind.BYE, rank=self.topo.me))
+        self.out.closed = True
+
+    def closers(self) -> list[Callable[[], None]]:
+        # A loader dropped without close() (its finalizer) owns the user's held
+        # batches first, too: its socket goes without a BYE, and a writer that
+        # carries on without it may rewrite those slots (NOTE [held past close]).
+        # The socket closes through the _Releaser, so that a batch dying after the
+        # close (even in the finalizer's order at exit) releases nothing.
+        return [self.ring.own_views, self.out.close, self.ring.close]
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def _next_event(self, it: int) -> wire.Message:
+        """The next message that matters to iteration ``it`` (NOTE [iteration numbers], cursor).
+
+        That is a message of iteration ``it``, the writer's last word (ERROR,
+        STOP) or a message of a later iteration (then also kept in
+        ``stash`` for the next one). Leftovers of earlier iterations are
+        ACKed and released right here, inside the receive path: the writer
+        may be waiting for exactly those.
+        """
+        spoke, topo = self.spoke, self.topo
+        self.out.claim()  # NOTE [one thread per socket]: the iterating thread owns it
+        if self.stash is not None:
+            msg, self.stash = self.stash, None
+            if self._sort(msg, it):
+                return msg
+        found: list[wire.Message] = []
+
+        def handle(msg: wire.Message, _rank: int | None) -> bool:
+            if self._sort(msg, it):
+                found.append(msg)
+                return True
+            return False
+
+        peer = topo.peer(topo.writer)
+        check_open = self.ctx.check_open
+
+        def idle() -> None:
+            self.out.flush()
+            check_open()  # close() from another thread ends the wait (NOTE [close from any thread])
+
+        t0 = time.perf_counter()
+        with self.out.receiving():
+            spoke.wait(
+                handle,
+                lambda: [peer],
+                timeout=self.config.timeout,
+                doing=f"waiting for batch {self.ctx.cursor.delivered} of iteration {it}",
+                idle=idle,
+            )
+        self.ctx.stats.note_wait(t0)
+        return found[0]
+
+    def _sort(self, msg: wire.Message, it: int) -> bool:
+        """Whether ``msg`` ends the wait for iteration ``it``; drop an earlier one's leftovers."""
+        if msg.kind == Kind.RETIRE:  # in any iteration: NOTE [retired slots] (ring)
+            self.ring.retire(msg["seg"])
+            return False
+        terminal = msg.kind in (Kind.ERROR, Kind.STOP)
+        if terminal:  # the writer waits (bounded) until it knows we have it: _tell_last
+            self.out.send(wire.frames(Kind.ACK, msg.seq, rank=self.topo.me))
+        msg_it = msg.body.get("it", it)
+        if msg_it == it:
+            return True
+        closed = msg.kind == Kind.STOP and msg["closed"]
+        if terminal and (msg_it < it or closed):  # the writer's last word, in any iteration
+            return True
+        if msg_it > it:  # the writer moved on: keep the message for the next iteration
+            self.stash = msg
+            return True
+        self._drop(msg)
+        if msg.kind in (Kind.BATCH, Kind.END):
+            self.reader.left_behind(msg_it, msg["pos"], msg.kind == Kind.END)
+        return False
+
+    def _drop(self, msg: wire.Message) -> None:
+        """ACK and RELEASE a batch this rank will not use (its iteration is over)."""
+        if msg.kind != Kind.BATCH:
+            return
+        self.out.send(wire.frames(Kind.ACK, msg.seq, rank=self.topo.me))
+        if msg["slot"] >= 0:
+            self._attach(msg["seg"])
+            words = announced_words(msg.body)
+            if words is not None:  # never mapped: nothing of it can change under us
+                self.ring.release_now(words)
+            self.out.pending.append((msg["slot"], msg["gen"], msg.seq))
+            self.out.send([])
+
+    def _attach(self, seg: str) -> None:
+        try:
+            opened = self.ring.open(seg)
+        except ProtocolError as exc:
+            writer = self.topo.peer(self.topo.writer)
+            if not writer.alive():
+                raise PeerLostError(
+                    writer.rank, writer.role, f"it died before we mapped {seg}"
+                ) from None
+            if self._closed_behind():
+                self.writer_closed = True
+                raise PeerLostError(
+                    writer.rank,
+                    writer.role,
+                    "it closed its ShmLoader while this rank was still iterating",
+                ) from None
+            raise ShmLoaderError(
+                f"cannot map the batch in {seg}: {exc}. The writer may have closed its ShmLoader "
+                "while this rank was still iterating: close() every rank's loader only after "
+                "every rank finished iterating"
+            ) from None
+        if opened:
+            self.out.send(wire.frames(Kind.ATTACHED, rank=self.topo.me, seg=seg))
+
+    def _closed_behind(self) -> bool:
+        """Whether the writer's STOP (closed) is queued: it unlinked what it announced.
+
+        A writer that closes waits (bounded) for its readers to open what it
+        announced, then says STOP and unlinks; a reader busy elsewhere that
+        long finds the name gone, and the STOP right behind the batch.
+        """
+        timeout = SLICE_S
+        while (got := self.spoke.receive(timeout)) is not None:
+            timeout = 0
+            msg = got[0]
+            if msg.kind == Kind.STOP and msg["closed"]:
+                return True
+        return False
+
+    def _loop(self, it: int) -> Iterator[Any]:
+        ctx, reader, topo = self.ctx, self.reader, self.topo
+        while True:
+            ctx.check_open()
+            msg = self._next_event(it)
+            mine = ctx.cursor.mine(it)
+            theirs = (msg.body.get("it", it), msg.body.get("epoch", -1), msg.body.get("pos", -1))
+            if msg is self.stash:  # a later iteration started while we still iterate
+                raise reader.diverged("left", theirs, mine)
+            if msg.kind == Kind.END:
+                if theirs[1:] != mine[1:]:
+                    raise reader.diverged("ended", theirs, mine)
+                rng.mirror_draws(msg["draws"])
+                ctx.cursor.finish()
+                return
+            if msg.kind == Kind.STOP:
+                if msg["closed"]:
+                    self.writer_closed = True
+                    raise PeerLostError(
+                        topo.writer,
+                        topo.role(topo.writer),
+                        "it closed its ShmLoader while this rank was still iterating",
+                    )
+                raise reader.stopped(msg["reason"], theirs, mine)
+            if msg.kind == Kind.ERROR:
+                raise _leader_error(msg.body, topo.leader)
+            if msg.kind != Kind.BATCH:
+                log.warning("shmloader: unexpected %s from the writer; ignored", msg.kind.name)
+                continue
+            if theirs[1:] != mine[1:]:
+                self._drop(msg)
+                raise reader.diverged("batch", theirs, mine)
+            t0 = time.perf_counter_ns()
+            self.out.send(wire.frames(Kind.ACK, msg.seq, rank=topo.me))
+            yield reader.deliver(msg.blob, self._map(msg), msg["draws"], t0)
+
+    def _map(self, msg: wire.Message) -> np.ndarray:
+        """A private view of the payload a BATCH announced (empty without payload)."""
+        nbytes = msg["nbytes"]
+        if not nbytes:
+            return np.empty(0, np.uint8)
+        self._attach(msg["seg"])
+        release = functools.partial(self.out.release, (msg["slot"], msg["gen"], msg.seq))
+        payload = self.ring.view(msg["seg"], nbytes, release, announced_words(msg.body))
+        if msg["crc"] >= 0:
+            _check_crc(payload, msg["crc"], msg.seq)
+        return payload

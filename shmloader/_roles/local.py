@@ -1,0 +1,273 @@
+"""The rank that runs the user's loader: its ``Source``, and the ``Local`` role (sharing off).
+
+With sharing off every rank is *local*: it iterates its own loader exactly
+as without shmloader, and runs its batches through the codec's checks until
+one would be refused with sharing on, which it names in one warning
+(NOTE [sharing off is plain torch])::
+
+    local (Local.iterate)
+    -----
+    source = Source.open(skip)     (iter(loader), then skip a resumed cursor)
+    Source.boundary()              (optimizer-step boundary: loader state, RNG)
+    batch = next(source)
+    codec.encode(batch)            (metadata only: warns once what sharing would refuse)
+    yield batch
+
+The leader (``leader``) opens and steps its loader through the same ``Source``.
+
+NOTE [sharing off is plain torch]
+    With sharing off every rank delivers exactly what its loader yields, as
+    without shmloader: a batch that plain torch accepts (a ``pathlib.Path``,
+    a tensor that requires grad, any object) is never refused. Each batch
+    still runs through the codec's checks (``codec.encode``: metadata only,
+    no payload copy) until the first one sharing would refuse, which is
+    named in one warning carrying the ``UnsupportedBatchError`` that
+    ``SHMLOADER=1`` would raise; later batches are not checked. With sharing
+    on such a batch is refused before anything is written. ``len()`` and
+    ``next()`` after ``close()`` raise the same ``ShmLoaderError`` in both
+    modes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from .._proto import codec
+from .._setup import arrival
+from ..errors import UnsupportedBatchError
+from . import rng
+from .base import Context, log
+from .cursor import Boundary, Cursor
+
+
+class Source:
+    """The user's loader: opened, fast-forwarded (a resume) and stepped; its draws counted.
+
+    Reads the ``Cursor`` (epoch, position); writes the ``Boundary``'s loader
+    state, epoch-start RNG and step-boundary capture (NOTE [RNG at the step
+    boundary], NOTE [RNG at the epoch's start] in ``rng``).
+    """
+
+    def __init__(self, loader: Iterable[Any], cursor: Cursor, boundary: Boundary) -> None:
+        self.loader: Iterable[Any] | None = loader
+        self.cursor = cursor
+        self.boundary = boundary
+        self.warned_rng = False
+        self.warned_generator = False  # NOTE [limits of exact resume]
+
+    def open(self, skip: int) -> tuple[Iterator[Any], int]:
+        """``iter()`` the user's loader and fast-forward ``skip`` batches (a resume).
+
+        Returns the iterator and the default-generator draws made so far
+        (NOTE [RNG mirroring] in ``rng``). Skipping replays the skipped batches through
+        the loader, so its sampler, workers and RNG end where an
+        uninterrupted run would be.
+        """
+        b = self.boundary
+        b.capture(self.cursor.delivered)  # the first request of this iteration
+        b.just_opened = True
+        before = rng.snapshot()
+        loader = self.loader
+        # NOTE [RNG at the epoch's start] (rng): a resume reopens the loader with the
+        # generators of the saved epoch's start, then puts the step boundary back.
+        resumed, b.resume_open = b.resume_open, None
+        undo, b.undo = b.undo, None
+        seeded = rng.will_consume_base_seed(loader)
+        unseeded = False
+        if resumed is not None and skip and not stateful(loader):
+            self.warn_own_generators(loader)  # NOTE [limits of exact resume]
+        if resumed is not None and not stateful(loader):
+            if skip and resumed.get("rng") is not None:
+                undo = undo or rng.capture()
+                rng.restore(resumed["rng"])
+                unseeded = seeded and not resumed["seeded"]
+            else:
+                unseeded = seeded and resumed["reset_next"]
+        b.opened = {"epoch": self.cursor.epoch, "rng": rng.capture(), "seeded": seeded}
+        if unseeded:
+            b.opened["seeded"] = False
+            source = rng.iter_without_base_seed(loader)  # type: ignore[arg-type]
+        else:
+            source = iter(loader)  # type: ignore[arg-type]
+        for _ in range(skip):
+            try:
+                next(source)
+            except StopIteration:
+                break
+        if undo is not None:  # NOTE [RNG at the step boundary] (rng)
+            rng.restore(undo)
+        return source, self.count(before)
+
+    def warn_own_generators(self, loader: object) -> None:
+        """Once: a mid-epoch resume of a loader whose sampler draws from its own generator.
+
+        NOTE [limits of exact resume]
+            A mid-epoch resume is exact because the loader is re-opened with
+            the *default* generators of the saved epoch's start and fast-forwarded
+            (NOTE [RNG at the epoch's start] in ``rng``). Two kinds of
+            randomness no checkpoint of ours holds, with sharing on and off
+            alike, as in plain torch:
+
+            - a ``generator=`` of the DataLoader or of its sampler (a
+              ``RandomSampler(generator=g)``): its state at the saved epoch's
+              start is not saved, so the resumed epoch's order (and the
+              workers' base seed) come from wherever the new process left it;
+              other samples are delivered. Warned once here (``generator``
+              of the loader, its sampler and its batch sampler's sampler).
+            - torchdata's ``StatefulDataLoader`` resumes from its own state,
+              which does not hold its workers' generators: random
+              augmentation in a worker's ``__getitem__`` differs after the
+              resume. Draw it from a generator seeded by (epoch, index).
+        """
+        if self.warned_generator:
+            return
+        found = [
+            where
+            for where, obj in _sources_of_order(loader)
+            if isinstance(getattr(obj, "generator", None), torch.Generator)
+        ]
+        if found:
+            self.warned_generator = True
+            log.warning(
+                "shmloader: resuming mid-epoch a loader whose %s draws from its own generator=: "
+                "no checkpoint holds that generator's state, so the resumed epoch delivers other "
+                "samples than the uninterrupted run (as plain torch does). For an exact resume "
+                "leave generator=None (the default generator is restored) or use "
+                "shmloader.ShardedSampler / a StatefulDataLoader (NOTE [limits of exact resume])",
+                " and ".join(found),
+            )
+
+    def boundary_reached(self) -> None:
+        """Before each request: a stateful loader's state at an optimizer-step boundary."""
+        b = self.boundary
+        if b.at_step_start(self.cursor.delivered) and stateful(self.loader):
+            b.loader_state = self.loader.state_dict()  # type: ignore[union-attr]
+        if b.just_opened:  # open() captured this request before opening
+            b.just_opened = False
+        else:
+            b.capture(self.cursor.delivered)
+
+    def count(self, before: torch.Tensor) -> int:
+        """Default-generator draws since ``before`` (``rng.snapshot()``); 0, once warned,
+        when they cannot be mirrored."""
+        n = rng.count_draws(before, rng.snapshot())
+        if n is None:
+            if not self.warned_rng:
+                self.warned_rng = True
+                log.warning(
+                    "shmloader: the leader's loader drew from the default torch generator in a way "
+                    "followers cannot mirror (e.g. torch.rand in a main-process collate_fn); "
+                    "followers' RNG will differ from sharing-off (NOTE [RNG mirroring])"
+                )
+            return 0
+        return n
+
+    def state(self) -> Any:
+        """A stateful loader's state now, else None."""
+        return self.loader.state_dict() if stateful(self.loader) else None  # type: ignore[union-attr]
+
+
+class Local:
+    """The local role's loop: the user's loader as it is (sharing off)."""
+
+    name = "local"
+
+    def __init__(self, ctx: Context, source: Source, unwarned: arrival.Arrival | None) -> None:
+        self.ctx = ctx
+        self.source = source
+        # looked at once more when the first iteration starts, in case peers
+        # with sharing on marked after this rank (NOTE [set-up marks] in arrival)
+        self.unwarned = unwarned
+        self.told_unshareable = False  # NOTE [sharing off is plain torch]
+
+    def ready(self) -> None:
+        pass
+
+    def iterate(self, it: int, cursor: int, skip: bool) -> Iterator[Any]:
+        if self.unwarned is not None:  # NOTE [set-up marks] (arrival)
+            self.unwarned, unwarned = None, self.unwarned
+            if not unwarned.warned:
+                unwarned.check_peers_on()
+        return self._loop(cursor if skip else 0)
+
+    def _loop(self, skip: int) -> Iterator[Any]:
+        ctx, source = self.ctx, self.source
+        batches, _ = source.open(skip)
+        while True:
+            ctx.check_open()
+            source.boundary_reached()
+            box = []  # NOTE [no batch in the frame] (roles)
+            try:
+                with ctx.check_open.outside():  # NOTE [close from any thread] (roles)
+                    box.append(next(batches))
+            except StopIteration:
+                ctx.cursor.finish()
+                return
+            if not self.told_unshareable:  # NOTE [sharing off is plain torch]
+                try:
+                    codec.encode(box[0], allow_pickle=ctx.config.allow_pickle)
+                except UnsupportedBatchError as exc:
+                    self.told_unshareable = True
+                    log.warning(
+                        "shmloader: sharing is off, so this batch is delivered as the loader "
+                        "made it; with SHMLOADER=1 it would be refused: %s",
+                        exc,
+                    )
+            ctx.cursor.count()
+            yield box.pop()
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.source.loader is not None:
+            _forward_set_epoch(self.source.loader, epoch)
+
+    def close(self) -> None:
+        pass
+
+    def closers(self) -> list[Callable[[], None]]:
+        return []
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+def stateful(loader: object) -> bool:
+    """Whether ``loader`` has ``state_dict`` and ``load_state_dict`` (torchdata's
+    ``StatefulDataLoader``)."""
+    return callable(getattr(loader, "state_dict", None)) and callable(
+        getattr(loader, "load_state_dict", None)
+    )
+
+
+def _sources_of_order(loader: object) -> list[tuple[str, object]]:
+    """The loader and the samplers it draws its order from, named."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    named = [
+        ("DataLoader", loader),
+        ("sampler", getattr(loader, "sampler", None)),
+        ("batch_sampler", batch_sampler),
+        ("batch_sampler.sampler", getattr(batch_sampler, "sampler", None)),
+    ]
+    seen: set[int] = set()
+    out = []
+    for where, obj in named:
+        if obj is not None and id(obj) not in seen:
+            seen.add(id(obj))
+            out.append((where, obj))
+    return out
+
+
+def _forward_set_epoch(loader: object, epoch: int) -> None:
+    """Call ``set_epoch`` on the loader and on its sampler(s), once each."""
+    targets: list[object] = [loader]
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    targets += [sampler, batch_sampler, getattr(batch_sampler, "sampler", None)]
+    done: set[int] = set()
+    for target in targets:
+        fn = getattr(target, "set_epoch", None)
+        if target is not None and callable(fn) and id(target) not in done:
+            done.add(id(target))
+            fn(epoch)

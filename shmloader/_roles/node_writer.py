@@ -1,0 +1,401 @@
+"""What a writer does (the leader and each node leader): its node's readers and ring.
+
+A writer publishes each batch into its node's ring and tells its readers;
+the readers' HELLO / ACK / RELEASE / ATTACHED / BYE come back on the hub::
+
+    writer (Writer)                      reader (a follower of this node)
+    ---------------                      --------------------------------
+    await_readers: every reader said   <--HELLO-------  set-up
+      HELLO, none lags SLOTS behind    <--ACK---------  took batch seq
+    ring.publish(slot, seq)
+    announce: hub.publish(BATCH) -------BATCH-------->  maps it (one send for all)
+    pump / handle                      <--ATTACHED----  first map of a segment
+                                       <--RELEASE-----  the batch died
+                                       <--BYE---------  closed
+    END (the role's end) ----------------END--------->  iteration over
+    fail: ERROR | STOP, then tell_last waits (bounded) for each reader's ACK
+
+What the writer owns (nobody else writes it): ``seq`` (batches announced),
+``pos`` (the position stamped on the next message, from ``begin``), the
+readers' HELLOs, ACKs and BYEs, its own releases, and the ring's HELD/FREE
+bookkeeping through ``ring.release``. It reads the ``Cursor``'s epoch.
+
+NOTE [ring growth]
+    A rank's depth is ``SHMLOADER_SLOTS + 2`` batches: its window of batches
+    taken ahead, the one in use, and the one it just dropped whose RELEASE is
+    on its way (a loop drops a batch only once it holds the next). What the
+    writer watches is each held batch's *age*: how many newer batches its
+    holder has taken since (the reader's ACK; for the writer's own view, its
+    publications). An age past the depth means the rank keeps old batches
+    (or parts of them) alive; the writer warns, naming each such batch and
+    its holders, at the first time and each doubling of the age after.
+    Counting ring slots instead would blame a background prefetch queue
+    (each queued batch is taken, so acknowledged, and still held: the ring
+    holds ``SHMLOADER_SLOTS`` plus the queue) for growth that no setting
+    could silence; by age, ``SHMLOADER_SLOTS`` at least the queue's depth
+    plus the batch its thread is putting keeps it quiet, as the warning
+    advises, while a kept batch ages without bound and is always named.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .._node.ring import RingWriter, Slot, SlotState, private_view
+from .._proto import wire
+from .._proto.wire import Kind
+from .._transport.channel import BYE_GRACE_S, Hub
+from .._transport.xnode import KIND_ERROR, KIND_STOP, CrossNode
+from .._workers.pool import WorkerPool
+from ..errors import PeerLostError, ProtocolError, human_bytes
+from .base import CLOSE_WAIT_S, Context, _error_body, log
+from .topology import GroupTopology
+
+
+class Writer:
+    """This node's writer: the ring, the hub and the readers' state (leader and node leader)."""
+
+    def __init__(
+        self,
+        ctx: Context,
+        topo: GroupTopology,
+        ring: RingWriter,
+        hub: Hub,
+        xnode: CrossNode | None,
+        pool: WorkerPool | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+        self.topo = topo
+        self.ring = ring
+        self.hub = hub
+        self.xnode = xnode  # its position follows the stamps (the leader's cross-node stamps)
+        self.pool = pool  # the leader's: release words of pooled slots (NOTE [release words])
+        self.hello: set[int] = set()
+        self.acked = dict.fromkeys(topo.readers, 0)
+        self.gone: set[int] = set()
+        self.self_releases: collections.deque = collections.deque()
+        self.seq = 0  # batches announced by this writer
+        self.pos = 0  # position stamped on the next message of this epoch
+        self.ring_warned = 0  # age of a held batch last warned about (NOTE [ring growth])
+
+    def begin(self, cursor: int) -> None:
+        """A new iteration starts at position ``cursor`` of the epoch."""
+        self.pos = cursor
+        self.follow_epoch()
+
+    def follow_epoch(self) -> None:
+        """The leader's cross-node stamps follow (epoch, pos)."""
+        if self.xnode is not None:
+            self.xnode.position = (self.ctx.cursor.epoch, self.pos)
+
+    def describe(self, description: dict) -> None:
+        """Rewrite the ring's description for ``stat`` (``report.Reporter``)."""
+        self.ring.describe(description)
+
+    def own_view(self, slot: Slot | None, nbytes: int) -> np.ndarray:
+        """The writer's private view of a slot it just published; releases itself."""
+        if slot is None:
+            return np.empty(0, np.uint8)
+        release = functools.partial(self.self_releases.append, (slot.index, slot.gen, slot.seq))
+        word = self.pool.own_release(slot) if self.pool is not None else None
+        return private_view(slot.segment, nbytes, release, word)
+
+    def fail(self, it: int, exc: BaseException, *, forward: bool = False) -> None:
+        """Tell every reader (and with ``forward``, the leader's, every node leader) that
+        this iteration failed.
+
+        Readers that have not said HELLO yet are waited for (bounded): a
+        message sent before their connection is up would be lost, and they
+        would report the leader lost instead of its error.
+        """
+        try:
+            stop = isinstance(exc, KeyboardInterrupt | SystemExit)
+            if stop:
+                kind = KIND_STOP
+                body = {"reason": f"{type(exc).__name__} on the leader"}
+                parts = self.stamped(Kind.STOP, it, closed=0, reason=body["reason"])
+            else:
+                kind, body = KIND_ERROR, _error_body(it, exc)
+                parts = wire.frames(Kind.ERROR, self.seq, **body)
+            link_broken = self.xnode is not None and self.xnode.broken
+            if self.xnode is not None and forward and not link_broken:
+                self.xnode.send_json(kind, it, body)
+            with contextlib.suppress(PeerLostError):
+                self.await_readers(window=False, timeout=min(self.config.timeout, CLOSE_WAIT_S))
+            self.tell_last(parts)
+        except Exception as notify_error:  # the original error matters more
+            log.warning("shmloader: could not tell followers about %r: %s", exc, notify_error)
+
+    def announce(
+        self, it: int, meta: bytes, nbytes: int, slot: Slot | None, draws: int, ns: int, crc: int
+    ) -> None:
+        """Tell this node's readers that batch ``seq`` is in ``slot``."""
+        ring = self.ring
+        assert ring is not None
+        seq = self.seq
+        self.seq += 1
+        if slot is not None:
+            ring.publish(slot, seq, nbytes, ns)
+        parts = self.stamped(
+            Kind.BATCH,
+            it,
+            seq,
+            meta,
+            slot=-1 if slot is None else slot.index,
+            gen=0 if slot is None else slot.gen,
+            seg="" if slot is None else slot.segment.name,
+            nbytes=nbytes,
+            draws=draws,
+            crc=crc,
+            # a pooled slot: where each reader writes its release word (NOTE [release words])
+            **(self.pool.announce_fields(slot) if self.pool is not None else {}),
+        )
+        self.pos += 1
+        self.follow_epoch()
+        self.tell_readers(parts)
+        self.warn_growth()
+        self.ctx.report()
+
+    def stamped(
+        self, kind: Kind, it: int, seq: int | None = None, blob: bytes | None = None, **body: Any
+    ) -> list:
+        """A writer message stamped with (iteration, epoch, position).
+
+        NOTE [iteration numbers] in ``cursor``. ERROR and STOP carry the next
+        batch number as ``seq``: readers ACK it (``tell_last``).
+        """
+        return wire.frames(
+            kind,
+            self.seq if seq is None else seq,
+            blob,
+            it=it,
+            epoch=self.ctx.cursor.epoch,
+            pos=self.pos,
+            **body,
+        )
+
+    def tell_last(self, parts: list) -> None:
+        """Send a writer's last word (ERROR, STOP) and wait, bounded, until each reader has it.
+
+        The process may exit right after (the error propagates): a message
+        still in ZeroMQ's queue would be lost, and readers would report the
+        writer dead instead of its error. Readers ACK it with its ``seq``.
+        """
+        self.tell_readers(parts, best_effort=True)
+        seq = wire.parse(parts).seq
+        try:
+            self.wait_for(
+                lambda: [
+                    r for r in self.topo.readers if r not in self.gone and self.acked[r] <= seq
+                ],
+                min(self.config.timeout, CLOSE_WAIT_S),
+                "making sure followers received the leader's error",
+            )
+        except PeerLostError as exc:
+            log.warning("shmloader: not every follower confirmed the error: %s", exc)
+
+    def warn_growth(self) -> None:
+        """NOTE [ring growth]: say what is held when a rank keeps batches past the depth."""
+        ring = self.ring
+        assert ring is not None
+        # How far each holder has moved on: the newest batch it took (a reader's
+        # ACK; the writer's own view is taken when published).
+        newest = {r: acked - 1 for r, acked in self.acked.items()}
+        if ring.self_rank is not None:
+            newest[ring.self_rank] = self.seq - 1
+        held = [s for s in ring.slots if s.state == SlotState.HELD]
+
+        def age(slot: Slot) -> int:
+            return max((newest.get(r, -1) - slot.seq for r in slot.holders), default=0)
+
+        oldest = max((age(s) for s in held), default=0)
+        depth = self.config.slots + 2
+        if oldest < max(depth, 2 * self.ring_warned):
+            return
+        self.ring_warned = oldest
+        live = [
+            s
+            for s in ring.slots
+            if s.state != SlotState.RETIRED and (not s.pooled or s.state == SlotState.HELD)
+        ]
+        held_text = [
+            f"batch {s.seq} by rank(s) {sorted(s.holders)}"
+            for s in sorted(held, key=lambda s: s.seq)
+            if age(s) >= depth
+        ]
+        log.warning(
+            "shmloader: the ring of group %s on this node grew to %d slots (%s): a rank holds a "
+            "batch %d batches older than the newest it took, past its depth of "
+            "%d (SHMLOADER_SLOTS=%d + the batch in use + one being released): still held: %s. "
+            "A rank keeps parts of "
+            "old batches alive (a metric keeping a tensor, a prefetch queue): keep .clone() "
+            "copies of what you keep (leaves of at most %d bytes already are copies), or raise "
+            "SHMLOADER_SLOTS to the batches a rank keeps in flight",
+            list(self.topo.ranks) if self.topo else "?",
+            len(live),
+            human_bytes(ring.total_bytes),
+            oldest,
+            depth,
+            self.config.slots,
+            "; ".join(held_text),
+            self.config.small_copy_bytes,
+        )
+
+    def tell_readers(self, parts: list, *, best_effort: bool = False) -> None:
+        """Publish to every reader at once; a reader gone without BYE raises after.
+
+        NOTE [one announcement] (``channel``): one send whatever the group's
+        size; a reader whose socket closed shows in ``hub.left``. Slots the
+        ring retired since the last message are announced first (RETIRE,
+        NOTE [retired slots] in ``ring``).
+        """
+        for name in self.ring.take_retired():
+            self.hub.publish(wire.frames(Kind.RETIRE, seg=name))
+        self.hub.publish(parts)
+        lost = self.settle_left()
+        if lost is not None and not best_effort:
+            raise lost
+
+    def settle_left(self) -> PeerLostError | None:
+        """Readers whose socket closed: a goodbye, or lost (then dropped and returned).
+
+        A reader that said BYE and left is not lost: its BYE travels on the
+        other socket and may trail the unsubscription that shows it left, so
+        each is given ``BYE_GRACE_S`` for it. Either way it is dropped, and
+        the slots it held are free again.
+        """
+        lost: PeerLostError | None = None
+        for rank in sorted(self.hub.left - self.gone):
+            deadline = time.monotonic() + BYE_GRACE_S
+            self.pump()
+            while rank not in self.gone and time.monotonic() < deadline:
+                if (got := self.hub.receive(0.02)) is not None:
+                    self.handle(*got)
+            if rank not in self.gone:
+                self.drop_reader(rank)
+                lost = lost or PeerLostError(
+                    rank, self.topo.role(rank), "its socket closed without a BYE"
+                )
+        return lost
+
+    def drop_reader(self, rank: int) -> None:
+        """``rank`` said BYE or is unreachable: stop waiting for it and sending to it."""
+        self.gone.add(rank)
+        assert self.ring is not None
+        self.ring.drop_reader(rank)
+
+    def handle(self, msg: wire.Message | None, rank: int | None) -> bool:
+        """Apply one reader message to the writer's state; never raises on bad input."""
+        ring = self.ring
+        assert ring is not None
+        if msg is None:  # a reader's subscription came or went: the hub tracks it
+            return False
+        if rank not in self.acked:
+            log.warning("shmloader: message from rank %s, which is not a reader here", rank)
+            return False
+        try:
+            if msg.kind == Kind.HELLO:
+                self.hello.add(rank)
+            elif msg.kind == Kind.ACK:
+                self.acked[rank] = max(self.acked[rank], msg.seq + 1)
+            elif msg.kind == Kind.RELEASE:
+                ring.release(rank, msg["slot"], msg["gen"], msg.seq)
+            elif msg.kind == Kind.ATTACHED:
+                ring.attached(rank, msg["seg"])
+            elif msg.kind == Kind.BYE:
+                self.drop_reader(rank)
+            else:
+                raise ProtocolError(f"{msg.kind.name} is not a reader's message")
+        except ProtocolError as exc:
+            log.warning("shmloader: dropped a message from rank %d: %s", rank, exc)
+        return False
+
+    def pump(self) -> None:
+        """Apply every message already waiting, and our own releases (node leader)."""
+        assert self.hub is not None and self.ring is not None
+        while (got := self.hub.receive(0)) is not None:
+            self.handle(*got)
+        while self.self_releases:
+            index, gen, seq = self.self_releases.popleft()
+            with contextlib.suppress(ProtocolError):
+                self.ring.release(self.topo.me, index, gen, seq)
+
+    def wait_for(self, waiting: Callable[[], list[int]], timeout: float, doing: str) -> None:
+        """Handle reader messages until ``waiting()`` is empty (NOTE [bounded waits], channel)."""
+        hub = self.hub
+        assert hub is not None
+        self.pump()
+        if not waiting():
+            return
+
+        def handle(msg: wire.Message, rank: int | None) -> bool:
+            self.handle(msg, rank)
+            return not waiting()
+
+        t0 = time.perf_counter()
+        peers = self.topo.peer
+        # once a slice: close() from another thread ends the wait (NOTE [close from any
+        # thread] in roles); a test's bare context has no gate
+        idle = getattr(self.ctx, "check_open", None)
+        hub.wait(
+            handle, lambda: [peers(r) for r in waiting()], timeout=timeout, doing=doing, idle=idle
+        )
+        self.ctx.stats.counts["wait_readers_ms_total"] += (time.perf_counter() - t0) * 1e3
+
+    def await_readers(self, *, window: bool = True, timeout: float | None = None) -> None:
+        """Wait until every reader said HELLO and (``window``) none lags ``slots`` behind."""
+        topo = self.topo
+        assert topo is not None
+        slots = self.config.slots
+
+        def waiting() -> list[int]:
+            # A reader whose socket closed is not waited for (it will take no batch):
+            # settle_left takes its trailing BYE, or names it lost, right after.
+            live = [r for r in topo.readers if r not in self.gone and r not in self.hub.left]
+            # NOTE [one announcement] (channel): arrived = HELLO and subscribed
+            late = [r for r in live if r not in self.hello or r not in self.hub.subscribed]
+            if late or not window:
+                return late
+            return [r for r in live if self.seq - self.acked[r] >= slots]
+
+        self.wait_for(
+            waiting,
+            self.config.timeout if timeout is None else timeout,
+            f"waiting for followers to take batch {self.seq}",
+        )
+        lost = self.settle_left()  # before anything is acquired: a goodbye frees its slots
+        if lost is not None:
+            raise lost
+
+    def await_attach(self) -> None:
+        """Before unlinking at close: let readers open the segments they were told about.
+
+        A reader maps a slot by name, so a name unlinked before a lagging
+        reader opened it would make that reader fail. Bounded by
+        ``CLOSE_WAIT_S``; readers that said BYE or died are not waited for.
+        """
+        ring = self.ring
+        assert ring is not None
+        try:
+            self.wait_for(
+                lambda: sorted(ring.unattached() - self.gone - self.hub.left),
+                min(self.config.timeout, CLOSE_WAIT_S),
+                "closing: waiting for followers to map the last batches",
+            )
+        except PeerLostError as exc:
+            log.warning("shmloader: closing without every follower's last batch: %s", exc)
+
+    def say_closed(self, it: int) -> None:
+        """At close: let readers map what they were told about, then STOP (closed); never raises."""
+        with contextlib.suppress(Exception):
+            self.await_attach()
+            stop = self.stamped(Kind.STOP, it, reason="the writer closed", closed=1)
+            self.tell_readers(stop, best_effort=True)

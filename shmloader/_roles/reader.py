@@ -1,0 +1,116 @@
+"""What a reader does (each follower, and a node leader towards the leader).
+
+A reader checks every message's stamp against its own position
+(NOTE [iteration numbers] in ``cursor``) and delivers a batch::
+
+    stamp (it, epoch, pos) == mine     -> deliver: decode views, mirror RNG draws
+    another (epoch, pos), a later it   -> diverged: DivergenceError naming both
+    STOP                               -> stopped: LeaderStoppedError
+    an earlier it (this rank left it)  -> left_behind: warn once, go on
+
+It reads the ``Cursor`` (where this rank left an iteration) and, at
+delivery, moves it one batch and captures the step boundary's RNG; it
+counts what it received in ``RankStats``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from .._proto import codec
+from ..errors import DivergenceError, LeaderStoppedError
+from . import rng
+from .base import Context, _owned_copy, log
+from .topology import GroupTopology
+
+
+class Reader:
+    """Stamp checks and delivery shared by followers and node leaders."""
+
+    def __init__(self, ctx: Context, topo: GroupTopology) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+        self.topo = topo
+
+    def diverged(
+        self, how: str, theirs: tuple[int, int, int], mine: tuple[int, int, int]
+    ) -> DivergenceError:
+        """NOTE [iteration numbers] (``cursor``): this rank and its writer iterate differently."""
+        what = {
+            "left": (
+                f"the leader left iteration {mine[0]} after {mine[2]} batches and went on to "
+                f"iteration {theirs[0]}, while this rank still asked for batch {mine[2]} "
+                "(one rank broke out of its loop, another did not)"
+            ),
+            "ended": (
+                f"the leader's epoch ended after {theirs[2]} batches, while this rank "
+                f"received {mine[2]}"
+            ),
+            "batch": (
+                f"the leader sent batch {theirs[2]} of epoch {theirs[1]}, while this rank "
+                f"expected batch {mine[2]} of epoch {mine[1]} (a set_epoch() or "
+                "load_state_dict() made on some ranks only?)"
+            ),
+        }[how]
+        topo = self.topo
+        return DivergenceError(
+            what,
+            rank=topo.me if topo else None,
+            leader_rank=topo.leader if topo else None,
+            leader_position=theirs,
+            position=mine,
+        )
+
+    def stopped(
+        self, reason: str, theirs: tuple[int, int, int], mine: tuple[int, int, int]
+    ) -> LeaderStoppedError:
+        log.warning("shmloader: the leader stopped: %s", reason)
+        return LeaderStoppedError(
+            reason,
+            leader_rank=self.topo.leader if self.topo else None,
+            leader_position=theirs,
+            position=mine,
+        )
+
+    def left_behind(self, it: int, pos: int, end: bool) -> None:
+        """A message of iteration ``it``, which this rank left early: warn once, naming both."""
+        left = self.ctx.cursor.take_left(it)
+        if left is None:
+            return
+        log.warning(
+            "shmloader: rank %s left iteration %d (epoch %d) after %d batches, but the leader "
+            "went on (%s); those batches were released unused. Ranks of one group that break "
+            "out of an epoch must break at the same point, or they train on different batches",
+            self.topo.me if self.topo else "?",
+            it,
+            left[0],
+            left[1],
+            f"its epoch ended after {pos} batches" if end else f"it sent batch {pos}",
+        )
+
+    def deliver(self, meta: bytes, payload: np.ndarray, draws: int, t0: int) -> Any:
+        """Decode a received batch (views of ``payload``), mirror RNG draws, count it."""
+        batch = codec.decode(
+            meta,
+            payload,
+            allow_pickle=self.config.allow_pickle,
+            own_below=self.config.small_copy_bytes,
+        )
+        nbytes = payload.nbytes
+        del payload  # NOTE [small leaves] (roles): a batch of small leaves only is released here
+        if self.config.copy:
+            batch = _owned_copy(batch)
+        cursor, counts = self.ctx.cursor, self.ctx.stats.counts
+        self.ctx.boundary.capture(cursor.delivered)  # NOTE [RNG at the step boundary] (rng)
+        rng.mirror_draws(draws)
+        cursor.count()
+        elapsed = (time.perf_counter_ns() - t0) / 1e6
+        counts["received"] += 1
+        counts["bytes_received"] += nbytes
+        counts["receive_ms_total"] += elapsed
+        counts["receive_ms_last"] = elapsed
+        self.ctx.report()
+        return batch

@@ -1,0 +1,503 @@
+"""ZeroMQ signalling inside one node: the writer's ``Hub``, each reader's ``Spoke``.
+
+The writer binds a ROUTER socket at ``ipc://<private dir>/s`` and an XPUB
+socket at ``ipc://<private dir>/p``; each reader connects a DEALER whose
+routing id is ``r<rank>`` and a SUB. Messages are the ``wire`` module's
+frames; payload never travels here::
+
+    writer (Hub)                               reader (Spoke)
+    ------------                               --------------
+    XPUB  ----BATCH/END/ERROR/STOP, once------>  SUB   (every reader of the node)
+          <---subscribe "" and "\xffr<rank>"--        (at connect; unsubscribe at close)
+    ROUTER <--HELLO/ACK/RELEASE/ATTACHED/BYE--  DEALER (routing id r<rank>)
+
+NOTE [one announcement]
+    A writer's messages are the same for every reader, so they are published
+    once on the XPUB instead of sent once per reader: the writer's cost per
+    batch does not grow with the group. What is per reader (its HELLO, ACKs,
+    releases, BYE) stays on the ROUTER. Two rules keep the guarantees a
+    per-reader send gave:
+
+    - *Nobody misses a message.* A publication reaches only subscriptions
+      the XPUB has already processed. Each reader subscribes to everything
+      and to its own marker topic ``\xffr<rank>`` (no message starts with
+      ``\xff``); the XPUB hands each marker up when it took it, and the
+      writer counts a reader as arrived only once it has both the reader's
+      HELLO and its marker (``Hub.subscribed``). The writer publishes only
+      after every live reader arrived (``_await_readers``).
+    - *A reader that went away is noticed at once.* A reader's socket closing
+      unsubscribes its marker (``Hub.left``); the writer checks after every
+      publication, and a reader gone without BYE is lost (PeerLostError),
+      as a failed send to it was (its BYE may trail on the other socket: the
+      writer waits ``BYE_GRACE_S`` for it first).
+
+NOTE [private runtime directory]
+    Every rank makes its own directory with ``mkdtemp`` under the runtime base
+    (``$SHMLOADER_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR``, else ``/tmp``)
+    before the set-up exchange, and the exchange carries its path
+    (``RankFacts.rundir``); the ranks that do not become a writer remove
+    theirs at once. ``mkdtemp`` creates a new directory of a random name with
+    mode 0700 (``O_EXCL`` semantics), so nobody can squat it in advance (a
+    fixed ``shmloader-<uid>`` under ``/tmp`` could be) and no other user can
+    connect to its socket. A reader checks the directory it was given is a
+    real directory of our uid with mode 0700 before it connects. The name is
+    ``shml-<pid>.<start>.<pidns>-<random>`` (hex): the owner for reaping
+    (``private_dirs``; a directory of another pid namespace is never judged by pid),
+    short enough that the socket path fits ``sun_path`` under long bases.
+    Sockets and directories are removed only by the process that made them
+    (NOTE [creator-only cleanup] in ``segment``).
+
+NOTE [bounded waits]
+    No wait in shmloader is unbounded. Every blocking receive polls in slices
+    of ``SLICE_S``; between slices it checks that the peers it waits for are
+    alive (pid plus start time, see ``segment.process_alive``) and raises
+    :class:`~shmloader.errors.PeerLostError` as soon as one is dead, or once
+    the configured timeout has passed without an answer. A dead peer is thus
+    detected within about ``SLICE_S`` whatever the timeout is. Before it
+    concludes that a peer died, a wait drains what is already queued (for up
+    to ``DRAIN_S``): a peer's last word (the leader's ERROR) is handled, not
+    lost to the race between its send and its exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import re
+import stat
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+
+import zmq
+
+from .._node import cleanup, segment
+from .._node.segment import process_alive
+from .._proto.wire import Message, parse
+from ..errors import ConfigError, PeerLostError, ProtocolError
+
+log = logging.getLogger(__name__)
+
+SLICE_S = 0.2
+#: How long a wait keeps draining queued messages once a peer is seen dead.
+DRAIN_S = 0.05
+
+
+#: Prefix of private runtime directories (NOTE [private runtime directory]).
+RUNDIR_PREFIX = "shml-"
+#: File name of the writer's socket inside its private directory.
+SOCKET_NAME = "s"
+#: File name of the writer's announcement socket beside it (NOTE [one announcement]).
+ANNOUNCE_NAME = "p"
+#: Marker topics start with this byte; wire frames never do (they start with the magic).
+MARKER = b"\xff"
+#: How long a writer waits for the BYE of a reader whose socket closed.
+BYE_GRACE_S = 0.2
+#: sun_path holds 108 bytes including the terminating NUL.
+MAX_SOCKET_PATH = 107
+
+
+def runtime_base(parent: str | None) -> str:
+    """The directory private runtime directories are made in."""
+    return (
+        parent
+        or os.environ.get("SHMLOADER_RUNTIME_DIR")
+        or os.environ.get("XDG_RUNTIME_DIR")
+        or "/tmp"
+    )
+
+
+def rundir_prefix(pid: int, start: int, pidns: int) -> str:
+    """``shml-<pid>.<start>.<pidns>-`` in hex: the owner, for reaping; short for sun_path."""
+    return f"{RUNDIR_PREFIX}{pid:x}.{start:x}.{pidns:x}-"
+
+
+#: ``shml-<pid>.<start>.<pidns>-<random>``, hex (NOTE [private runtime directory]).
+RUNDIR_NAME = re.compile(
+    r"^shml-(?P<pid>[0-9a-f]{1,8})\.(?P<start>[0-9a-f]{1,16})\.(?P<pidns>[0-9a-f]{1,16})-"
+    r"[A-Za-z0-9_]{1,32}$"
+)
+
+
+def private_dirs(
+    parent: str | None = None, *, every_uid: bool = False
+) -> list[tuple[str, int, bool]]:
+    """Our private runtime directories under the base: (path, owner pid, owner alive).
+
+    Only real directories of our uid (of any uid with ``every_uid``: root's
+    node-wide reaping) with mode 0700 whose name matches ``RUNDIR_NAME``
+    count. An owner in another pid namespace counts as alive.
+    """
+    base = runtime_base(parent)
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return []
+    out = []
+    for name in sorted(names):
+        m = RUNDIR_NAME.match(name)
+        if m is None:
+            continue
+        path = os.path.join(base, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if (
+            not stat.S_ISDIR(st.st_mode)
+            or (st.st_uid != os.geteuid() and not every_uid)
+            or stat.S_IMODE(st.st_mode) & 0o077
+        ):
+            continue
+        pid, start, pidns = int(m["pid"], 16), int(m["start"], 16), int(m["pidns"], 16)
+        foreign = bool(pidns and segment.MY_PIDNS and pidns != segment.MY_PIDNS)
+        out.append((path, pid, foreign or process_alive(pid, start)))
+    return out
+
+
+def make_private_dir(parent: str | None) -> str:
+    """A new 0700 directory of a random name for this process (NOTE [private runtime directory])."""
+    base = runtime_base(parent)
+    prefix = rundir_prefix(os.getpid(), segment.MY_START, segment.MY_PIDNS)
+    try:
+        path = tempfile.mkdtemp(prefix=prefix, dir=base)
+    except OSError as exc:
+        raise ConfigError("SHMLOADER_RUNTIME_DIR", base, f"a writable directory ({exc})") from None
+    cleanup.own(directory=path)  # removed on SIGTERM (NOTE [SIGTERM] in cleanup)
+    sock = os.path.join(path, SOCKET_NAME)
+    if len(sock.encode()) > MAX_SOCKET_PATH:
+        remove_private_dir(path, os.getpid())
+        raise ConfigError(
+            "SHMLOADER_RUNTIME_DIR",
+            base,
+            f"a shorter directory: the socket path {sock} is {len(sock.encode())} bytes and "
+            f"ipc sockets take at most {MAX_SOCKET_PATH}",
+        )
+    return path
+
+
+def check_private_dir(path: str) -> None:
+    """:class:`ProtocolError` unless ``path`` is a real directory of ours with mode 0700.
+
+    ``FileNotFoundError`` when nothing is there.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise ProtocolError(f"runtime directory {path}: {exc.strerror}") from None
+    if (
+        not stat.S_ISDIR(st.st_mode)
+        or st.st_uid != os.geteuid()
+        or stat.S_IMODE(st.st_mode) & 0o077
+    ):
+        raise ProtocolError(
+            f"runtime directory {path} is not a directory of ours with mode 0700 (uid "
+            f"{st.st_uid}, mode {st.st_mode:o}); refusing to use it"
+        )
+
+
+def remove_private_dir(path: str, creator: int) -> None:
+    """Remove our socket and ``path`` itself, only in process ``creator``."""
+    if os.getpid() != creator:
+        return
+    for name in (SOCKET_NAME, ANNOUNCE_NAME):
+        with contextlib.suppress(OSError):
+            sock = os.path.join(path, name)
+            if stat.S_ISSOCK(os.lstat(sock).st_mode):
+                os.unlink(sock)
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+    cleanup.disown(directory=path)
+
+
+def socket_path(directory: str) -> str:
+    """The writer's socket in its private directory."""
+    return os.path.join(directory, SOCKET_NAME)
+
+
+def announce_path(path: str) -> str:
+    """The writer's announcement socket beside its socket ``path``."""
+    return os.path.join(os.path.dirname(path), ANNOUNCE_NAME)
+
+
+def marker(rank: int) -> bytes:
+    """The topic a reader subscribes to so that the writer sees it arrive and leave."""
+    return MARKER + b"r%d" % rank
+
+
+_context: zmq.Context | None = None
+_context_pid = -1
+
+
+def context() -> zmq.Context:
+    """One ZeroMQ context per process (re-made after fork)."""
+    global _context, _context_pid
+    if _context is None or _context_pid != os.getpid():
+        _context = zmq.Context()
+        _context_pid = os.getpid()
+    return _context
+
+
+class Peer:
+    """A process we wait on: rank, role, pid and start time.
+
+    NOTE [liveness across pid namespaces]
+        A peer in our pid namespace is alive while (pid, start time) runs. A
+        peer in another one (containers sharing ``/dev/shm`` but not pids)
+        has a pid that means nothing here; it is judged by its *life lock*
+        instead: every rank holds an exclusive ``flock`` on its probe segment
+        for as long as its loader's topology lives, and we keep a descriptor
+        of that segment (``life_fd``). ``flock(LOCK_SH | LOCK_NB)`` on it
+        fails while the owner lives and succeeds once every descriptor of the
+        owner is closed, i.e. it died. Works wherever ``/dev/shm`` is shared.
+        Without a life lock (another node) a foreign peer counts as alive and
+        the timeout bounds the wait.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        role: str,
+        pid: int,
+        start: int,
+        *,
+        pidns: int = 0,
+        life_fd: int | None = None,
+    ) -> None:
+        self.rank, self.role, self.pid, self.start = rank, role, pid, start
+        self.pidns, self.life_fd = pidns, life_fd
+
+    def alive(self) -> bool:
+        if not self.pidns or not segment.MY_PIDNS or self.pidns == segment.MY_PIDNS:
+            return process_alive(self.pid, self.start)
+        if self.life_fd is None:
+            return True
+        return life_lock_held(self.life_fd)
+
+
+def life_lock_held(fd: int) -> bool:
+    """Whether someone else holds the exclusive life lock of ``fd``'s file."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return True  # cannot tell: do not call a peer dead on a doubt
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+class _Endpoint:
+    sock: zmq.Socket
+
+    def _receive(self, timeout: float) -> list[bytes] | None:
+        if self.sock.poll(int(timeout * 1000), zmq.POLLIN):
+            return self.sock.recv_multipart(copy=True)
+        return None
+
+    def wait(
+        self,
+        handle: Callable[[Message, int | None], bool],
+        peers: Callable[[], Iterable[Peer]],
+        *,
+        timeout: float,
+        doing: str,
+        idle: Callable[[], None] | None = None,
+    ) -> None:
+        """Receive and ``handle`` messages until it returns True (NOTE [bounded waits]).
+
+        ``handle(msg, sender_rank)`` returns True when the wait is over.
+        ``peers()`` are the processes whose death ends the wait with
+        :class:`PeerLostError`. ``idle()`` runs once per slice on the waiting
+        thread (a reader flushes RELEASEs queued by other threads there).
+        """
+        deadline = time.monotonic() + timeout
+        next_check = 0.0
+        while True:
+            now = time.monotonic()
+            msg = self.receive(min(SLICE_S, max(deadline - now, 0)))
+            if msg is not None and handle(*msg):
+                return
+            if idle is not None:
+                idle()
+            now = time.monotonic()
+            if now >= next_check:  # liveness at most every slice, even under a stream
+                next_check = now + SLICE_S
+                for peer in peers():
+                    if not peer.alive():
+                        # Its last messages may be queued behind the liveness check.
+                        while (msg := self.receive(DRAIN_S)) is not None:
+                            if handle(*msg):
+                                return
+                        raise PeerLostError(
+                            peer.rank, peer.role, f"process {peer.pid} died while we were {doing}"
+                        )
+            if now >= deadline:
+                waiting = ", ".join(f"{p.role} rank {p.rank}" for p in peers())
+                raise PeerLostError(
+                    None,
+                    waiting or "peer",
+                    f"no answer for {timeout:.0f} s (SHMLOADER_TIMEOUT) while {doing}",
+                )
+
+    def receive(self, timeout: float) -> tuple[Message, int | None] | None:  # pragma: no cover
+        raise NotImplementedError
+
+
+class Hub(_Endpoint):
+    """The writer's sockets: the ROUTER readers talk to, the XPUB it announces on."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.creator = os.getpid()  # NOTE [creator-only cleanup]
+        #: Readers whose marker subscription the XPUB took, and those whose socket
+        #: closed since (NOTE [one announcement]).
+        self.subscribed: set[int] = set()
+        self.left: set[int] = set()
+        check_private_dir(os.path.dirname(path))
+        # A context of its own, terminated at close: NOTE [the last word leaves].
+        self._ctx = zmq.Context()
+        self.sock = self._ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDTIMEO, 1000)
+        self.sock.bind(f"ipc://{path}")
+        os.chmod(path, 0o600)
+        self.pub = self._ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.SNDHWM, 0)  # never drop: the window rule bounds the queue
+        self.pub.setsockopt(zmq.LINGER, 0)
+        pub = announce_path(path)
+        self.pub.bind(f"ipc://{pub}")
+        os.chmod(pub, 0o600)
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._poller.register(self.pub, zmq.POLLIN)
+
+    def publish(self, parts: list) -> None:
+        """Send ``parts`` to every subscribed reader at once (NOTE [one announcement])."""
+        self.pub.send_multipart(parts)
+        self.events()
+
+    def events(self) -> bool:
+        """Take the XPUB's (un)subscriptions now; whether any reader arrived or left."""
+        changed = False
+        while self.pub.get(zmq.EVENTS) & zmq.POLLIN:  # cheaper than a recv that fails
+            raw = self.pub.recv(zmq.NOBLOCK)
+            rank = _marker_rank(raw[1:])
+            if rank is None or raw[:1] not in (b"\x00", b"\x01"):
+                continue  # the everything subscription, or a stranger's topic: no one to track
+            changed = True
+            if raw[:1] == b"\x01":
+                self.subscribed.add(rank)
+                self.left.discard(rank)
+            else:
+                self.subscribed.discard(rank)
+                self.left.add(rank)
+        return changed
+
+    def receive(self, timeout: float) -> tuple[Message | None, int | None] | None:
+        """The next reader message, or ``(None, None)`` when a reader arrived or left."""
+        if self.sock.closed:  # as a closed socket's own poll would (zmq's poller would hang)
+            raise zmq.ZMQError(zmq.ENOTSOCK)
+        while True:
+            ready = dict(self._poller.poll(int(timeout * 1000)))
+            timeout = 0
+            if not ready:
+                return None
+            if self.pub in ready and self.events():
+                return None, None
+            if self.sock in ready:
+                got = self._parse(self.sock.recv_multipart(copy=True))
+                if got is not None:
+                    return got
+
+    def _parse(self, raw: list[bytes]) -> tuple[Message, int | None] | None:
+        ident, parts = raw[0], raw[1:]
+        try:
+            if not ident.startswith(b"r") or not ident[1:].isdigit():
+                raise ProtocolError(f"unknown routing id {ident[:20]!r}")
+            rank = int(ident[1:])
+            msg = parse(parts)
+            if msg.body.get("rank", rank) != rank:
+                raise ProtocolError(f"message from r{rank} claims rank {msg.body.get('rank')}")
+        except ProtocolError as exc:
+            log.warning("shmloader: dropped a malformed message: %s", exc)
+            return None
+        return msg, rank
+
+    def close(self) -> None:
+        """Close the sockets and remove them and their directory; a no-op in a forked child.
+
+        NOTE [the last word leaves]
+            A socket's ``close`` only hands its queue to ZeroMQ's I/O thread,
+            and pyzmq never terminates a context at interpreter exit, so a
+            writer whose process ends right after ``close()`` (a fast exit,
+            ``os._exit`` in a forked process) could take its last END or STOP
+            with it: the reader then sees the writer dead instead of the end
+            of the epoch. The hub's sockets have a context of their own, and
+            ``close()`` terminates it: it returns once the queue has left,
+            or after the 500 ms linger at most.
+        """
+        if os.getpid() != self.creator:
+            return  # the parent's socket and files are not ours to touch
+        self.pub.close(linger=500)  # let a last END/STOP leave; bounded
+        self.sock.close(linger=500)
+        self._ctx.term()  # returns when both queues left, or the linger ran out
+        remove_private_dir(os.path.dirname(self.path), self.creator)
+
+
+def _marker_rank(topic: bytes) -> int | None:
+    if not topic.startswith(MARKER + b"r") or not topic[2:].isdigit() or len(topic) > 12:
+        return None
+    return int(topic[2:])
+
+
+class Spoke(_Endpoint):
+    """A reader's sockets: the DEALER it talks to the writer on, the SUB it hears it on."""
+
+    def __init__(self, path: str, rank: int) -> None:
+        # Gone already (a writer that failed and closed first) is not an error
+        # here: ZeroMQ connects lazily and the wait's liveness check reports it.
+        with contextlib.suppress(FileNotFoundError):
+            check_private_dir(os.path.dirname(path))
+        self.creator = os.getpid()
+        self.sock = context().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.ROUTING_ID, b"r%d" % rank)
+        self.sock.setsockopt(zmq.LINGER, 500)
+        self.sock.setsockopt(zmq.SNDTIMEO, 1000)
+        self.sock.connect(f"ipc://{path}")
+        self.sub = context().socket(zmq.SUB)
+        self.sub.setsockopt(zmq.RCVHWM, 0)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.setsockopt(zmq.SUBSCRIBE, marker(rank))  # NOTE [one announcement]
+        self.sub.connect(f"ipc://{announce_path(path)}")
+
+    def _receive(self, timeout: float) -> list[bytes] | None:
+        if self.sub.poll(int(timeout * 1000), zmq.POLLIN):
+            return self.sub.recv_multipart(copy=True)
+        return None
+
+    def send(self, parts: list) -> None:
+        try:
+            self.sock.send_multipart(parts)
+        except zmq.Again:
+            log.warning("shmloader: the writer did not take a message within 1 s; dropped it")
+
+    def receive(self, timeout: float) -> tuple[Message, int | None] | None:
+        while (raw := self._receive(timeout)) is not None:
+            timeout = 0
+            try:
+                return parse(raw), None
+            except ProtocolError as exc:
+                log.warning("shmloader: dropped a malformed message: %s", exc)
+        return None
+
+    def close(self) -> None:
+        if os.getpid() == self.creator:  # NOTE [creator-only cleanup]
+            self.sock.close()
+            self.sub.close()

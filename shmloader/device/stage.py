@@ -1,0 +1,838 @@
+"""Device delivery: every tensor of a delivered batch arrives on the GPU.
+
+``ShmLoader(..., device="cuda", select=...)`` wraps the delivered-batch
+iterator of every role (local, leader, node leader, follower) in one
+:class:`DeviceStage`; the roles' loops do not change. The stage runs in the
+consuming thread (no background thread: a follower's ZeroMQ socket belongs to
+the thread that iterates, and releases are sent from it, NOTE [prompt release]
+in ``follower``). Three modules: this one (which GPU, the stage, the walk over
+a batch's containers), ``cudaops`` (the ``DeviceOps`` seam and its CUDA
+implementation) and ``hostmem`` (the page-locked host memory copies read:
+registered slots, staging buffers).
+
+One ``next()`` on a CUDA rank::
+
+    reap      poll the end event of every copy whose CPU leaves still hold a slot;
+              completed: drop the leaves -> weakref.finalize -> RELEASE (slot FREE),
+              give its staging buffer back
+    pull      while fewer than 1 + prefetch batches are queued:
+                bound: at most 1 + prefetch copies in flight (NOTE [copies in flight])
+                cpu = select(next(inner)[, step=k])  shared CPU views, HOLDING their slots
+                on the side stream:
+                  per tensor leaf: slot = ring.view_source(ptr)
+                                   mapping = registered read-only MAP_SHARED map of slot
+                                             (made and cudaHostRegister'ed once per slot)
+                                   or the leaf itself, when it is pinned already,
+                                   or, else: into a reused pinned staging buffer
+                  start event (NOTE [copy timing])
+                  per leaf:        device bytes <- mapping, leaf or staging  (async DMA)
+                end event; keep the CPU leaves until the end event completes
+    reap      again (copies issued a step ago have usually completed)
+    hand over the oldest: current stream waits for its end event (no host sync),
+              record_stream(current) on its tensors; return it
+
+Life of one batch in the stage (zero is invalid, as for slots)::
+
+        pull + issue copies          end event completed (polled)
+    PULLED ------------------> COPYING -----------------------------> COPIED
+                                  |      CPU leaves dropped: the slot is RELEASEd
+                                  |
+                                  +-- hand-over may happen in COPYING or COPIED:
+                                      the consumer stream waits on the event
+
+So a GPU consumer holds ring memory for one copy's duration (plus at most one
+step until the next poll), not for as long as it keeps the batch: the device
+tensors own their memory.
+
+NOTE [checkpoints under prefetch]
+    The stage pulls up to ``prefetch`` batches before the user asks for them,
+    and pulling runs the role's loop: the loader steps, the loop counts, a
+    follower mirrors the leader's RNG draws. ``ShmLoader.state_dict()`` must
+    still describe the last batch *handed over*, so that a resume delivers
+    the pulled-but-undelivered batches again:
+
+    - position: ``position()`` is snapshotted right after each pull (cursor,
+      end of epoch, a stateful loader's state and its state at the step
+      boundary) and travels with the batch; handing the batch over makes its
+      snapshot ``self.position``, what ``state_dict()`` reads;
+    - RNG: the capture at a step's first micro-batch (NOTE [RNG at the step
+      boundary] in ``rng``) happens in ``request()``, at the user's
+      ``next()``, not where the loop pulls (that is up to ``prefetch``
+      batches earlier, before the user's own draws for the batches between).
+
+    A resumed stage pulls the batches after the cursor back to back, without
+    the user's draws in between: the loader's draws from the default
+    generators must not depend on that order. They do not for a DataLoader
+    (draws at ``iter()`` only, before the first pull) nor with workers; they
+    do for randomness drawn per batch in the main process (``num_workers=0``
+    with random augmentation in the dataset or ``collate_fn``), which a
+    resume under prefetch cannot replay exactly: give it its own generator.
+
+NOTE [device memory reuse]
+    Device memory of each batch is allocated on the side stream (where the
+    copy writes it) and, when the batch is handed over, ``record_stream``-ed
+    on the consumer's current stream: when the user drops the batch, the
+    caching allocator reuses the block only after the consumer-stream work
+    queued until then has finished, so no later copy overwrites memory a
+    kernel still reads. Chosen over a ring of device buffers because batch
+    shapes vary (packed sequences, ``select``) and the allocator already
+    recycles blocks by size; a buffer ring would need sizing and a second
+    hand-back protocol. Chosen by reasoning, not by measurement (no GPU
+    here): ``python -m benchmarks.gpu`` watches device memory for growth,
+    and ``tests/gpu`` checks that a batch dropped under a queued kernel
+    keeps its bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy as copy_module
+import dataclasses
+import inspect
+import itertools
+import logging
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..config import _DEVICE_ACCEPTED, valid_device
+from ..errors import ConfigError, ShmLoaderError
+from .cuda import (  # noqa: F401  (the device seam, importable from here as before)
+    HOST_REGISTER_FLAGS,
+    CudaOps,
+    DeviceOps,
+    _Cudart,
+    _mapped_cudarts,
+    pick_cudart,
+)
+from .registrar import STAGING_BUFFERS, Registrar, Staging, _Mapping  # noqa: F401
+
+log = logging.getLogger(__name__)
+
+#: A non-contiguous tensor is copied as this many contiguous blocks at most;
+#: beyond it, it is made contiguous on the host and copied from there.
+MAX_BLOCKS = 64
+
+_warned_pin = False
+
+
+# ----------------------------------------------------------------- devices
+
+
+def resolve(
+    spec: str | torch.device | None,
+    default: str = "cpu",
+    *,
+    cuda: Any = None,
+    environ: Mapping[str, str] | None = None,
+) -> torch.device | None:
+    """The CUDA device batches go to, or None for host delivery (NOTE [which GPU]).
+
+    ``spec`` None means ``default`` (``Config.device``). ``auto`` is ``cuda``
+    when ``torch.cuda.is_available()``, else host delivery. ``cuda:N`` is
+    device N. ``cuda`` is this rank's GPU: the current device when the script
+    made one other than 0 current, else ``cuda:$LOCAL_RANK``. Raises
+    ``ConfigError`` for a bad value, a CUDA device this rank does not have,
+    or a ``LOCAL_RANK`` beyond the visible GPUs. ``cuda`` and ``environ``
+    stand in for ``torch.cuda`` and ``os.environ`` (tests).
+    """
+    cuda = torch.cuda if cuda is None else cuda
+    environ = os.environ if environ is None else environ
+    value = default if spec is None else spec
+    if isinstance(value, torch.device):
+        value = str(value)
+    if not valid_device(value):
+        raise ConfigError("device", value, _DEVICE_ACCEPTED)
+    if value == "cpu":
+        return None
+    if value == "auto":
+        if not cuda.is_available():
+            return None
+        value = "cuda"
+    if not cuda.is_available():
+        raise ConfigError(
+            "device",
+            value,
+            "'cpu' or 'auto' on this rank: torch.cuda.is_available() is False "
+            "('auto' delivers on the GPU where there is one and in host memory elsewhere)",
+        )
+    count = cuda.device_count()
+    if value == "cuda":
+        return torch.device("cuda", _this_ranks_gpu(cuda.current_device(), count, environ))
+    index = int(value.partition(":")[2])
+    if index >= count:
+        raise ConfigError("device", value, f"a CUDA device index below {count}")
+    return torch.device("cuda", index)
+
+
+def _this_ranks_gpu(current: int, count: int, environ: Mapping[str, str]) -> int:
+    """``device="cuda"`` on one rank.
+
+    NOTE [which GPU]
+        ``device="cuda"`` means this rank's GPU. torch keeps no trace of a
+        ``torch.cuda.set_device`` call but the current device, and a script
+        that set nothing sees ``cuda:0``. So:
+
+        - a current device other than 0 is the script's (or its framework's)
+          choice and wins: Lightning's ``Trainer(devices=[2, 3])`` makes
+          ``cuda:2``/``cuda:3`` current in DDP children whose ``LOCAL_RANK``
+          is 0/1; ``set_device(local_rank + 4)`` uses half a node;
+        - current device 0 means ``cuda:$LOCAL_RANK`` when ``LOCAL_RANK`` is
+          below ``device_count()`` (torchrun, no ``set_device``); without
+          ``LOCAL_RANK`` (no launcher) ``cuda:0``; with ``LOCAL_RANK`` at or
+          beyond the count ``cuda:0`` when one GPU is visible
+          (``CUDA_VISIBLE_DEVICES`` per rank), else a ``ConfigError`` (more
+          ranks on the node than GPUs).
+
+        What this cannot tell apart: a script that makes ``cuda:0`` current
+        on a rank whose ``LOCAL_RANK`` is not 0 (``devices=[1, 0]``) gets
+        ``cuda:$LOCAL_RANK``; it says ``device="cuda:0"`` (an explicit index
+        is taken as it is).
+    """
+    if current != 0:
+        return current  # the script's choice
+    raw = environ.get("LOCAL_RANK", "").strip()
+    try:
+        local = int(raw) if raw else None
+    except ValueError:
+        local = None
+    if local is None or local < 0:
+        return 0  # not under a launcher that says
+    if local < count:
+        return local
+    if count == 1:
+        return 0  # one visible GPU per rank (CUDA_VISIBLE_DEVICES)
+    raise ConfigError(
+        "device",
+        "cuda",
+        f"one GPU for this rank, but LOCAL_RANK={local} and this rank sees only {count} CUDA "
+        "devices (more ranks on the node than GPUs?). Give each rank its own GPU "
+        "(CUDA_VISIBLE_DEVICES, or torch.cuda.set_device before ShmLoader), or pass "
+        "device='cuda:N'",
+    )
+
+
+def warn_pin_memory(loader: object, pool: object = None) -> bool:
+    """Say once (per process) that ``pin_memory=True`` is wasted work on the device path.
+
+    Only where the pin thread really copies batches: with the worker pool
+    (``pool`` not None) the leader's DataLoader yields slot references, which
+    torch's pin thread passes through untouched.
+    """
+    global _warned_pin
+    if getattr(loader, "pin_memory", False) is not True or _warned_pin or pool is not None:
+        return False
+    _warned_pin = True
+    log.warning(
+        "shmloader: the leader's DataLoader has pin_memory=True, but with device= the batch "
+        "goes to the GPU from the page-locked ring, never from the loader's pinned copy: the "
+        "pin thread copies every batch for nothing (about 220 ms per 256 MiB). "
+        "Fix: DataLoader(..., pin_memory=False)"
+    )
+    return True
+
+
+# ------------------------------------------------------------------- stage
+
+
+@dataclass(eq=False)
+class _Copy:
+    """The copies of one batch: what they read and the CPU leaves that hold its slots."""
+
+    start: Any = None
+    end: Any = None  # None after a failure left no event to wait for (NOTE [errors in the copy])
+    keep: list[torch.Tensor] = field(default_factory=list)  # CPU leaves: they HOLD the slots
+    nbytes: int = 0
+    maps: list[_Mapping] = field(default_factory=list)
+    staged: torch.Tensor | None = None  # the staging buffer its staged leaves are read from
+
+
+@dataclass(eq=False)
+class _Plan:
+    """One leaf's copy: device memory, and page-locked views or a host tensor to stage."""
+
+    dst: torch.Tensor
+    sources: list[torch.Tensor]
+    host: torch.Tensor | None  # set: no page-locked memory holds it; staged first
+
+
+@dataclass(eq=False)
+class _Ready:
+    batch: Any
+    end: Any
+    tensors: list[torch.Tensor]
+    position: Any
+
+
+class DeviceStage:
+    """``select`` and, on a CUDA device, prefetch to the device for one ``ShmLoader``.
+
+    ``device`` is a CUDA ``torch.device``, a :class:`DeviceOps` (the seam), or
+    None for host delivery (then only ``select`` applies).
+
+    NOTE [select]
+        ``select(batch)`` runs on the shared CPU view before any copy, on
+        every path (CPU delivery too), so a script behaves the same without
+        a GPU. It must return views (slicing is free) and must not write
+        into the batch: the copy reads the slot through the registered
+        mapping, which does not see the rank's private in-place writes.
+
+        When it runs: on host delivery at the user's ``next()``; on a device
+        it must run before the copy (it decides what is copied), i.e. when
+        the batch is pulled, up to ``prefetch`` batches before the user's
+        ``next()`` for it. A ``select`` that reads per-step state of the
+        script (a curriculum, a step-keyed shard) would see an earlier step
+        there; so a ``select`` with a parameter named ``step`` is called as
+        ``select(batch, step=k)``, ``k`` the batch's position in its epoch
+        (0 for an epoch's first batch, micro-batches counted, the same on
+        every rank of the group and after a resume): the step it is for,
+        on every path. Read the step from that argument, not from state the
+        training loop updates.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | DeviceOps | None,
+        *,
+        select: Callable[..., Any] | None = None,
+        prefetch: int = 2,
+    ) -> None:
+        if select is not None and not callable(select):
+            raise ConfigError("select", select, "None or a callable taking and returning a batch")
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 1:
+            raise ConfigError("prefetch", prefetch, "an integer >= 1")
+        self.select = select
+        self._select_step = _takes_step(select)
+        self.prefetch = prefetch
+        self._ops: DeviceOps | None
+        if isinstance(device, DeviceOps):
+            self._ops = device
+        elif device is not None:
+            self._ops = CudaOps(device)
+        else:
+            self._ops = None
+        self.device = self._ops.device if self._ops is not None else None
+        self._registrar = Registrar(self._ops) if self._ops is not None else None
+        self._staging = Staging(self._ops) if self._ops is not None else None
+        self._inflight: list[_Copy] = []  # copies whose CPU leaves still hold slots, in order
+        self._stats: collections.Counter = collections.Counter()
+        self._closed = False
+        #: batches pulled from the role's iterator and not yet handed to the user
+        self.ahead = 0
+        #: what ``position()`` returned when the last handed-over batch was pulled
+        self.position: Any = None
+
+    @property
+    def on_device(self) -> bool:
+        return self._ops is not None
+
+    def wrap(
+        self,
+        inner: Iterator[Any],
+        position: Callable[[], Any] | None = None,
+        request: Callable[[], None] | None = None,
+        settled: Callable[[], None] | None = None,
+        *,
+        start: int = 0,
+    ) -> Iterator[Any]:
+        """Iterate ``inner`` through ``select`` and, on a device, the prefetcher.
+
+        ``position()`` is called after every pull and at the end, so that
+        the loader can report where the *user* is, not the stage; until the
+        first hand-over ``self.position`` stays None (nothing handed over yet:
+        the loop's own position is the user's). Not at the start: asking a
+        loader for its state before ``iter()`` may open it (torchdata's
+        ``StatefulDataLoader`` does, drawing a base seed). ``request()`` is
+        called at every ``next()`` of the user, before the stage pulls
+        anything for it (NOTE [checkpoints under prefetch]). ``settled()``
+        is called once the iteration is over and its copies have settled (the
+        counters of ``stats()`` are final for it). ``start`` is the epoch
+        position of ``inner``'s first batch (the ``step`` of NOTE [select]).
+        """
+        if self._closed:
+            raise ShmLoaderError("this ShmLoader is closed; make a new one")
+        if self._ops is None:
+            return self._host(inner, start)
+        return self._prefetching(inner, position, request, settled, start)
+
+    def _select(self, batch: Any, step: int) -> Any:
+        if self.select is None:
+            return batch
+        if self._select_step:
+            return self.select(batch, step=step)
+        return self.select(batch)
+
+    def _host(self, inner: Iterator[Any], start: int) -> Iterator[Any]:
+        step = start
+        while True:
+            box = []  # NOTE [no batch in the frame] (roles)
+            try:
+                box.append(next(inner))
+            except StopIteration:
+                return
+            step += 1
+            yield self._select(box.pop(), step - 1)
+
+    def _prefetching(
+        self,
+        inner: Iterator[Any],
+        position: Callable[[], Any] | None,
+        request: Callable[[], None] | None,
+        settled: Callable[[], None] | None,
+        start: int,
+    ) -> Iterator[Any]:
+        queue: collections.deque[_Ready] = collections.deque()
+        error: Exception | None = None
+        done = False
+        end_position: Any = None
+        step = start  # the epoch position of the next batch pulled
+        self.position = None
+        try:
+            while True:  # one turn per next() of the user
+                if self._closed:
+                    raise ShmLoaderError("this ShmLoader was closed while iterating")
+                if request is not None:
+                    request()  # before this turn's pulls draw anything
+                self._reap()  # free slots first: the writer may need them for what we pull
+                # Errors wait behind the batches already pulled, as on the host path.
+                while not done and error is None and len(queue) <= self.prefetch:
+                    try:
+                        self._bound()
+                        queue.append(self._start(next(inner), position, step))
+                        step += 1
+                    except StopIteration:
+                        done = True
+                        end_position = position() if position is not None else None
+                    except Exception as exc:
+                        error = exc
+                self.ahead = len(queue)
+                self._reap()
+                if not queue:
+                    if error is not None:
+                        raise error
+                    if position is not None:
+                        self.position = end_position
+                    return
+                self.ahead = len(queue) - 1
+                yield self._hand_over(queue.popleft())
+        finally:
+            self.ahead = 0
+            queue.clear()
+            with contextlib.suppress(Exception):
+                inner.close()  # type: ignore[attr-defined]
+            self._settle()
+            if settled is not None:
+                settled()
+
+    def _bound(self) -> None:
+        """Wait for the oldest copies beyond ``prefetch`` in flight, before pulling one more.
+
+        NOTE [copies in flight]
+            At most ``prefetch + 1`` batches' copies are in flight at any
+            time: before each pull the stage waits (host) for the oldest
+            beyond ``prefetch``. Copies run on the side stream, which never
+            waits for the step's compute, so they lag only when the DMA
+            itself is slower than the steps, and the wait is the
+            back-pressure. What it bounds: ring slots held for copies (at
+            most ``prefetch`` while the writer fills the next, so a ring of
+            ``prefetch + 1`` slots serves a GPU rank alone) and, with
+            ``hostmem.STAGING_BUFFERS``, page-locked staging memory.
+        """
+        while len(self._inflight) > self.prefetch:
+            self._wait_oldest(lambda copy: True)
+            self._stats["device_copy_waits"] += 1
+
+    def _wait_oldest(self, which: Callable[[_Copy], bool]) -> bool:
+        """Wait (host) for the oldest copy in flight that ``which`` picks and finish it."""
+        ops = self._ops
+        assert ops is not None
+        for k, copy in enumerate(self._inflight):
+            if which(copy):
+                if copy.end is not None:
+                    ops.synchronize(copy.end)
+                del self._inflight[k]
+                self._finish(copy)
+                return True
+        return False
+
+    def _start(self, batch: Any, position: Callable[[], Any] | None, step: int) -> _Ready:
+        """Issue the copies of one pulled batch on the side stream.
+
+        Everything per leaf that is host work (finding and registering its
+        slot, allocating device memory, staging what no page-locked memory
+        holds) comes first; the start event is recorded right before the
+        first copy.
+
+        NOTE [copy timing]
+            The start event is recorded right before the batch's first
+            copy, after the host work for it (finding and registering slots,
+            allocating device memory, staging): ``device_copy_ms_total``
+            times the copies, not Python.
+        """
+        ops = self._ops
+        assert ops is not None
+        batch = self._select(batch, step)
+        copy = _Copy()
+        tensors: list[torch.Tensor] = []
+        plans: list[_Plan] = []
+        with ops.side():
+            try:
+                out = _map_tensors(batch, lambda t: self._plan(t, copy, plans, tensors), {})
+                del batch  # the leaves in copy.keep hold the slots, not the container
+                self._stage(plans, copy)
+                copy.start = ops.record()
+                for plan in plans:
+                    at = 0
+                    for src in plan.sources:
+                        n = src.numel()
+                        ops.copy(plan.dst[at : at + n], src)
+                        at += n
+            except BaseException as exc:
+                self._end(copy, exc)
+                raise
+            self._end(copy, None)
+        where = position() if position is not None else None
+        return _Ready(out, copy.end, tensors, where)
+
+    def _end(self, copy: _Copy, failure: BaseException | None) -> None:
+        """Record the batch's events and count it in flight, even after a failure.
+
+        NOTE [errors in the copy]
+            A batch whose copy failed midway is reaped like any other: its
+            copies issued so far may still run, so its end event is
+            recorded and its leaves are kept until it completes. After a
+            sticky CUDA error (an illegal address, say) every later CUDA
+            call fails too, recording that event included: the original
+            exception is the one raised, with the recording's failure added
+            as a note, and the batch, with no event to wait for, counts as
+            completed (the failed context runs no more copies).
+        """
+        ops = self._ops
+        assert ops is not None
+        try:
+            if copy.start is None:
+                copy.start = ops.record()
+            copy.end = ops.record()
+        except Exception as exc:
+            copy.end = None
+            if failure is None:
+                raise
+            failure.add_note(
+                f"shmloader: recording the copy's end event then failed too ({exc!r}; a sticky "
+                "CUDA error fails every later call)"
+            )
+        finally:
+            self._inflight.append(copy)
+
+    def _plan(
+        self, t: torch.Tensor, copy: _Copy, plans: list[_Plan], tensors: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """Device memory for one leaf and where its bytes come from (NOTE [no pageable copies])."""
+        ops = self._ops
+        assert ops is not None
+        if t.device.type != "cpu":
+            return t
+        copy.keep.append(t)
+        source = t
+        if t.is_conj() or t.is_neg():
+            # Lazy views: their memory holds the unconjugated, unnegated bits.
+            source = t.resolve_conj().resolve_neg()
+        nbytes = t.numel() * t.element_size()
+        dst = ops.empty(nbytes)
+        sources = None
+        if source is t:
+            sources = self._sources(t, copy)
+            if sources is None and t.numel() > 0 and t.is_contiguous() and ops.is_pinned(t):
+                sources = [t.reshape(-1).view(torch.uint8)]  # pinned already: as it is
+                self._stats["device_pinned_leaf_bytes"] += nbytes
+        plans.append(_Plan(dst, sources or [], None if sources is not None else source))
+        copy.nbytes += nbytes
+        out = dst.view(t.dtype).reshape(t.shape)
+        tensors.append(out)
+        return out
+
+    def _stage(self, plans: list[_Plan], copy: _Copy) -> None:
+        """Copy the leaves no page-locked memory holds into one staging buffer.
+
+        NOTE [no pageable copies], NOTE [pinned staging] (``hostmem``).
+        """
+        staging = self._staging
+        assert staging is not None
+        pending = [p for p in plans if p.host is not None and p.host.numel() > 0]
+        if not pending:
+            return
+        sizes = [p.host.numel() * p.host.element_size() for p in pending]  # type: ignore[union-attr]
+        total = sum(_align(n) for n in sizes)
+        staging.note(total)
+        buffer = staging.take(total)
+        if buffer is None:  # every buffer is read by a copy in flight: completed already?
+            self._reap()
+            buffer = staging.take(total)
+        while buffer is None:  # no: wait for the oldest that holds one
+            if not self._wait_oldest(lambda c: c.staged is not None):
+                raise ShmLoaderError("every staging buffer is busy but no copy holds one (a bug)")
+            self._stats["device_staging_waits"] += 1
+            buffer = staging.take(total)
+        copy.staged = buffer  # given back when the copies completed
+        at = 0
+        for plan, n in zip(pending, sizes, strict=True):
+            host = plan.host
+            assert host is not None
+            if not host.is_contiguous():
+                host = host.contiguous()
+            window = buffer[at : at + n]
+            window.copy_(host.reshape(-1).view(torch.uint8))
+            plan.sources = [window]
+            at += _align(n)
+        self._stats["device_staged_bytes"] += sum(sizes)
+
+    def _sources(self, t: torch.Tensor, copy: _Copy) -> list[torch.Tensor] | None:
+        """uint8 views of registered memory whose bytes, in order, are ``t``'s values
+        row-major; None when no registered mapping holds ``t`` as few enough runs."""
+        if t.numel() == 0:
+            return []
+        hit = self._registrar.lookup(t) if self._registrar is not None else None
+        if hit is None:
+            return None
+        mapping, at = hit
+        blocks = _blocks(t)
+        if blocks is None or mapping.base is None:
+            return None
+        if mapping not in copy.maps:
+            mapping.users += 1
+            copy.maps.append(mapping)
+        size = t.element_size()
+        offsets, inner = blocks
+        return [mapping.base[at + off * size : at + (off + inner) * size] for off in offsets]
+
+    def _hand_over(self, ready: _Ready) -> Any:
+        ops = self._ops
+        assert ops is not None
+        if ready.end is not None:
+            ops.wait(ready.end)  # the consumer's stream waits; the host does not
+        for tensor in ready.tensors:
+            ops.hand_over(tensor)
+        self.position = ready.position
+        self._stats["device_batches"] += 1
+        return ready.batch
+
+    def _reap(self) -> None:
+        """Drop the CPU leaves of completed copies: their slots are released now."""
+        ops = self._ops
+        assert ops is not None
+        still = []
+        for copy in self._inflight:
+            if copy.end is None or ops.query(copy.end):
+                self._finish(copy)
+            else:
+                still.append(copy)
+        self._inflight = still
+        if self._registrar is not None:
+            self._registrar.sweep()
+
+    def _finish(self, copy: _Copy) -> None:
+        ops = self._ops
+        assert ops is not None
+        self._stats["device_bytes"] += copy.nbytes
+        with contextlib.suppress(Exception):  # an event that never completed has no time
+            self._stats["device_copy_ms_total"] += ops.elapsed_ms(copy.start, copy.end)
+        self._stats["device_copies"] += 1
+        if copy.maps:
+            self._stats["device_copies_registered"] += 1
+        for mapping in copy.maps:
+            mapping.users -= 1
+        copy.keep = []  # the last references to the CPU leaves: RELEASE
+        if copy.staged is not None and self._staging is not None:
+            self._staging.give_back(copy.staged)
+        copy.staged = None
+
+    def _settle(self) -> None:
+        """Wait for every copy still in flight and let its slots go (iteration end, close)."""
+        ops = self._ops
+        if ops is None:
+            return
+        inflight, self._inflight = self._inflight, []
+        for copy in inflight:
+            if copy.end is not None:
+                with contextlib.suppress(Exception):
+                    ops.synchronize(copy.end)
+            self._finish(copy)
+        if self._registrar is not None:
+            self._registrar.sweep()
+
+    def stats(self) -> dict[str, Any]:
+        """Device counters of this rank (``{"device": "cpu"}`` on host delivery)."""
+        if self._ops is None:
+            return {"device": "cpu"}
+        s = self._stats
+        ms = s["device_copy_ms_total"]
+        reg, staging = self._registrar, self._staging
+        assert reg is not None and staging is not None
+        return {
+            "device": str(self.device),
+            "device_batches": s["device_batches"],
+            "device_bytes": s["device_bytes"],
+            "device_copy_ms_total": ms,
+            "device_bandwidth_gbs": s["device_bytes"] / ms / 1e6 if ms > 0 else None,
+            "device_registered": reg.registrations > 0,
+            "device_registrations": reg.registrations,
+            "device_registered_slots": reg.live,
+            "device_copies_registered": s["device_copies_registered"],
+            "device_registration_refused": reg.refused,
+            "device_registration_refusals": reg.refusals,
+            "device_unregister_failures": len(reg.stuck),
+            "device_staged_bytes": s["device_staged_bytes"],
+            "device_pinned_leaf_bytes": s["device_pinned_leaf_bytes"],
+            "device_copy_waits": s["device_copy_waits"],
+            "device_staging_waits": s["device_staging_waits"],
+            "device_registered_bytes": reg.locked_bytes,
+            "device_staging_bytes": staging.locked,
+            "device_staging_peak_bytes": staging.peak,
+            "device_staging_buffers": staging.buffers,
+            "device_locked_bytes": reg.locked_bytes + staging.locked,
+        }
+
+    def reset_stats(self) -> None:
+        """Zero the copy counters (after a warm-up); registrations and buffers are kept."""
+        self._stats.clear()
+
+    def close(self) -> None:
+        """Wait for copies in flight, release their slots, unregister and unmap. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._settle()
+        if self._registrar is not None:
+            self._registrar.close()
+        if self._staging is not None:
+            self._staging.close()
+
+
+# ----------------------------------------------------------------- helpers
+
+
+def _takes_step(select: Callable[..., Any] | None) -> bool:
+    """Whether ``select`` has a parameter named ``step`` (NOTE [select])."""
+    if select is None:
+        return False
+    try:
+        parameter = inspect.signature(select).parameters.get("step")
+    except (TypeError, ValueError):
+        return False
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return parameter is not None and parameter.kind in kinds
+
+
+def _align(n: int, to: int = 64) -> int:
+    return (n + to - 1) // to * to
+
+
+def _blocks(t: torch.Tensor) -> tuple[list[int], int] | None:
+    """``t`` as contiguous runs: (element offsets from ``t``'s first element, run length).
+
+    None when it would take more than ``MAX_BLOCKS`` runs.
+    """
+    shape, stride = list(t.shape), list(t.stride())
+    run, k = 1, len(shape)
+    while k > 0 and (shape[k - 1] == 1 or stride[k - 1] == run):
+        run *= shape[k - 1]
+        k -= 1
+    outer_shape, outer_stride = shape[:k], stride[:k]
+    if math.prod(outer_shape) > MAX_BLOCKS:
+        return None
+    offsets = [
+        sum(i * s for i, s in zip(index, outer_stride, strict=True))
+        for index in itertools.product(*(range(n) for n in outer_shape))
+    ]
+    return offsets, run
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], memo: dict[int, Any]) -> Any:
+    """``obj`` with every tensor replaced by ``fn(tensor)``; aliases stay aliases.
+
+    NOTE [containers on the device]
+        The stage walks every container the codec can deliver or ``select``
+        can return, as torch's own ``pin_memory`` does, and rebuilds each as
+        its own type: mutable mappings (``dict``, ``OrderedDict``,
+        ``defaultdict``, ``UserDict`` subclasses such as Hugging Face's
+        ``BatchEncoding``) and mutable sequences as a shallow copy
+        (``copy.copy``: a ``defaultdict``'s factory, a ``BatchEncoding``'s
+        encodings and attributes stay) with the values replaced; other
+        ``collections.abc.Mapping``/``Sequence`` types as
+        ``type(obj)(values)``, or a ``dict``/``list`` where that type cannot
+        be built from its values; tuples and namedtuples as their type;
+        dataclasses field by field. A container with no tensor in it is
+        returned as it is, as are strings, bytes, numpy arrays and other
+        leaves. The shallow copy can share state with the original only in
+        a container type whose copy does (the stage keeps the CPU leaves
+        themselves until the copy completed, never through the container).
+    """
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in memo:
+            memo[id(obj)] = fn(obj)
+        return memo[id(obj)]
+    if isinstance(obj, str | bytes | bytearray | memoryview):
+        return obj
+    if isinstance(obj, tuple):
+        values = [_map_tensors(v, fn, memo) for v in obj]
+        if _same(values, obj):
+            return obj
+        if type(obj) is tuple:
+            return tuple(values)
+        if hasattr(obj, "_fields"):  # a namedtuple
+            return type(obj)(*values)
+        return _rebuild(obj, values, tuple)
+    if isinstance(obj, Mapping):
+        items = {k: _map_tensors(v, fn, memo) for k, v in obj.items()}
+        if _same(items.values(), obj.values()):
+            return obj
+        if type(obj) is dict:
+            return items
+        if isinstance(obj, MutableMapping):
+            with contextlib.suppress(Exception):
+                clone = copy_module.copy(obj)
+                for k, v in items.items():
+                    clone[k] = v
+                return clone
+        return _rebuild(obj, items, dict)
+    if isinstance(obj, Sequence):
+        values = [_map_tensors(v, fn, memo) for v in obj]
+        if _same(values, obj):
+            return obj
+        if type(obj) is list:
+            return values
+        if isinstance(obj, MutableSequence):
+            with contextlib.suppress(Exception):
+                clone = copy_module.copy(obj)
+                for k, v in enumerate(values):
+                    clone[k] = v
+                return clone
+        return _rebuild(obj, values, list)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = [f.name for f in dataclasses.fields(obj)]  # not ClassVar / InitVar pseudo-fields
+        values = [_map_tensors(getattr(obj, name), fn, memo) for name in names]
+        if _same(values, [getattr(obj, name) for name in names]):
+            return obj
+        new = copy_module.copy(obj)
+        for name, value in zip(names, values, strict=True):
+            object.__setattr__(new, name, value)
+        return new
+    return obj
+
+
+def _same(values: Any, originals: Any) -> bool:
+    """Whether every mapped value is its original object (nothing in it was a tensor)."""
+    return all(v is o for v, o in zip(values, originals, strict=True))
+
+
+def _rebuild(obj: Any, values: Any, fallback: type) -> Any:
+    """``type(obj)(values)``, or ``fallback(values)`` where that type cannot be built so."""
+    try:
+        return type(obj)(values)
+    except Exception:
+        return fallback(values)

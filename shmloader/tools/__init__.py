@@ -1,0 +1,3 @@
+"""Command-line tools: ``shmloader stat``, ``gc`` and ``demo``; never imported
+by training code.
+"""

@@ -1,0 +1,53 @@
+"""Smoke tests of the benchmark tools that ``test_benchmarks.py`` does not run.
+
+``benchmarks.breakdown`` wraps library internals by name, so it rots silently
+when one is renamed (it once failed with ``AttributeError``): it runs here
+at a tiny size (``benchmarks.crossnode`` runs in ``test_bench_args.py``).
+No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "daemon")]))
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def test_breakdown_times_only_steps_that_exist() -> None:
+    from benchmarks import breakdown
+
+    assert breakdown.missing_targets() == []
+
+
+#: A hang guard for one benchmark tool's run (under a minute on 2 quiet cores).
+TOOL_GUARD_S = 840
+
+
+@pytest.mark.slow  # a whole program end to end (README: selections)
+@pytest.mark.timeout(TOOL_GUARD_S + 60)
+def test_breakdown_runs_at_a_tiny_size(tmp_path) -> None:
+    out = tmp_path / "bd"
+    args = ["benchmarks.breakdown", "--sp", "2", "--size", "1", "--steps", "2", "--warmup", "1"]
+    proc = _run([*args, "--no-cache-effect", "--out", str(out)], TOOL_GUARD_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "not timed" not in proc.stderr, proc.stderr[-2000:]
+    # the workload's DataLoader has workers: they write the ring (zero-copy publish), so the
+    # leader's main process shows _publish but no RingWriter.acquire / codec.write_payload
+    assert "follower: codec.decode" in proc.stdout and "leader: _publish (all)" in proc.stdout
+    assert (out / "breakdown_sp2_1mib.json").exists()

@@ -259,9 +259,9 @@ def _collect(
 def _collect_garbage() -> None:
     """After a killed or failed configuration: remove what dead ranks left in /dev/shm."""
     with contextlib.suppress(Exception):
-        from shmloader._node import inventory as admin
+        from shmloader._node import reaping
 
-        admin.collect_garbage(dry_run=False)
+        reaping.collect_garbage(dry_run=False)
 
 
 # ------------------------------------------------------------------ progress

@@ -50,14 +50,12 @@ from shmloader._node.cleanup import remove_runtime_dir
 from shmloader._node.inventory import (
     DEVICE_KEYS,
     build_document,
-    dead_runtime_dirs,
     device_fields,
     empty_job,
-    remove_if_dead,
     ring_dirs,
     scan_entries,
-    stale_sockets,
 )
+from shmloader._node.reaping import dead_runtime_dirs, remove_if_dead, stale_sockets
 from shmloader._node.segment import HEADER_SIZE
 from shmloader._transport.daemon_client import MAX_REQUEST, DaemonClient
 from shmloader.errors import ProtocolError, human_bytes

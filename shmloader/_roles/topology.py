@@ -46,9 +46,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .._node import reap, segment
+from .._node import reaping, segment
+from .._node.rundir import make_private_dir, remove_private_dir, socket_path
 from .._node.segment import KIND_PROBE, PREFIX, Segment, ring_dir
-from .._transport.channel import Peer, make_private_dir, remove_private_dir, socket_path
+from .._transport.channel import Peer
 from ..errors import ProtocolError, TopologyMismatchError
 
 _LEN = struct.Struct("<q")
@@ -255,9 +256,9 @@ def discover(
     """Run the set-up exchange over ``group`` (a gloo group) and return the roles.
 
     Collective over ``group``: every rank of it must call it. Before it
-    starts, this rank's dead leftovers are reaped (``reap.reap_own``).
+    starts, this rank's dead leftovers are reaped (``reaping.reap_own``).
     """
-    reap.reap_own(runtime_parent)
+    reaping.reap_own(runtime_parent)
     me = dist.get_rank()
     ranks = tuple(dist.get_process_group_ranks(group))
     probe = Segment.create_unique(f"/{PREFIX}{token}-probe", KIND_PROBE, token, 0)

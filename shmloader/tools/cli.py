@@ -17,8 +17,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .._node import inventory as admin
     from . import demo
+    from . import stat as stat_cli
 
     parser = argparse.ArgumentParser(
         prog="shmloader",
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_arguments(p)
     p.set_defaults(func=_demo)
 
-    admin.register(sub)
+    stat_cli.register(sub)
 
     # listed for --help; main() hands "daemon ..." to shmloaderd before parsing
     sub.add_parser("daemon", help="run the node daemon (same as shmloaderd; see daemon --help)")

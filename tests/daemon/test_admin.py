@@ -17,10 +17,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from shmloader._node import inventory as admin
+from shmloader._node import inventory, reaping
 from shmloader._node.ring import RingWriter, new_token
 from shmloader._node.segment import HEADER_SIZE, KIND_CONTROL, KIND_DATA, MY_START, Header, Segment
 from shmloader._node.segment import shm_path as _shm_path
+from shmloader.tools import stat as stat_cli
 
 JOB_KEYS = {
     "token", "state", "registered", "group", "leader", "writer", "node_ranks", "world",
@@ -34,7 +35,7 @@ JOB_KEYS = {
 def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
     """Run ``shmloader <argv>`` through ``admin.register`` as cli.py does."""
     parser = argparse.ArgumentParser(prog="shmloader")
-    admin.register(parser.add_subparsers(dest="command", required=True))
+    stat_cli.register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     capsys.readouterr()
     code = args.func(args)
@@ -94,8 +95,8 @@ def cleanup(*segments: Segment) -> Iterator[None]:
 @pytest.mark.timeout(20)
 def test_scan_documents_a_live_job() -> None:
     with live_ring() as ring:
-        doc = admin.scan()
-        assert doc["schema"] == admin.SCHEMA == 3
+        doc = inventory.scan()
+        assert doc["schema"] == inventory.SCHEMA == 3
         assert doc["source"] == "scan" and doc["daemon"] is None
         assert doc["node"]["shm_size_bytes"] > 0 and doc["node"]["shm_free_bytes"] > 0
         job = next(j for j in doc["jobs"] if j["token"] == ring.token)
@@ -114,7 +115,7 @@ def test_scan_documents_a_live_job() -> None:
         assert job["bytes"] == job["segment_bytes"] >= slot_bytes + 2 * HEADER_SIZE
         assert doc["node"]["shmloader_bytes"] >= job["bytes"]
         json.dumps(doc)  # serialisable as is
-    assert ring.token not in {j["token"] for j in admin.scan()["jobs"]}
+    assert ring.token not in {j["token"] for j in inventory.scan()["jobs"]}
 
 
 @pytest.mark.timeout(20)
@@ -165,11 +166,11 @@ def test_gc_removes_only_dead_owners_and_dry_run_removes_nothing(capsys, no_leak
     should_go = {dead.name, dead_data.name, recycled.name}
     try:
         with live_ring() as ring, cleanup(dead, dead_data, recycled, unknown_start):
-            live_names = {s["name"] for j in admin.scan()["jobs"] for s in j["segments"]
+            live_names = {s["name"] for j in inventory.scan()["jobs"] for s in j["segments"]
                           if j["token"] == ring.token}  # fmt: skip
             assert len(live_names) == 2
 
-            listed = admin.collect_garbage(dry_run=True)
+            listed = reaping.collect_garbage(dry_run=True)
             names = {i["name"] for i in listed if i["type"] == "segment"}
             assert should_go <= names
             assert not names & (live_names | {junk, unknown_start.name})
@@ -195,7 +196,7 @@ def test_gc_removes_only_dead_owners_and_dry_run_removes_nothing(capsys, no_leak
             code, out, _ = run_cli(["gc", "--dry-run"], capsys)
             assert code == 0
             assert not any(name in out for name in live_names | {junk})
-            scan = admin.scan()
+            scan = inventory.scan()
             assert junk in {i["name"] for i in scan["invalid"]}
     finally:
         os.unlink(_shm_path(junk))
@@ -229,7 +230,7 @@ def dead_ring(job: str) -> Iterator[RingWriter]:
 def test_gc_job_removes_only_that_jobs_rings(capsys) -> None:
     with dead_ring("train-a") as a, dead_ring("train-b") as b:
         names = {
-            r.token: {s["name"] for j in admin.scan()["jobs"] if j["token"] == r.token
+            r.token: {s["name"] for j in inventory.scan()["jobs"] if j["token"] == r.token
                       for s in j["segments"]}
             for r in (a, b)
         }  # fmt: skip
@@ -258,13 +259,13 @@ def test_gc_json_and_nothing_to_do(capsys) -> None:
         assert item["bytes"] == HEADER_SIZE + seg.capacity and item["token"] == seg.header.token
         code, out, _ = run_cli(["gc", "--json", "--token", seg.header.token], capsys)
         assert [i["removed"] for i in json.loads(out) if i["name"] == seg.name] == [True]
-    mine = [i for i in admin.collect_garbage(dry_run=True) if i["token"] == seg.header.token]
+    mine = [i for i in reaping.collect_garbage(dry_run=True) if i["token"] == seg.header.token]
     assert mine == []
 
 
 @pytest.mark.timeout(10)
 def test_table_formatting_of_a_daemon_document() -> None:
-    doc = admin.build_document([], "daemon")
+    doc = inventory.build_document([], "daemon")
     doc["daemon"] = {
         "pid": 42,
         "version": "0.1.0",
@@ -305,7 +306,7 @@ def test_table_formatting_of_a_daemon_document() -> None:
         followers={"2": {"consumed": 5, "lag": 1, "receive_ms": 0.125}},
     )
     doc["jobs"] = [job]
-    text = admin.format_table(doc)
+    text = stat_cli.format_table(doc)
     assert "shmloaderd pid 42: budget 1.0 GiB, 3.0 MiB in use, reaped 2 segment(s)" in text
     row = next(line for line in text.splitlines() if line.startswith("feedfacecafebeef"))
     assert row.split()[1:4] == ["train-llama-7…", "dead", "1h02m"] and "77†" in row
@@ -331,9 +332,9 @@ def test_a_dead_jobs_bytes_are_what_gc_frees(capsys) -> None:
         h = ctl.header
         dead = Header(h.kind, h.uid, h.token, dead_pid(), h.start, h.capacity, h.created_ns)
         dead.write(ctl.fd)  # now the writer is dead
-        job = next(j for j in admin.scan()["jobs"] if j["token"] == ring.token)
+        job = next(j for j in inventory.scan()["jobs"] if j["token"] == ring.token)
         assert job["state"] == "dead" and job["ring_bytes"] == slot.capacity
-        freed = [i for i in admin.collect_garbage(dry_run=True) if i["token"] == ring.token]
+        freed = [i for i in reaping.collect_garbage(dry_run=True) if i["token"] == ring.token]
         would_free = sum(i["bytes"] for i in freed)
         assert would_free == HEADER_SIZE + ctl.capacity
         assert job["bytes"] == job["reclaimable_bytes"] == would_free
@@ -345,9 +346,9 @@ def test_a_dead_jobs_bytes_are_what_gc_frees(capsys) -> None:
 def test_live_job_bytes_count_unlinked_slots_the_writer_maps() -> None:
     with live_ring() as ring:
         ring.slots[0].segment.unlink()  # name gone, memory still mapped by the writer
-        job = next(j for j in admin.scan()["jobs"] if j["token"] == ring.token)
+        job = next(j for j in inventory.scan()["jobs"] if j["token"] == ring.token)
         assert job["segment_bytes"] == HEADER_SIZE + ring.control.capacity
-        observed = admin.observed_bytes(ring.token, admin.scan_entries(), os.getpid())
+        observed = inventory.observed_bytes(ring.token, inventory.scan_entries(), os.getpid())
         slot_file = HEADER_SIZE + ring.slots[0].capacity
         assert observed == job["segment_bytes"] + slot_file, (observed, job)
         assert job["bytes"] >= observed
@@ -363,7 +364,7 @@ def test_scan_shows_the_job_name_and_rank_rows_the_writer_describes(capsys) -> N
                           "1": {"role": "follower", "batches": 11, "lag": 1},
                           "x": {"role": "leader"}, "2": "junk"}}  # fmt: skip
         ring.describe(desc)
-        doc = admin.scan()
+        doc = inventory.scan()
         job = next(j for j in doc["jobs"] if j["token"] == ring.token)
         assert job["job"] == "train-7b" and set(job["ranks"]) == {"0", "1"}
         assert job["ranks"]["0"]["wait_share"] == 0.8 and job["ranks"]["1"]["lag"] == 1
@@ -381,15 +382,18 @@ def test_device_fields_of_a_rank_row_are_type_checked_and_the_bandwidth_derived(
     row = {"device": "cuda:3", "device_batches": 4, "device_bytes": 8_000_000,
            "device_copy_ms_total": 2.0, "device_registered": True,
            "device_registration_refused": None}  # fmt: skip
-    got = admin.device_fields(row)
+    got = inventory.device_fields(row)
     assert got["device"] == "cuda:3" and got["device_bandwidth_gbs"] == 4.0
-    assert got["device_registered"] is True and set(got) == set(admin.DEVICE_KEYS)
+    assert got["device_registered"] is True and set(got) == set(inventory.DEVICE_KEYS)
     junk = {"device": "cuda:0", "device_bytes": "8", "device_copy_ms_total": True,
             "device_registered": 1, "device_batches": -0.5}  # fmt: skip
-    assert admin.device_fields(junk) == {**dict.fromkeys(admin.DEVICE_KEYS), "device": "cuda:0"}
+    assert inventory.device_fields(junk) == {
+        **dict.fromkeys(inventory.DEVICE_KEYS),
+        "device": "cuda:0",
+    }
     for no_device in ({}, {"device": ""}, {"device": 3}, "junk", {"device_bytes": 5}):
-        assert admin.device_fields(no_device) == dict.fromkeys(admin.DEVICE_KEYS)
-    stalled = admin.device_fields({**row, "device_copy_ms_total": 0.0})
+        assert inventory.device_fields(no_device) == dict.fromkeys(inventory.DEVICE_KEYS)
+    stalled = inventory.device_fields({**row, "device_copy_ms_total": 0.0})
     assert stalled["device_bandwidth_gbs"] is None  # nothing timed yet: no bandwidth
 
 
@@ -414,7 +418,7 @@ def test_gc_reaps_sockets_of_recycled_pids_in_every_runtime_dir(no_leaks) -> Non
     old = os.stat(socks["live"]).st_mtime - 10 * 86400  # made before this process started
     os.utime(socks["recycled"], (old, old))
     try:
-        removed = {i["name"] for i in admin.collect_garbage() if i["type"] == "socket"}
+        removed = {i["name"] for i in reaping.collect_garbage() if i["type"] == "socket"}
         assert {socks["dead"], socks["recycled"]} <= removed
         assert os.path.exists(socks["live"]) and os.path.exists(socks["foreign"])
         assert not os.path.exists(socks["dead"]) and not os.path.exists(socks["recycled"])
@@ -462,15 +466,15 @@ def test_reaping_unlinks_only_the_very_file_it_found_dead(monkeypatch) -> None:
     """The name is unlinked only while it still is the file validated and found dead."""
     dead = orphan(KIND_DATA)
     live = Segment.create(f"/shml-{dead.header.token}-0.1", KIND_DATA, dead.header.token, 8192)
-    judged = admin.owner_alive
+    judged = reaping.owner_alive
 
     def swap_then_judge(header: Header) -> bool:  # another file takes the name meanwhile
         os.rename(_shm_path(live.name), _shm_path(dead.name))
         return judged(header)
 
-    monkeypatch.setattr(admin, "owner_alive", swap_then_judge)
+    monkeypatch.setattr(reaping, "owner_alive", swap_then_judge)
     with cleanup(dead, live):
-        assert admin.remove_if_dead(dead.name) is None
+        assert reaping.remove_if_dead(dead.name) is None
         assert os.fstat(live.fd).st_nlink == 1  # the live owner's file is still named
     assert not os.path.exists(_shm_path(dead.name))
 
@@ -525,7 +529,7 @@ def test_gc_and_stat_look_in_the_daemons_and_the_systemd_ring_directories(
         code, out, _ = run_cli(["gc", "--dry-run", *tokens], capsys)
         for seg in dead.values():
             assert f"would remove {seg.name}" in out, out
-        scanned = {j["token"]: j["shm_dir"] for j in admin.scan()["jobs"]}
+        scanned = {j["token"]: j["shm_dir"] for j in inventory.scan()["jobs"]}
         assert scanned.get(dead[mounted].header.token) == mounted
         code, out, _ = run_cli(["gc", *tokens], capsys)
         assert code == 0 and "freed 2 segment(s)" in out, out
@@ -568,7 +572,7 @@ def test_stat_says_where_each_ring_really_is(daemons) -> None:
                 10,
                 "the dead ring's record",
             )
-            table = admin.format_table(client.stats())
+            table = stat_cli.format_table(client.stats())
         finally:
             client.close()
     lines = table.splitlines()

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from shmloader._node import inventory as admin
+from shmloader._node import inventory
 from shmloader._node.ring import RingWriter, control_stem, new_token
 from shmloader._node.segment import (
     HEADER_SIZE,
@@ -389,7 +389,7 @@ def test_register_admit_refuse_report_stats_metrics(daemons: Daemons, capsys) ->
                   waits={"wait_ms_p95": 280.0, "wait_ms_p99": 299.5, "wait_hist": hist.counts,
                          "wait_ms_sum": hist.sum_ms})  # fmt: skip
     doc = d.stats()
-    assert doc["schema"] == admin.SCHEMA == 3 and doc["source"] == "daemon"
+    assert doc["schema"] == inventory.SCHEMA == 3 and doc["source"] == "daemon"
     assert doc["daemon"]["pid"] == d.proc.pid and doc["daemon"]["budget_bytes"] == 1 << 40
     job = next(j for j in doc["jobs"] if j["token"] == token)
     assert job["registered"] is True
@@ -829,8 +829,8 @@ def test_a_grant_counts_from_the_bytes_the_job_already_holds() -> None:
 def test_admin_reads_control_counters_like_ring_writes_them() -> None:
     from shmloader._node import ring
 
-    assert admin._COUNTERS.format == ring._COUNTERS.format
-    assert admin._COUNTERS_AT == ring._COUNTERS_AT
+    assert inventory._COUNTERS.format == ring._COUNTERS.format
+    assert inventory._COUNTERS_AT == ring._COUNTERS_AT
 
 
 @pytest.mark.timeout(10)
@@ -946,7 +946,7 @@ def test_filling_a_multi_gib_pool_keeps_stats_prompt(daemons: Daemons) -> None:
     it (measured against the fill's own duration in the same run: a fill holding
     the GIL or a lock of the loop holds a request for the rest of the fill)."""
     seg_bytes = 2 << 30
-    free = admin.shm_free_bytes()
+    free = inventory.shm_free_bytes()
     if free is not None and free < 3 * seg_bytes:
         pytest.skip(f"/dev/shm has {free} bytes free; the test fills a 2 GiB pool")
     d = daemons.start(
@@ -1053,7 +1053,7 @@ def test_reports_of_invented_ranks_do_not_grow_the_daemon(daemons: Daemons) -> N
 @pytest.mark.timeout(40)
 def test_daemon_reaps_dead_private_runtime_dirs(daemons: Daemons, no_leaks) -> None:
     """A writer killed before its close leaves ``shml-<pid>...`` with its socket: reaped."""
-    from shmloader._transport.channel import (
+    from shmloader._node.rundir import (
         SOCKET_NAME,
         make_private_dir,
         remove_private_dir,

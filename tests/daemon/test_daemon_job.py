@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from shmloader import Config, ShmLoader
-from shmloader._node import inventory as admin
+from shmloader._node import inventory
 from shmloader.errors import human_bytes
+from shmloader.tools import stat as stat_cli
 from tests.daemon.test_daemon import daemons  # noqa: F401 - the fixture
 from tests.support import ranks
 from tests.support.harness import run_ranks
@@ -54,7 +55,7 @@ def test_stat_json_during_a_live_job_comes_from_the_daemon(daemons):  # noqa: F8
     env = {"SHMLOADER": "1", "SHMLOADER_DAEMON": d.path, "SHMLOADER_JOB": "ci-stat-7"}
     out = run_ranks(job, 3, kwargs={"kill_daemon": None}, env=env)
     stat = out[0]["stat"]
-    assert stat["schema"] == admin.SCHEMA and stat["source"] == "daemon"
+    assert stat["schema"] == inventory.SCHEMA and stat["source"] == "daemon"
     jobs = {j["token"]: j for j in stat["jobs"]}
     mine = jobs[out[0]["token"]]
     assert mine["registered"] and mine["writer_alive"] and mine["state"] == "live"
@@ -115,7 +116,7 @@ def starved_job(rank: int, world: int) -> dict:
             break
         slowest = max(slowest, time.perf_counter() - t0)
         time.sleep(0.01)  # a short training step
-    doc = admin.scan() if rank == 0 else None  # no daemon: what the writer described
+    doc = inventory.scan() if rank == 0 else None  # no daemon: what the writer described
     dist.barrier()
     token = loader.topology.ring_token
     loader.close()
@@ -141,7 +142,7 @@ def test_stat_without_daemon_says_which_job_waits_for_data():
         row = job["ranks"][r]
         assert row["role"] == "follower" and row["batches"] >= 3 and row["lag"] is not None
         assert row["wait_ms_p50"] is None  # only the daemon hears a follower's own waits
-    text = admin.format_table(doc)
+    text = stat_cli.format_table(doc)
     assert "elastic-42" in text and "leader" in text
     assert "note: followers' waits for data (ranks 1,2) are reported only to shmloaderd" in text
 
@@ -188,14 +189,14 @@ def device_job(rank: int, world: int) -> dict:
 
 def _check_device_rows(out: list[dict], *, every_rank: bool) -> None:
     doc = json.loads(out[0]["json"])
-    assert doc["schema"] == admin.SCHEMA
+    assert doc["schema"] == inventory.SCHEMA
     job = next(j for j in doc["jobs"] if j["token"] == out[0]["token"])
     text = out[0]["text"]
     described = range(3) if every_rank else [0]  # without a daemon: the writer's own row
     for rank in range(3):
         row, mine = job["ranks"][str(rank)], out[rank]["stats"]
         if rank not in described:
-            assert all(row[k] is None for k in admin.DEVICE_KEYS), row
+            assert all(row[k] is None for k in inventory.DEVICE_KEYS), row
             assert f"cuda:{rank}:" not in text
             continue
         assert mine["device_bytes"] > 0 and mine["device_batches"] == 8
@@ -287,8 +288,8 @@ def bytes_job(rank: int, world: int) -> dict:
             if rank == 0:
                 token = loader.topology.ring_token
                 truth, files = shm_held(token, pids)
-                scan = next(j for j in admin.scan()["jobs"] if j["token"] == token)
-                doc = admin.get_stats(os.environ["SHMLOADER_DAEMON"])[0]
+                scan = next(j for j in inventory.scan()["jobs"] if j["token"] == token)
+                doc = stat_cli.get_stats(os.environ["SHMLOADER_DAEMON"])[0]
                 daemon = next(j for j in doc["jobs"] if j["token"] == token)
                 out.append({"truth": truth, "files": files, "scan": scan, "daemon": daemon})
             dist.barrier()

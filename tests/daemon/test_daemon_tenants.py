@@ -33,13 +33,12 @@ from shmloaderd.__main__ import build_parser, node_mode, parse_uid_budget
 from shmloaderd.server import Daemon as InProcessDaemon
 from shmloaderd.tenants import Peer, Tenancy, peer_of
 
-from shmloader._node import inventory as admin
-from shmloader._node import segment
+from shmloader._node import reaping, rundir, segment
 from shmloader._node.ring import RingWriter, control_stem, new_token
 from shmloader._node.segment import KIND_CONTROL, KIND_DATA, KIND_PROBE, Segment, shm_path
-from shmloader._transport import channel
 from shmloader._transport.daemon_client import DaemonClient
 from shmloader.errors import ShmCapacityError, human_bytes
+from shmloader.tools import stat as stat_cli
 from tests.daemon.test_daemon import Daemons, daemons, exists, wait_until  # noqa: F401 (fixture)
 
 #: Two uids no account or process of this machine uses (checked by ``free_uids``).
@@ -251,7 +250,7 @@ def cmd_own_daemon(base: str) -> dict:
 
 def cmd_rundir(base: str) -> str:
     """A writer's private runtime directory under ``base``, left behind when this exits."""
-    return channel.make_private_dir(base)
+    return rundir.make_private_dir(base)
 
 
 def cmd_gc() -> list:
@@ -259,7 +258,7 @@ def cmd_gc() -> list:
     out = io.StringIO()
     ns = argparse.Namespace(dry_run=False, json=True, token=None, owner_pid=None, job=None)
     with contextlib.redirect_stdout(out):
-        admin.cmd_gc(ns)
+        stat_cli.cmd_gc(ns)
     return json.loads(out.getvalue())
 
 
@@ -434,7 +433,7 @@ def _two_users(daemons: Daemons, path: str, port: int, base: str, a_uid: int, b_
         assert [i["name"] for i in freed if i["type"] == "segment"] == [a_left], freed
         assert not exists(a_left) and exists(b_left) and exists(b_left2)
         # root's gc (scoped to one job so that it touches nothing else on the node)
-        root = admin.collect_garbage(tokens={b_token}, every_uid=True)
+        root = reaping.collect_garbage(tokens={b_token}, every_uid=True)
         assert [(i["name"], i["uid"]) for i in root] == [(b_left, b_uid)]
         assert not exists(b_left) and exists(b_left2)
         left2_bytes = human_bytes(os.stat(shm_path(b_left2)).st_size)
@@ -468,9 +467,9 @@ def _two_users(daemons: Daemons, path: str, port: int, base: str, a_uid: int, b_
         assert owners[ta] == a_uid and owners[tb] == b_uid
         assert full["daemon"]["tenants"] is True
         assert {str(a_uid), str(b_uid)} <= set(full["daemon"]["uids"])
-        table = admin.format_table(full)
+        table = stat_cli.format_table(full)
         assert "USER" in table and str(a_uid) in table and str(b_uid) in table
-        mine = admin.format_table(sa)
+        mine = stat_cli.format_table(sa)
         assert "other users: " in mine and f"uid {a_uid} ({a_uid}): " in mine and tb not in mine
 
         # -- naming the other user's token reaches only a job of one's own (NOTE [whose job])

@@ -11,8 +11,9 @@ import torch.distributed as dist
 import zmq
 
 from shmloader import Config, ShmLoader
+from shmloader._node.rundir import check_private_dir, make_private_dir, socket_path
 from shmloader._proto import wire
-from shmloader._transport.channel import Hub, check_private_dir, make_private_dir, socket_path
+from shmloader._transport.channel import Hub
 from shmloader.errors import ConfigError, ProtocolError
 from tests.faults.scenarios import outcome
 from tests.support import ranks

@@ -31,21 +31,13 @@ import torch
 import torch.distributed as dist
 
 from shmloader import Config, ShmLoader
-from shmloader._node import cleanup, reap, segment
-from shmloader._node import inventory as admin
+from shmloader._node import cleanup, inventory, reaping, segment
 from shmloader._node.ring import RingReader, RingWriter, new_token
+from shmloader._node.rundir import SOCKET_NAME, make_private_dir, rundir_prefix, socket_path
 from shmloader._node.segment import KIND_DATA, KIND_PROBE, PAGE, Segment
 from shmloader._proto import codec
 from shmloader._roles import rng
-from shmloader._transport.channel import (
-    SOCKET_NAME,
-    Hub,
-    Peer,
-    Spoke,
-    make_private_dir,
-    rundir_prefix,
-    socket_path,
-)
+from shmloader._transport.channel import Hub, Peer, Spoke
 from shmloader.errors import ProtocolError
 from tests.faults.scenarios import outcome
 from tests.support import ranks
@@ -111,7 +103,7 @@ def test_a_planted_fifo_is_refused_without_blocking() -> None:
             segment.read_header(name)
         with pytest.raises(ProtocolError, match="not a regular file"):
             Segment.attach(name, kind=KIND_DATA, token=token)
-        entry = admin.inspect(name)  # stat / gc too
+        entry = inventory.inspect(name)  # stat / gc too
         assert entry is not None and entry.header is None and entry.error
 
 
@@ -239,7 +231,8 @@ def test_a_job_runs_with_a_squatted_runtime_base(no_leaks) -> None:
 
 _FORK_EXIT = """
     import os, sys
-    from shmloader._transport.channel import Hub, make_private_dir, socket_path
+    from shmloader._node.rundir import make_private_dir, socket_path
+    from shmloader._transport.channel import Hub
     from shmloader._node.ring import RingWriter, new_token
     token = new_token()
     w = RingWriter(token, frozenset({1}), {"job": "t"})
@@ -350,7 +343,8 @@ def test_a_worker_maps_a_slot_itself_to_write_it() -> None:
 
 _SIGTERM = """
     import os, signal, sys, time
-    from shmloader._transport.channel import Hub, make_private_dir, socket_path
+    from shmloader._node.rundir import make_private_dir, socket_path
+    from shmloader._transport.channel import Hub
     from shmloader._node.ring import RingWriter
     mode = sys.argv[1] if len(sys.argv) > 1 else "default"
     if mode == "chained":
@@ -516,11 +510,11 @@ def test_reaping_at_start_removes_our_dead_leftovers_only(
         s.bind(os.path.join(dead_dir, SOCKET_NAME))
     try:
         monkeypatch.setenv("SHMLOADER_REAP", "0")
-        assert reap.reap_own(no_leaks) == 0 and os.path.exists(dead_dir)
+        assert reaping.reap_own(no_leaks) == 0 and os.path.exists(dead_dir)
         monkeypatch.setenv("SHMLOADER_REAP", "1")
-        dry = admin.collect_garbage(dry_run=True, runtime_dir=no_leaks, owners={dead})
+        dry = reaping.collect_garbage(dry_run=True, runtime_dir=no_leaks, owners={dead})
         assert {i["name"] for i in dry} == {gone.name, dead_dir}
-        assert reap.reap_own(no_leaks) >= 2
+        assert reaping.reap_own(no_leaks) >= 2
         assert not os.path.exists(segment.shm_path(gone.name))
         assert not os.path.exists(dead_dir)
         for kept in (foreign.name, live.name):

@@ -18,9 +18,9 @@ import pytest
 from torch.utils.data import DataLoader
 
 from shmloader import Config
-from shmloader._node import inventory as admin
-from shmloader._node import ring, ringdir, segment
+from shmloader._node import inventory, reaping, ring, ringdir, segment
 from shmloader.errors import ConfigError
+from shmloader.tools import stat as stat_cli
 from tests.support import ranks
 from tests.support.harness import run_ranks
 
@@ -198,14 +198,14 @@ def test_stat_gc_and_the_daemon_follow_the_ring_directory(huge_dir, monkeypatch,
     p.stdout.close()
     try:
         monkeypatch.setenv("SHMLOADER_SHM_DIR", huge_dir)  # stat and gc scan it too
-        doc = admin.scan()
+        doc = inventory.scan()
         job = next(j for j in doc["jobs"] if j["token"] == token)
         assert (job["state"], job["shm_dir"], len(job["segments"])) == ("dead", huge_dir, 2)
         assert job["huge_pages"] is ringdir.describe(huge_dir).huge
         row = next(r for r in doc["node"]["shm_dirs"] if r["path"] == huge_dir)
         assert row["huge_option"] == "within_size" and row["free_bytes"] > 0
-        assert f"ring dir {huge_dir}: tmpfs huge=within_size" in admin.format_table(doc)
-        listed = admin.collect_garbage(dry_run=True, owners={p.pid})
+        assert f"ring dir {huge_dir}: tmpfs huge=within_size" in stat_cli.format_table(doc)
+        listed = reaping.collect_garbage(dry_run=True, owners={p.pid})
         assert sorted(i["name"] for i in listed if i["type"] == "segment") == sorted(names)
 
         # the daemon, told the directory: checks it, says what it found, reaps there

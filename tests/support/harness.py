@@ -234,9 +234,9 @@ def _gc_main(shm_dir: str | None, owners: set[int] | None, env: dict[str, str]) 
     os.environ.update(env)
     if shm_dir is not None:
         _enter_private_shm(shm_dir)
-    from shmloader._node import inventory as admin
+    from shmloader._node import reaping
 
-    admin.collect_garbage(dry_run=False, owners=owners)
+    reaping.collect_garbage(dry_run=False, owners=owners)
 
 
 def gc_on_node(shm_dir: str | None, owners: set[int] | None = None) -> None:

@@ -267,8 +267,7 @@ def pmd_mapped_kb(address: int) -> int:
 def huge_ring(rank: int, world: int, *, num_workers: int) -> dict:
     """Share ``Big`` batches through the ring directory SHMLOADER_SHM_DIR names;
     report where the ring lived, what ``stat`` said about it and the batches."""
-    from shmloader._node import inventory as admin
-    from shmloader._node import segment
+    from shmloader._node import inventory, segment
 
     group, _members = sp_groups(world, world)
     loader = ShmLoader(
@@ -283,7 +282,7 @@ def huge_ring(rank: int, world: int, *, num_workers: int) -> dict:
         out["pmd_kb"].append(pmd_mapped_kb(batch.data_ptr()))
         if "job" not in out:
             token = loader.topology.ring_token  # type: ignore[union-attr]
-            job = next(j for j in admin.scan()["jobs"] if j["token"] == token)
+            job = next(j for j in inventory.scan()["jobs"] if j["token"] == token)
             out["job"] = {k: job.get(k) for k in ("shm_dir", "huge_pages", "state")}
             out["in_dev_shm"] = [n for n in os.listdir("/dev/shm") if token in n]
         del batch

@@ -149,7 +149,8 @@ def test_the_registry_and_the_shared_memory_layer_import_nothing_above_them() ->
     above = {
         "shmloader._node.inventory",
         "shmloader._transport.daemon_client",
-        "shmloader._node.reap",
+        "shmloader._node.reaping",
+        "shmloader.tools.stat",
     }
     for module in (
         "shmloader._node.segment",
@@ -182,7 +183,8 @@ def _loaded(module: str) -> set[str]:
 ABOVE_NODE = {
     "shmloader._node.inventory",
     "shmloader._transport.daemon_client",
-    "shmloader._node.reap",
+    "shmloader._node.reaping",
+    "shmloader.tools.stat",
 }
 
 
@@ -194,7 +196,8 @@ ABOVE_NODE = {
             {
                 "shmloader._node.inventory",
                 "shmloader._transport.daemon_client",
-                "shmloader._node.reap",
+                "shmloader._node.reaping",
+                "shmloader.tools.stat",
                 "shmloader.loader",
             },
         ),
@@ -204,7 +207,8 @@ ABOVE_NODE = {
                 "shmloader._node.inventory",
                 "shmloader._transport.channel",
                 "shmloader._transport.daemon_client",
-                "shmloader._node.reap",
+                "shmloader._node.reaping",
+                "shmloader.tools.stat",
                 "shmloader._node.ring",
             },
         ),
@@ -213,7 +217,8 @@ ABOVE_NODE = {
             {
                 "shmloader._node.inventory",
                 "shmloader._transport.daemon_client",
-                "shmloader._node.reap",
+                "shmloader._node.reaping",
+                "shmloader.tools.stat",
             },
         ),
         (
@@ -221,7 +226,8 @@ ABOVE_NODE = {
             {
                 "shmloader._node.inventory",
                 "shmloader._transport.daemon_client",
-                "shmloader._node.reap",
+                "shmloader._node.reaping",
+                "shmloader.tools.stat",
             },
         ),
     ],

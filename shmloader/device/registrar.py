@@ -92,7 +92,7 @@ STAGING_SHRINK = 2
 
 
 @dataclass(eq=False)
-class _Mapping:
+class HostMapping:
     """One rank's registered, read-only MAP_SHARED mapping of one slot segment."""
 
     segment: Segment
@@ -108,11 +108,11 @@ class Registrar:
 
     def __init__(self, ops: DeviceOps) -> None:
         self._ops = ops
-        self._maps: dict[int, _Mapping] = {}  # id(segment) -> mapping; the segment is held
+        self._maps: dict[int, HostMapping] = {}  # id(segment) -> mapping; the segment is held
         #: slots whose registration was refused: copied through staging, never asked again
         self._refused: weakref.WeakKeyDictionary[Segment, str] = weakref.WeakKeyDictionary()
         #: mappings whose unregister failed: kept mapped for good (never unmapped registered)
-        self.stuck: list[_Mapping] = []
+        self.stuck: list[HostMapping] = []
         self.refused: str | None = None  # the last refusal, or why nothing is registered
         self.refusals = 0
         self.registrations = 0
@@ -128,7 +128,7 @@ class Registrar:
         """Bytes registered now: live mappings and those stuck registered."""
         return sum(len(m.mm) for m in self._maps.values()) + sum(len(m.mm) for m in self.stuck)
 
-    def lookup(self, tensor: torch.Tensor) -> tuple[_Mapping, int] | None:
+    def lookup(self, tensor: torch.Tensor) -> tuple[HostMapping, int] | None:
         """The registered mapping ``tensor`` can be copied from and its byte offset there."""
         found = ring.view_source(tensor.data_ptr())
         if found is None:
@@ -159,7 +159,7 @@ class Registrar:
             )
         return False
 
-    def _open(self, segment: Segment) -> _Mapping | None:
+    def _open(self, segment: Segment) -> HostMapping | None:
         mm, payload_at = ring.map_shared_readonly(segment)
         array = np.frombuffer(mm, dtype=np.uint8)
         address = array.__array_interface__["data"][0]
@@ -183,7 +183,7 @@ class Registrar:
         with warnings.catch_warnings():  # read-only: only the DMA engine reads it
             warnings.simplefilter("ignore", UserWarning)
             base = torch.from_numpy(array)
-        mapping = _Mapping(segment, mm, base, address, payload_at)
+        mapping = HostMapping(segment, mm, base, address, payload_at)
         self._maps[id(segment)] = mapping
         return mapping
 

@@ -102,15 +102,8 @@ import torch
 
 from ..config import _DEVICE_ACCEPTED, valid_device
 from ..errors import ConfigError, ShmLoaderError
-from .cuda import (  # noqa: F401  (the device seam, importable from here as before)
-    HOST_REGISTER_FLAGS,
-    CudaOps,
-    DeviceOps,
-    _Cudart,
-    _mapped_cudarts,
-    pick_cudart,
-)
-from .registrar import STAGING_BUFFERS, Registrar, Staging, _Mapping  # noqa: F401
+from .cuda import CudaOps, DeviceOps
+from .registrar import HostMapping, Registrar, Staging
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +241,7 @@ class _Copy:
     end: Any = None  # None after a failure left no event to wait for (NOTE [errors in the copy])
     keep: list[torch.Tensor] = field(default_factory=list)  # CPU leaves: they HOLD the slots
     nbytes: int = 0
-    maps: list[_Mapping] = field(default_factory=list)
+    maps: list[HostMapping] = field(default_factory=list)
     staged: torch.Tensor | None = None  # the staging buffer its staged leaves are read from
 
 

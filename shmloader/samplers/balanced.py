@@ -127,14 +127,14 @@ import torch
 from torch.utils.data import Sampler
 
 from ..errors import TopologyMismatchError
-from .sharded import (
-    _MAX_SEED,
-    _broadcast_seed,
-    _check_bool,
-    _check_int,
-    _check_state_head,
-    _generator,
-    _is_int,
+from ._state import (
+    MAX_SEED,
+    broadcast_seed,
+    check_bool,
+    check_int,
+    check_state_head,
+    is_int,
+    seeded_generator,
 )
 
 __all__ = ["BalancedBatchSampler", "plan_window"]
@@ -481,7 +481,7 @@ def _read_lengths(
                 "num_samples=None is not valid: a callable lengths= needs num_samples= "
                 "(the dataset's length)"
             )
-        _check_int("num_samples", num_samples, 0)
+        check_int("num_samples", num_samples, 0)
         values = [lengths(i) for i in range(num_samples)]
     else:
         if isinstance(lengths, torch.Tensor):
@@ -508,7 +508,7 @@ def _read_lengths(
     for i, v in enumerate(values):
         if isinstance(v, np.integer):
             v = int(v)
-        if not _is_int(v) or v < 0:
+        if not is_int(v) or v < 0:
             raise ValueError(
                 f"lengths[{i}]={v!r} is not valid: expected an int >= 0 (tokens of sample {i})"
             )
@@ -612,19 +612,19 @@ class BalancedBatchSampler(Sampler[list[int]]):
         num_samples: int | None = None,
     ) -> None:
         super().__init__()
-        self._num_replicas = _check_int("num_replicas", num_replicas, 1)
-        self._rank = _check_int("rank", rank, 0, self._num_replicas - 1)
-        self._max_tokens = _check_int("max_tokens", max_tokens, 1)
-        self._window = _check_int("window", window, 1)
-        self._drop_last = _check_bool("drop_last", drop_last)
+        self._num_replicas = check_int("num_replicas", num_replicas, 1)
+        self._rank = check_int("rank", rank, 0, self._num_replicas - 1)
+        self._max_tokens = check_int("max_tokens", max_tokens, 1)
+        self._window = check_int("window", window, 1)
+        self._drop_last = check_bool("drop_last", drop_last)
         if seed is not None:
-            _check_int("seed", seed, 0, _MAX_SEED)
+            check_int("seed", seed, 0, MAX_SEED)
         self._lengths = _read_lengths(lengths, num_samples, self._max_tokens)
         self._costs = _read_costs(self._lengths, cost)
         self._cost_name = cost if isinstance(cost, str) else "callable"
         self._fingerprint = _fingerprint(self._lengths, self._costs)
         # Last: seed=None is a collective, entered only once all arguments were accepted.
-        self._seed = _broadcast_seed() if seed is None else seed
+        self._seed = broadcast_seed() if seed is None else seed
         self._epoch = 0
         self._history: tuple[tuple[int, int], ...] = ()
         self._start = 0  # cursor where a pass starts (a resume point), in steps
@@ -665,7 +665,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
 
     # ------------------------------------------------------------------ layout
     def _order(self, epoch: int) -> list[int]:
-        gen = _generator(self._seed, epoch, _STREAM_ORDER)
+        gen = seeded_generator(self._seed, epoch, _STREAM_ORDER)
         return torch.randperm(len(self._lengths), generator=gen).tolist()
 
     def _layout(self, order: list[int], n: int) -> _Segment:
@@ -711,7 +711,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         need = win.steps * n
         if len(indices) < need:  # padding: the segment's first samples, cyclically
             indices = indices + [seg.order[k % len(seg.order)] for k in range(need - len(indices))]
-        gen = _generator(self._seed, epoch, _STREAM_WINDOW, segment_no, w)
+        gen = seeded_generator(self._seed, epoch, _STREAM_WINDOW, segment_no, w)
         plan = plan_window(
             [self._lengths[i] for i in indices],
             [self._costs[i] for i in indices],
@@ -768,7 +768,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
     # ------------------------------------------------------------------ epoch, length
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch of the next pass; the epoch already selected keeps a resume point."""
-        _check_int("epoch", epoch, 0)
+        check_int("epoch", epoch, 0)
         if epoch != self._epoch:
             self._epoch, self._history, self._start, self._cursor = epoch, (), 0, 0
             self._token += 1
@@ -884,7 +884,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         """
         cursor = self._cursor
         if consumed is not None:
-            _check_int("consumed", consumed, 0, len(self))
+            check_int("consumed", consumed, 0, len(self))
             cursor = self._start + consumed
         return {
             "format": STATE_FORMAT,
@@ -912,7 +912,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         :class:`TopologyMismatchError`. The state's ``seed`` is adopted. Under another
         ``num_replicas`` the rest of the epoch is re-planned (module docstring).
         """
-        epoch, seed, old_n = _check_state_head(state, _STATE_KEYS, STATE_FORMAT, STATE_VERSION)
+        epoch, seed, old_n = check_state_head(state, _STATE_KEYS, STATE_FORMAT, STATE_VERSION)
 
         def name(key: str) -> str:
             return f"state[{key!r}]"
@@ -947,12 +947,12 @@ class BalancedBatchSampler(Sampler[list[int]]):
             )
         history = tuple(
             (
-                _check_int(f"{name('history')}[{k}][0]", h[0], 1),
-                _check_int(f"{name('history')}[{k}][1]", h[1], 0),
+                check_int(f"{name('history')}[{k}][0]", h[0], 1),
+                check_int(f"{name('history')}[{k}][1]", h[1], 0),
             )
             for k, h in enumerate(raw)
         )
-        cursor = _check_int(name("cursor"), state["cursor"], 0)
+        cursor = check_int(name("cursor"), state["cursor"], 0)
         # Validated by replaying the history (raises on steps past a segment's end).
         saved_seed = self._seed
         self._seed = seed

@@ -91,7 +91,6 @@ algorithm differs would see a different order.
 from __future__ import annotations
 
 import hashlib
-import secrets
 from collections.abc import Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
@@ -103,6 +102,16 @@ from torch.utils.data import Sampler
 
 from ..errors import ConfigError
 from ..mesh import describe, is_mesh, resolve_group
+from ._state import (
+    MAX_SEED,
+    broadcast_seed,
+    check_bool,
+    check_int,
+    check_state_head,
+    collective_device,
+    is_int,
+    seeded_generator,
+)
 
 __all__ = [
     "STATE_FORMAT",
@@ -115,8 +124,6 @@ __all__ = [
 STATE_FORMAT = "shmloader.ShardedSampler"
 STATE_VERSION = 1
 
-_MAX_SEED = 2**63 - 1  # fits an int64 tensor (broadcast) and any checkpoint format
-_MASK64 = 2**64 - 1
 _STREAM_ORDER = 0x0D1E
 _STREAM_BUCKET = 0xB0C7
 _STREAM_SCHEDULE = 0x5C4E
@@ -136,87 +143,6 @@ _STATE_KEYS = (
     "buckets_fingerprint",
     "bases",
 )
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def _generator(*parts: int) -> torch.Generator:
-    """A private CPU generator seeded from a hash of ``parts`` (never the default one)."""
-    h = 0
-    for part in parts:
-        h = _splitmix64(h ^ (part & _MASK64))
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(h)
-    return gen
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_state_head(
-    state: object, keys: tuple[str, ...], fmt: str, version: int
-) -> tuple[int, int, int]:
-    """Validate the fields every sampler state shares; return (epoch, seed, num_replicas).
-
-    ``state`` must be a mapping with exactly ``keys``, of format ``fmt`` and
-    version ``version``; a refused field is a ``ValueError`` naming it.
-    """
-    if not isinstance(state, Mapping):
-        raise ValueError(f"state={state!r} is not valid: expected a dict from state_dict()")
-    missing = [key for key in keys if key not in state]
-    if missing:
-        raise ValueError(f"sampler state is not valid: missing field(s) {missing}")
-    unknown = sorted(str(key) for key in state if key not in keys)
-    if unknown:
-        raise ValueError(f"sampler state is not valid: unknown field(s) {unknown}")
-    if state["format"] != fmt:
-        raise ValueError(f"state['format']={state['format']!r} is not valid: expected {fmt!r}")
-    _check_int("state['version']", state["version"], version, version)
-    epoch = _check_int("state['epoch']", state["epoch"], 0)
-    seed = _check_int("state['seed']", state["seed"], 0, _MAX_SEED)
-    old_n = _check_int("state['num_replicas']", state["num_replicas"], 1)
-    _check_int("state['rank']", state["rank"], 0, old_n - 1)
-    return epoch, seed, old_n
-
-
-def _check_int(name: str, value: object, low: int, high: int | None = None) -> int:
-    if not _is_int(value):
-        raise ValueError(f"{name}={value!r} is not valid: expected an int")
-    assert isinstance(value, int)
-    if value < low or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name}={value!r} is not valid: expected an int {bound}")
-    return value
-
-
-def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} is not valid: expected a bool")
-    return value
-
-
-def _collective_device(group: Any = None) -> torch.device:
-    if str(dist.get_backend(group)) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _broadcast_seed() -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(
-            "seed=None is not valid here: seed=None needs torch.distributed to be initialised "
-            "(rank 0 broadcasts one seed); initialise the process group or pass a seed"
-        )
-    value = secrets.randbits(63) if dist.get_rank() == 0 else 0
-    tensor = torch.tensor([value], dtype=torch.int64, device=_collective_device())
-    dist.broadcast(tensor, src=0)
-    return int(tensor.item())
 
 
 def _padded_len(remaining: int, unit: int, drop_last: bool) -> int:
@@ -243,7 +169,7 @@ def _validate_buckets(buckets: object, dataset_len: int) -> list[torch.Tensor]:
         if isinstance(bucket, (str, bytes)) or not isinstance(bucket, Sequence):
             raise ValueError(f"buckets[{j}]={bucket!r} is not valid: expected a list of indices")
         for pos, index in enumerate(bucket):
-            if not (_is_int(index) or isinstance(index, np.integer)):
+            if not (is_int(index) or isinstance(index, np.integer)):
                 raise ValueError(
                     f"buckets[{j}][{pos}]={index!r} is not valid: expected an int index"
                 )
@@ -299,7 +225,7 @@ def dp_topology_from_group(sp_group: Any = None) -> tuple[int, int]:
     sp_group = resolve_group(sp_group)
     sp_size = dist.get_world_size(sp_group)
     leader = min(dist.get_process_group_ranks(sp_group)) if sp_size >= 1 else -1
-    device = _collective_device()
+    device = collective_device()
     mine = torch.tensor([leader, sp_size], dtype=torch.int64, device=device)
     gathered = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine)
@@ -378,14 +304,14 @@ class ShardedSampler(Sampler[int]):
             raise ValueError(
                 f"dataset of type {type(dataset).__qualname__} is not valid: it has no len()"
             ) from exc
-        self._num_replicas = _check_int("num_replicas", num_replicas, 1)
-        self._rank = _check_int("rank", rank, 0, self._num_replicas - 1)
-        self._shuffle = _check_bool("shuffle", shuffle)
-        self._drop_last = _check_bool("drop_last", drop_last)
+        self._num_replicas = check_int("num_replicas", num_replicas, 1)
+        self._rank = check_int("rank", rank, 0, self._num_replicas - 1)
+        self._shuffle = check_bool("shuffle", shuffle)
+        self._drop_last = check_bool("drop_last", drop_last)
         if batch_size is not None:
-            _check_int("batch_size", batch_size, 1)
+            check_int("batch_size", batch_size, 1)
         if seed is not None:
-            _check_int("seed", seed, 0, _MAX_SEED)
+            check_int("seed", seed, 0, MAX_SEED)
         self._batch_size = batch_size
         self._dataset_len = dataset_len
         self._buckets: list[torch.Tensor] | None = None
@@ -396,7 +322,7 @@ class ShardedSampler(Sampler[int]):
         self._fingerprint = _fingerprint(self._buckets, batch_size)
         # Last: seed=None is a collective (every rank must construct its sampler), entered
         # only once all arguments were accepted.
-        self._seed = _broadcast_seed() if seed is None else seed
+        self._seed = broadcast_seed() if seed is None else seed
         self._plan = _Plan(0, (0,) * self._num_groups, 0)
         self._cursor = 0
         self._token = 0  # identifies the pass whose progress moves the cursor
@@ -449,7 +375,7 @@ class ShardedSampler(Sampler[int]):
         A different epoch starts fresh from its beginning; the epoch already selected keeps a
         resume point set by :meth:`load_state_dict`.
         """
-        _check_int("epoch", epoch, 0)
+        check_int("epoch", epoch, 0)
         if epoch != self._plan.epoch:
             self._plan = _Plan(epoch, (0,) * self._num_groups, 0)
             self._cursor = 0
@@ -470,7 +396,9 @@ class ShardedSampler(Sampler[int]):
         counts = torch.tensor([length // unit for length in padded_lens], dtype=torch.int64)
         ids = torch.repeat_interleave(torch.arange(len(padded_lens)), counts)
         if self._shuffle and len(ids) > 1:
-            perm = torch.randperm(len(ids), generator=_generator(seed, epoch, _STREAM_SCHEDULE))
+            perm = torch.randperm(
+                len(ids), generator=seeded_generator(seed, epoch, _STREAM_SCHEDULE)
+            )
             ids = ids[perm]
         return ids.tolist()
 
@@ -478,12 +406,12 @@ class ShardedSampler(Sampler[int]):
         if self._buckets is None:
             if not self._shuffle:
                 return torch.arange(self._dataset_len, dtype=torch.int64)
-            gen = _generator(self._seed, epoch, _STREAM_ORDER)
+            gen = seeded_generator(self._seed, epoch, _STREAM_ORDER)
             return torch.randperm(self._dataset_len, generator=gen)
         bucket = self._buckets[j]
         if not self._shuffle or len(bucket) < 2:
             return bucket
-        gen = _generator(self._seed, epoch, _STREAM_BUCKET, j)
+        gen = seeded_generator(self._seed, epoch, _STREAM_BUCKET, j)
         return bucket[torch.randperm(len(bucket), generator=gen)]
 
     def _segment(self, plan: _Plan) -> _Segment:
@@ -596,7 +524,7 @@ class ShardedSampler(Sampler[int]):
         """
         cursor = self._cursor
         if consumed is not None:
-            _check_int("consumed", consumed, 0, len(self))
+            check_int("consumed", consumed, 0, len(self))
             cursor = self._plan.start_cursor + consumed * self._num_replicas
         return {
             "format": STATE_FORMAT,
@@ -622,19 +550,19 @@ class ShardedSampler(Sampler[int]):
         the epoch is re-split (see the module docstring); under the same ``num_replicas`` and
         any rank the segment continues exactly.
         """
-        epoch, seed, old_n = _check_state_head(state, _STATE_KEYS, STATE_FORMAT, STATE_VERSION)
+        epoch, seed, old_n = check_state_head(state, _STATE_KEYS, STATE_FORMAT, STATE_VERSION)
 
         def field(name: str) -> str:
             return f"state[{name!r}]"
 
-        dataset_len = _check_int(field("dataset_len"), state["dataset_len"], 0)
+        dataset_len = check_int(field("dataset_len"), state["dataset_len"], 0)
         if dataset_len != self._dataset_len:
             raise ValueError(
                 f"{field('dataset_len')}={dataset_len} is not valid: this sampler's dataset has "
                 f"{self._dataset_len} samples"
             )
         for name, mine in (("shuffle", self._shuffle), ("drop_last", self._drop_last)):
-            value = _check_bool(field(name), state[name])
+            value = check_bool(field(name), state[name])
             if value != mine:
                 raise ValueError(
                     f"{field(name)}={value!r} is not valid: this sampler has {name}={mine!r}"
@@ -657,11 +585,11 @@ class ShardedSampler(Sampler[int]):
                 f"{self._num_groups} ints"
             )
         bases = tuple(
-            _check_int(f"{field('bases')}[{j}]", base, 0, self._group_len(j))
+            check_int(f"{field('bases')}[{j}]", base, 0, self._group_len(j))
             for j, base in enumerate(raw_bases)
         )
         old_lens = self._padded_lens(bases, old_n)
-        cursor = _check_int(field("cursor"), state["cursor"], 0, sum(old_lens))
+        cursor = check_int(field("cursor"), state["cursor"], 0, sum(old_lens))
         if cursor % old_n:
             raise ValueError(
                 f"{field('cursor')}={cursor} is not valid: expected a multiple of "
@@ -729,7 +657,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         """The sampler's state; ``consumed_batches=k``: ``k`` lists of this pass consumed."""
         if consumed_batches is None:
             return self.sampler.state_dict()
-        _check_int("consumed_batches", consumed_batches, 0, len(self))
+        check_int("consumed_batches", consumed_batches, 0, len(self))
         assert self.sampler.batch_size is not None
         first, _ = self.sampler._batch_lengths()
         consumed = 0

@@ -571,7 +571,7 @@ def test_gpu_benchmark_runs_every_way_on_a_host_stand_in(tmp_path):
 
     from benchmarks.gpu import WAYS, HostOps
 
-    assert isinstance(HostOps(), device.DeviceOps)
+    assert isinstance(HostOps(), cudaops.DeviceOps)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     argv = ["--cpu-smoke", "--sizes", "1", "--sp", "2", "--steps", "3", "--warmup", "1"]
     argv += ["--workers", "0", "--gpu-ms", "1", "--timeout", "120", "--out", str(tmp_path)]
@@ -688,15 +688,15 @@ def test_gpu_benchmark_ranks_stay_under_their_launchers_cap(tmp_path):
 def test_cuda_ops_and_the_fake_implement_the_same_seam():
     import inspect
 
-    names = [n for n in vars(device.DeviceOps) if not n.startswith("_")]
+    names = [n for n in vars(cudaops.DeviceOps) if not n.startswith("_")]
     assert {"copy", "record", "query", "wait", "register", "unregister"} <= set(names)
     from benchmarks.gpu import HostOps
 
-    for impl in (device.CudaOps, FakeOps, HostOps):
+    for impl in (cudaops.CudaOps, FakeOps, HostOps):
         for name in names:
             if name == "device":
                 continue
-            want = inspect.signature(getattr(device.DeviceOps, name)).parameters
+            want = inspect.signature(getattr(cudaops.DeviceOps, name)).parameters
             assert inspect.signature(getattr(impl, name)).parameters.keys() == want.keys()
 
 
@@ -797,7 +797,7 @@ def test_a_failed_unregister_is_never_unmapped(source, caplog):
     ],
 )
 def test_the_runtime_of_torchs_own_cuda_version_is_picked(paths, version, want):
-    assert device.pick_cudart(paths, version) == want
+    assert cudaops.pick_cudart(paths, version) == want
 
 
 # ------------------------------------------------------------ no pageable copies
@@ -825,7 +825,7 @@ def test_small_leaves_are_copied_from_pinned_memory_never_pageable(source):
         _assert_same(g, w)
     assert ops.pageable_copies == 0, "a pageable host-to-device copy on the step's path"
     # one staging buffer per batch (not per leaf), reused: never one allocation per batch
-    assert sum(what == "pinned" for what, _ in ops.timeline) <= device.STAGING_BUFFERS < 4
+    assert sum(what == "pinned" for what, _ in ops.timeline) <= hostmem.STAGING_BUFFERS < 4
     assert stage.stats()["device_copies_registered"] == 4  # "big" still from the slot
     assert stage.stats()["device_staged_bytes"] == 4 * (16 + 72 + (64 << 10))
     stage.close()
@@ -976,7 +976,7 @@ def test_without_torchs_own_runtime_nothing_is_registered(monkeypatch):
     monkeypatch.setattr(torch.cuda, "init", lambda: None)
     monkeypatch.setattr(cudaops, "_mapped_cudarts", lambda: ["/other/libcudart.so.99"])
     monkeypatch.setattr(torch.version, "cuda", "12.4")
-    rt = device._Cudart(torch.device("cuda", 0))
+    rt = cudaops._Cudart(torch.device("cuda", 0))
     assert rt.lib is None
     assert rt.unavailable is not None and "12.4" in rt.unavailable
     assert "cannot clear" in rt.unavailable
@@ -1161,11 +1161,11 @@ def test_pinned_staging_is_bounded_reused_and_released_when_batches_shrink():
             ops.complete()  # the DMA catches up now and then, not at once
         del batch
     allocations = sum(what == "pinned" for what, _ in ops.timeline)
-    assert allocations <= 3 * device.STAGING_BUFFERS < len(sizes)
-    assert max(locked) <= device.STAGING_BUFFERS * hostmem.staging_capacity(8 << 20)
+    assert allocations <= 3 * hostmem.STAGING_BUFFERS < len(sizes)
+    assert max(locked) <= hostmem.STAGING_BUFFERS * hostmem.staging_capacity(8 << 20)
     small = hostmem.staging_capacity(64 << 10)
     stats = stage.stats()
-    assert stats["device_staging_bytes"] == ops.locked <= device.STAGING_BUFFERS * small
+    assert stats["device_staging_bytes"] == ops.locked <= hostmem.STAGING_BUFFERS * small
     assert ops.unpinned, "the 8 MiB buffers must go once the batches shrank"
     assert stats["device_staging_peak_bytes"] == max(locked)
     assert stats["device_staged_bytes"] == sum(sizes)
@@ -1242,7 +1242,7 @@ def test_memory_stays_bounded_over_epochs_of_varying_sizes(source):
             stats = stage.stats()
             live = [s for s in source.ring.slots if s.state != SlotState.RETIRED]
             assert stats["device_registered_slots"] <= len(live) + stage.prefetch + 1
-            assert ops.locked <= device.STAGING_BUFFERS * hostmem.staging_capacity(64 * 4)
+            assert ops.locked <= hostmem.STAGING_BUFFERS * hostmem.staging_capacity(64 * 4)
             if k % 2:
                 ops.complete()
         live = {s.segment.name for s in source.ring.slots if s.state != SlotState.RETIRED}

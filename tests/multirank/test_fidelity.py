@@ -59,6 +59,23 @@ def rng_both(rank: int, world: int, **kw) -> dict:
     }
 
 
+def empty_epochs(rank: int, world: int, *, share: bool) -> dict:
+    """Epochs without a batch: ``iter()`` still draws the DataLoader's base seed."""
+    torch.manual_seed(99 + rank)
+    before = torch.get_rng_state()
+    loader = ShmLoader(
+        lambda: DataLoader(ranks.Synthetic(0), batch_size=2, collate_fn=ranks.collate),
+        dist.group.WORLD,
+        config=Config.from_env(enabled=share),
+    )
+    out = []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        out.append((sum(1 for _ in loader), torch.get_rng_state()))
+    loader.close()
+    return {"before": before, "epochs": out}
+
+
 def checkpoint_run(
     rank: int,
     world: int,
@@ -157,6 +174,18 @@ def test_rng_state_matches_unshared_at_every_epoch_end(num_workers, persistent):
     assert out[0]["shared"]["order"] == out[0]["alone"]["order"], "the leader's data changed"
     # the followers' order equals the leader's (shuffled with the leader's RNG)
     assert out[0]["shared"]["order"] == out[1]["shared"]["order"]
+
+
+@pytest.mark.timeout(180)
+def test_an_epoch_without_batches_mirrors_the_draws_of_iter():
+    # the END message carries the draws of an epoch that ended before its first batch
+    alone = run_ranks(empty_epochs, 2, kwargs={"share": False})
+    shared = run_ranks(empty_epochs, 2, kwargs={"share": True})
+    for rank in range(2):
+        assert [n for n, _ in shared[rank]["epochs"]] == [0, 0]
+        assert not torch.equal(alone[rank]["epochs"][0][1], alone[rank]["before"])  # it draws
+        for (_, a), (_, s) in zip(alone[rank]["epochs"], shared[rank]["epochs"], strict=True):
+            assert torch.equal(a, s), f"rank {rank}: RNG differs from sharing-off"
 
 
 @pytest.mark.timeout(240)

@@ -125,9 +125,9 @@ class ShmLoader:
         group = resolve_group(group, mesh_dim)
         self.config = resolve_config(config, group)
         # Device delivery: validated before anything is built (shmloader.device.stage).
-        target = device
-        if not isinstance(device, DeviceOps):
-            target = resolve_device(device, self.config.device)
+        target = (
+            device if isinstance(device, DeviceOps) else resolve_device(device, self.config.device)
+        )
         self._stage: DeviceStage | None = None
         if target is not None or select is not None:
             self._stage = DeviceStage(target, select=select, prefetch=self.config.prefetch)

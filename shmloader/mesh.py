@@ -40,9 +40,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 #: Dimension names counted as data-parallel when ``dp_dims`` is not given.
 DP_DIM_NAMES = frozenset({"dp", "dp_replicate", "dp_shard", "fsdp", "ddp", "hsdp", "data"})
@@ -71,7 +74,7 @@ def describe(mesh: Any) -> str:
     return f"DeviceMesh({dims})"
 
 
-def resolve_group(group: Any, mesh_dim: str | int | None = None) -> Any:
+def resolve_group(group: Any, mesh_dim: str | int | None = None) -> dist.ProcessGroup | None:
     """The process group that ``ShmLoader(group=..., mesh_dim=...)`` shares over.
 
     ``group`` is ``None``, a ``ProcessGroup``, a one-dimensional ``DeviceMesh``

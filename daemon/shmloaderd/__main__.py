@@ -24,6 +24,7 @@ import re
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 # shmloader's package __init__ imports torch lazily, so the daemon loads only
 # the light modules it uses (segment, ring, admin, daemon_client, errors).
@@ -68,7 +69,7 @@ def parse_budget(text: str) -> tuple[str, float]:
     return "bytes", parse_size(text)
 
 
-def budget_function(spec: tuple[str, float] | None):
+def budget_function(spec: tuple[str, float] | None) -> Callable[[], int | None]:
     """A callable giving the budget in bytes now (a percentage follows /dev/shm's size)."""
     if spec is None:
         return lambda: None

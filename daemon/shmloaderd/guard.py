@@ -37,6 +37,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import zmq
@@ -130,7 +131,7 @@ class ConnectionGuard:
             except Exception:  # never let a bug here end the guard
                 log.exception("connection guard: event not handled")
 
-    def _event(self, msg: dict[str, Any]) -> None:
+    def _event(self, msg: Mapping[str, Any]) -> None:
         fd = msg.get("value")
         if not isinstance(fd, int):
             return

@@ -189,7 +189,7 @@ class MetricsServer:
 
     def __init__(self, port: int, snapshot: Callable[[], dict[str, Any]]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_Collector(snapshot))  # type: ignore[arg-type]
+        self.registry.register(_Collector(snapshot))
         self._server, self._thread = start_http_server(
             port, addr="127.0.0.1", registry=self.registry
         )

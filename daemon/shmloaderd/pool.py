@@ -73,6 +73,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shmloader._node import segment as segment_module
@@ -94,7 +95,7 @@ log = logging.getLogger("shmloaderd")
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 
 
-def _libc_madvise():
+def _libc_madvise() -> Callable[..., int] | None:
     try:
         fn = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
@@ -181,7 +182,7 @@ class Pool:
                     return
                 room, self._wanted = self._wanted, False
             try:
-                self.refill(room)  # type: ignore[arg-type]
+                self.refill(room)
             except Exception:
                 log.exception("warm pool: refill failed; trying again at the next pass")
 

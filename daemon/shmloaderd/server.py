@@ -436,7 +436,7 @@ class Daemon:
         return out
 
     def _note_reaped(
-        self, reaped: dict[tuple[int, str], tuple[int, int]], known: set, entries
+        self, reaped: dict[tuple[int, str], tuple[int, int]], known: set, entries: list
     ) -> None:
         """Reaped segments of a ring the registry never knew (it died before this
         daemon saw it alive) still leave a record (NOTE [dead jobs stay visible])."""
@@ -503,7 +503,7 @@ class Daemon:
             if j["started_unix"] is None:
                 j["started_unix"] = job.since
                 j["age_s"] = round(max(0.0, time.time() - job.since), 3)
-            for key, attr in (
+            for name, attr in (
                 ("group", "group"),
                 ("node_ranks", "node"),
                 ("leader", "leader"),
@@ -511,7 +511,7 @@ class Daemon:
                 ("world", "world"),
             ):
                 if getattr(job, attr) is not None:
-                    j[key] = getattr(job, attr)
+                    j[name] = getattr(job, attr)
             if job.pids:
                 j["pids"] = {str(r): list(p) for r, p in sorted(job.pids.items())}
             # NOTE [honest bytes]: ``bytes`` is /dev/shm's; grants are reserved apart
@@ -521,9 +521,9 @@ class Daemon:
                 row = ranks.setdefault(str(rank), dict.fromkeys(_RANK_KEYS))
                 writes = rep.get("role") in ("leader", "node leader") or "consumed" not in rep
                 row["batches"] = rep.get("published") if writes else rep["consumed"]
-                for key, field in _ROW_FROM_REPORT:
-                    if rep.get(key) is not None:
-                        row[field] = rep[key]
+                for source, field in _ROW_FROM_REPORT:
+                    if rep.get(source) is not None:
+                        row[field] = rep[source]
                 if rep.get("device") is not None:  # the rank's own, newer than the writer's
                     row.update(device_fields(rep))
                 row["updated_unix"] = rep["updated_unix"]

@@ -10,8 +10,16 @@ signal leaves nothing in ``/dev/shm`` or the runtime directory (NOTE
 NOTE [layers]
     A module imports only modules of its own layer or of layers below it, and
     never in a circle: imports inside a function count too (one there must not
-    hide a circle). ``tests/unit/test_layers.py`` checks the whole graph and what
-    importing a low layer loads.
+    hide a circle). The packages keep this order, from the ground up:
+    ``errors``; ``_node``, ``_proto`` (neither imports the other) and
+    ``mesh``; ``config``, ``samplers``; ``_transport``; ``_workers``,
+    ``device`` (neither imports the other); ``_roles``; ``_setup``;
+    ``loader``, ``checkpoint``; the package's ``__init__``,
+    ``integrations``; ``tools``; ``__main__``, the only importer of
+    ``tools``. ``tests/unit/test_layers.py`` checks the whole graph against it
+    (``LAYERS``; the few imports that go up, each with its reason, in
+    ``UPWARD``), what the daemon and the benchmarks import, and what
+    importing a low layer loads. Module by module, in the lower layers:
 
     1. ``errors`` and this module: the registry imports nothing of shmloader.
        Removing a registered segment needs its header, which only
@@ -19,13 +27,14 @@ NOTE [layers]
        loads (``removes_segments``).
     2. ``segment``, then ``channel`` and ``ring`` (with the pure ``wire`` and
        ``codec``): shared memory and signalling. Nothing here imports
-       ``admin`` or ``daemon_client``: a ring writer is given what it asks of
-       the daemon (``ring.NodeDaemon``, a ``DaemonClient`` in practice), a
-       DataLoader worker its ``PoolSpec.admit`` (NOTE [pool admission]).
-    3. ``daemon_client``; ``admin`` (``stat``, ``gc``); ``reap`` (reaping at
-       start, with ``gc``'s rule); then ``topology``, the roles and
-       ``loader`` at the top. ``import shmloader`` loads only ``config`` and
-       ``errors``; the rest comes on first use (PEP 562).
+       ``inventory`` or ``daemon_client``: a ring writer is given what it
+       asks of the daemon (``ring.NodeDaemon``, a ``DaemonClient`` in
+       practice), a DataLoader worker its ``PoolSpec.admit`` (NOTE [pool
+       admission]).
+    3. ``daemon_client``; ``inventory`` (``stat``, ``gc``); ``reap`` (reaping
+       at start, with ``gc``'s rule): above the transport, though in
+       ``_node``. ``import shmloader`` loads only ``config`` and ``errors``;
+       the rest comes on first use (PEP 562).
 
 NOTE [SIGTERM]
     A process killed by SIGTERM with the default disposition runs no atexit

@@ -189,7 +189,7 @@ def job_from_entries(token: str, entries: list[Entry]) -> dict[str, Any]:
     ctl = next((e for e in entries if e.header and e.header.kind == KIND_CONTROL), None)
     desc = (ctl.description if ctl else None) or {}
     counters = ctl.counters if ctl else None
-    segments = [
+    segments: list[dict[str, Any]] = [
         {
             "name": e.name,
             "kind": e.header.kind_name,

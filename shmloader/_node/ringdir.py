@@ -48,6 +48,7 @@ import mmap
 import os
 import stat
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from ..errors import ConfigError
 
@@ -159,7 +160,7 @@ def _describe(real: str, dev: int, ino: int, path: str) -> Facts:
     fs, mount, options = _mount_of(real)
     huge_option = next((o[5:] for o in options if o.startswith("huge=")), "never")
     shmem = _shmem_enabled()
-    base = dict(
+    base: dict[str, Any] = dict(
         path=path,
         fs=fs,
         mount=mount,

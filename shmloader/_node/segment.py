@@ -125,7 +125,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -327,7 +327,7 @@ def ring_dir() -> str:
 
 
 @contextlib.contextmanager
-def in_dir(directory: str):  # type: ignore[no-untyped-def]
+def in_dir(directory: str) -> Iterator[str]:
     """Resolve names in ``directory`` on this thread for a while (``stat``/``gc`` scans)."""
     before = getattr(_HERE, "dir", None)
     _HERE.dir = directory
@@ -601,7 +601,7 @@ def _placeholder(length: int, prot: int, phase: int | None) -> mmap.mmap:
     mapping at the same time) the object lies elsewhere: correct, only not
     aligned (4 KiB page-table entries over the huge pages).
     """
-    if phase is None or LIBC_MUNMAP is None:
+    if phase is None or LIBC_MUNMAP is None or LIBC_MMAP is None:
         return mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE, prot=prot)
     span = length + ringdir.HUGE
     anon = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
@@ -785,7 +785,7 @@ def dont_fork(mm: mmap.mmap) -> bool:
     except OSError:
         return False
     addr = _address(mm)
-    _NOT_FORKED[addr] = (weakref.ref(mm, lambda _, a=addr: _NOT_FORKED.pop(a, None)), len(mm))
+    _NOT_FORKED[addr] = (weakref.ref(mm, lambda _: _NOT_FORKED.pop(addr, None)), len(mm))
     return True
 
 
@@ -848,7 +848,7 @@ LIBC_MREMAP: Callable[..., int] | None = _libc_mremap()
 def copy_at_fork(mm: mmap.mmap) -> None:
     """Give a forked child its own copy of ``mm`` (a batch's private view)."""
     addr = _address(mm)
-    _COPY_AT_FORK[addr] = (weakref.ref(mm, lambda _, a=addr: _COPY_AT_FORK.pop(a, None)), len(mm))
+    _COPY_AT_FORK[addr] = (weakref.ref(mm, lambda _: _COPY_AT_FORK.pop(addr, None)), len(mm))
 
 
 class _Forking:
@@ -897,7 +897,8 @@ def _deny(addr: int, length: int) -> None:
     """
     if LIBC_MMAP is not None:
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE
-        LIBC_MMAP(addr, length, mmap.PROT_NONE, flags, -1, 0)
+        # mmap defines no PROT_NONE (it is 0): as written, this line raises AttributeError
+        LIBC_MMAP(addr, length, mmap.PROT_NONE, flags, -1, 0)  # type: ignore[attr-defined]
 
 
 def _own_copy(addr: int, length: int) -> bool:
@@ -979,8 +980,11 @@ def touch(mm: mmap.mmap) -> None:
         write per page does the same in bytecode, which yields the GIL
         between pages.
     """
-    populate = LIBC_MADVISE is not None and len(mm) > 0
-    if populate and LIBC_MADVISE(_address(mm), len(mm), MADV_POPULATE_WRITE) == 0:
+    if (
+        LIBC_MADVISE is not None
+        and len(mm) > 0
+        and LIBC_MADVISE(_address(mm), len(mm), MADV_POPULATE_WRITE) == 0
+    ):
         return
     view = memoryview(mm)
     try:

@@ -96,7 +96,7 @@ import pickle
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -328,7 +328,7 @@ class _Encoder:
 
     def mapping(self, obj: collections.abc.Mapping, path: str) -> list:
         t = type(obj)
-        node = [
+        node: list[Any] = [
             "M",
             self.type_name(t, obj, path, "mapping"),
             [[self.key(k, path), self.node(v, f"{path}[{_key_text(k)}]")] for k, v in obj.items()],
@@ -387,14 +387,14 @@ _FACTORIES: dict[str, type] = {
     f.__name__: f
     for f in (list, dict, set, frozenset, tuple, int, float, complex, str, bytes, bool)
 }
-_FACTORY_NAMES = {f: name for name, f in _FACTORIES.items()}
+_FACTORY_NAMES: dict[object, str] = {f: name for name, f in _FACTORIES.items()}
 #: Per mapping type: the attributes and slots of a fresh ``type(m)({})``, once
 #: its rebuild was checked (NOTE [mappings]).
 _TEMPLATES: dict[type, dict[str, Any]] = {}
 _ABSENT = object()
 
 
-def rebuild_mapping(cls: type, items: dict, factory: Any = None) -> Any:
+def rebuild_mapping(cls: type[Any], items: dict, factory: Any = None) -> Any:
     """A ``cls`` holding ``items``: the one rebuild of a mapping (NOTE [mappings])."""
     if issubclass(cls, collections.defaultdict):
         return cls(factory, items)
@@ -537,8 +537,8 @@ def write_payload(encoded: Encoded, dest: np.ndarray) -> None:
         elif leaf.kind in ("a", "s"):
             out = window.view(src.dtype).reshape(src.shape)
             if src.dtype.type in _PADDED:  # NOTE [platform-dependent numpy types]
-                raw = np.dtype(f"V{src.dtype.itemsize}")
-                out, src = out.view(raw), src.view(raw)
+                void = np.dtype(f"V{src.dtype.itemsize}")
+                out, src = out.view(void), src.view(void)
             np.copyto(out, src, casting="no")
         else:  # bytes, pickle
             window[:] = np.frombuffer(src, dtype=np.uint8)
@@ -578,7 +578,7 @@ def parse_meta(
     return doc, leaves
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: Any) -> TypeGuard[int]:
     return type(x) is int
 
 
@@ -618,12 +618,12 @@ def _itemsize(kind: str, dtype: str) -> int:
         return d.itemsize
     if kind in ("a", "s"):
         try:
-            d = np.dtype(dtype)
+            nd = np.dtype(dtype)
         except TypeError:
             raise ProtocolError(f"unknown numpy dtype {dtype!r:.40}") from None
-        if d.kind not in _NUMPY_KINDS or d.fields is not None:
+        if nd.kind not in _NUMPY_KINDS or nd.fields is not None:
             raise ProtocolError(f"numpy dtype {dtype!r:.40} is not a plain value type")
-        return d.itemsize
+        return nd.itemsize
     if dtype != "uint8":
         raise ProtocolError(f"bytes leaf with dtype {dtype!r:.40}")
     return 1
@@ -651,7 +651,7 @@ class _Decoder:
         if lf.kind == "t" and lf.nbytes == 0:
             # torch.from_numpy of an empty payload has stride 0, which view(dtype)
             # refuses: a zero-size tensor needs no bytes of the payload anyway.
-            obj = torch.empty(lf.shape, dtype=_TORCH_DTYPES[lf.dtype])
+            obj: Any = torch.empty(lf.shape, dtype=_TORCH_DTYPES[lf.dtype])
         elif lf.kind == "t":
             obj = torch.from_numpy(window).view(_TORCH_DTYPES[lf.dtype]).view(lf.shape)
         elif lf.kind == "a":
@@ -726,7 +726,7 @@ class _Decoder:
             if tag == "C":
                 name, items = args
                 cls = _resolve(name, "dataclass")
-                obj = object.__new__(cls)
+                obj: Any = object.__new__(cls)
                 names = {f.name for f in dataclasses.fields(cls)}
                 for field, value in _pairs(items):
                     # Only the class's own fields: any other name could replace

@@ -295,7 +295,7 @@ def _clone(obj: Any, memo: dict[int, Any]) -> Any:
 
 
 def _crc(payload: np.ndarray) -> int:
-    return zlib.crc32(payload)
+    return zlib.crc32(payload)  # type: ignore[arg-type]  # numpy types __buffer__ from 3.12
 
 
 def _check_crc(payload: np.ndarray, expected: int, seq: int) -> None:

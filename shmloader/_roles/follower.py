@@ -208,7 +208,7 @@ class Follower:
         # carries on without it may rewrite those slots (NOTE [held past close]).
         # The socket closes through the _Releaser, so that a batch dying after the
         # close (even in the finalizer's order at exit) releases nothing.
-        return [self.ring.own_views, self.out.close, self.ring.close]
+        return [self.ring.own_views, self.out.close, self.ring.close]  # type: ignore[list-item]
 
     def stats(self) -> dict[str, Any]:
         return {}
@@ -248,7 +248,7 @@ class Follower:
             spoke.wait(
                 handle,
                 lambda: [peer],
-                timeout=self.config.timeout,
+                timeout=self.config.timeout,  # type: ignore[arg-type]  # resolved at set-up
                 doing=f"waiting for batch {self.ctx.cursor.delivered} of iteration {it}",
                 idle=idle,
             )

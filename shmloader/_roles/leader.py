@@ -66,7 +66,7 @@ def worker_pool(
         num_workers=workers,
         prefetch_factor=loader.prefetch_factor or 2,
         ring_slots=config.slots,
-        timeout=config.timeout,
+        timeout=config.timeout,  # type: ignore[arg-type]  # resolved at set-up
         allow_pickle=config.allow_pickle,
         collate_in_slot=config.collate_in_slot,
         daemon=daemon,

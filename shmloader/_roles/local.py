@@ -188,7 +188,7 @@ class Local:
 
     def iterate(self, it: int, cursor: int, skip: bool) -> Iterator[Any]:
         if self.unwarned is not None:  # NOTE [set-up marks] (arrival)
-            self.unwarned, unwarned = None, self.unwarned
+            unwarned, self.unwarned = self.unwarned, None
             if not unwarned.warned:
                 unwarned.check_peers_on()
         return self._loop(cursor if skip else 0)

@@ -120,7 +120,7 @@ class Writer:
             stop = isinstance(exc, KeyboardInterrupt | SystemExit)
             if stop:
                 kind = KIND_STOP
-                body = {"reason": f"{type(exc).__name__} on the leader"}
+                body: dict[str, Any] = {"reason": f"{type(exc).__name__} on the leader"}
                 parts = self.stamped(Kind.STOP, it, closed=0, reason=body["reason"])
             else:
                 kind, body = KIND_ERROR, _error_body(it, exc)
@@ -129,7 +129,7 @@ class Writer:
             if self.xnode is not None and forward and not link_broken:
                 self.xnode.send_json(kind, it, body)
             with contextlib.suppress(PeerLostError):
-                self.await_readers(window=False, timeout=min(self.config.timeout, CLOSE_WAIT_S))
+                self.await_readers(window=False, timeout=min(self.config.timeout, CLOSE_WAIT_S))  # type: ignore[type-var]
             self.tell_last(parts)
         except Exception as notify_error:  # the original error matters more
             log.warning("shmloader: could not tell followers about %r: %s", exc, notify_error)
@@ -196,7 +196,7 @@ class Writer:
                 lambda: [
                     r for r in self.topo.readers if r not in self.gone and self.acked[r] <= seq
                 ],
-                min(self.config.timeout, CLOSE_WAIT_S),
+                min(self.config.timeout, CLOSE_WAIT_S),  # type: ignore[type-var, arg-type]
                 "making sure followers received the leader's error",
             )
         except PeerLostError as exc:
@@ -368,7 +368,7 @@ class Writer:
 
         self.wait_for(
             waiting,
-            self.config.timeout if timeout is None else timeout,
+            self.config.timeout if timeout is None else timeout,  # type: ignore[arg-type]
             f"waiting for followers to take batch {self.seq}",
         )
         lost = self.settle_left()  # before anything is acquired: a goodbye frees its slots
@@ -387,7 +387,7 @@ class Writer:
         try:
             self.wait_for(
                 lambda: sorted(ring.unattached() - self.gone - self.hub.left),
-                min(self.config.timeout, CLOSE_WAIT_S),
+                min(self.config.timeout, CLOSE_WAIT_S),  # type: ignore[type-var, arg-type]
                 "closing: waiting for followers to map the last batches",
             )
         except PeerLostError as exc:

@@ -34,7 +34,7 @@ NOTE [RNG mirroring]
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -387,7 +387,9 @@ def mirror_words(counts: object) -> None:
 def capture() -> dict[str, Any]:
     """The default generators' states (NOTE [RNG at the step boundary])."""
     version, internal, gauss = random.getstate()
-    keys, pos, has_gauss, cached = np.random.get_state()[1:]
+    # the legacy tuple (numpy's stubs type the default as a dict or that tuple)
+    legacy = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
+    keys, pos, has_gauss, cached = legacy[1:]
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": {

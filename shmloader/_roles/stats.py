@@ -21,7 +21,7 @@ import collections
 import contextlib
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch.distributed as dist
 
@@ -44,7 +44,9 @@ class RankStats:
     """This rank's counters (``ShmLoader.stats()``) and its waits for data."""
 
     def __init__(self) -> None:
-        self.counts: collections.Counter = collections.Counter()
+        # a Counter (an absent name reads 0) of ints and of float milliseconds, which
+        # typeshed's Counter (int values only) does not admit
+        self.counts = cast("dict[str, Any]", collections.Counter())
         self.waits = WaitHistogram()  # ms per batch, O(1) each (``waits``)
         self.wait_since: float | None = None  # perf_counter when this rank first waited
 

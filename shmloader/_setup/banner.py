@@ -36,8 +36,7 @@ def line(
     world: int,
 ) -> str | None:
     """The line this rank says at its first ``iter()``, or None (NOTE [the sharing line])."""
-    sharing = topo is not None
-    if config.quiet or not (me == 0 or (sharing and topo.is_leader)):
+    if config.quiet or not (me == 0 or (topo is not None and topo.is_leader)):
         return None
     if topo is None:
         if ranks is None or len(ranks) < 2:

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from .._node import segment
 from .._node.ring import RingReader, RingWriter, new_token
 from .._roles import rng
-from .._roles.base import Context, Role, _error_body, _json_body, _leader_error, log
+from .._roles.base import Context, Gate, Role, _error_body, _json_body, _leader_error, log
 from .._roles.cursor import Boundary, Cursor
 from .._roles.follower import Follower
 from .._roles.leader import Leader, worker_pool
@@ -91,7 +91,7 @@ class Shared:
     boundary: Boundary
     stats: RankStats
     stage: DeviceStage | None
-    check_open: Callable[[], None]
+    check_open: Gate
 
 
 def build_local(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from collections.abc import Callable, Sized
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch.distributed as dist
@@ -37,7 +37,7 @@ class GroupLength:
         self,
         topo: GroupTopology,
         at_setup: int | None,
-        loader: Callable[[], Sized | None],
+        loader: Callable[[], Iterable[Any] | None],
         timeout: float,
         epoch: Callable[[], int],
     ) -> None:

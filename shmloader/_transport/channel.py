@@ -51,6 +51,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
+from typing import cast
 
 import zmq
 
@@ -234,7 +235,7 @@ class Hub(_Endpoint):
     def events(self) -> bool:
         """Take the XPUB's (un)subscriptions now; whether any reader arrived or left."""
         changed = False
-        while self.pub.get(zmq.EVENTS) & zmq.POLLIN:  # cheaper than a recv that fails
+        while cast(int, self.pub.get(zmq.EVENTS)) & zmq.POLLIN:  # cheaper than a recv that fails
             raw = self.pub.recv(zmq.NOBLOCK)
             rank = _marker_rank(raw[1:])
             if rank is None or raw[:1] not in (b"\x00", b"\x01"):
@@ -248,7 +249,10 @@ class Hub(_Endpoint):
                 self.left.add(rank)
         return changed
 
-    def receive(self, timeout: float) -> tuple[Message | None, int | None] | None:
+    # wider than _Endpoint.receive: (None, None) too, which the hub's handlers take
+    def receive(  # type: ignore[override]
+        self, timeout: float
+    ) -> tuple[Message | None, int | None] | None:
         """The next reader message, or ``(None, None)`` when a reader arrived or left."""
         if self.sock.closed:  # as a closed socket's own poll would (zmq's poller would hang)
             raise zmq.ZMQError(zmq.ENOTSOCK)

@@ -82,7 +82,7 @@ class CrossNode:
                 dist.isend(t, dst=peer, group=self.group) for t in tensors for peer in self.peers
             ]
             for work in works:
-                work.wait()
+                work.wait()  # type: ignore[union-attr]  # None only off the group
         except (RuntimeError, dist.DistBackendError) as exc:
             raise self._failed(exc, f"node leader(s) {list(self.peers)}") from None
         self.bytes_sent += nbytes * len(self.peers)

@@ -181,7 +181,7 @@ def _install_allocator() -> bool:
         if not isinstance(current, classmethod):  # a torch we do not know: leave it alone
             return False
         _TORCH_NEW_SHARED = torch.UntypedStorage._new_shared
-        torch.UntypedStorage._new_shared = classmethod(_new_shared)  # type: ignore[method-assign]
+        torch.UntypedStorage._new_shared = classmethod(_new_shared)  # type: ignore[method-assign, assignment]
     return True
 
 

@@ -120,7 +120,7 @@ class CudaOps:
         if own is None:
             # torch's allocator: drop the storage (the caller still holds the tensor
             # object), then hand its cached page-locked blocks back where it can
-            buffer.set_()
+            buffer.set_()  # type: ignore[call-overload]  # torch's stubs lack the bare set_()
             empty = getattr(torch._C, "_host_emptyCache", None)
             if empty is not None:
                 empty()
@@ -131,7 +131,7 @@ class CudaOps:
             log.warning("shmloader: %s for a staging buffer; it stays mapped", error)
             self._own[buffer.data_ptr()] = own
             return
-        buffer.set_()  # the storage held the array, which holds the mapping
+        buffer.set_()  # type: ignore[call-overload]  # the storage held the array (the mapping)
         del array, own
         with contextlib.suppress(BufferError):
             mm.close()

@@ -96,7 +96,7 @@ import math
 import os
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -313,7 +313,8 @@ class DeviceStage:
         self._registrar = Registrar(self._ops) if self._ops is not None else None
         self._staging = Staging(self._ops) if self._ops is not None else None
         self._inflight: list[_Copy] = []  # copies whose CPU leaves still hold slots, in order
-        self._stats: collections.Counter = collections.Counter()
+        # a Counter of ints and float milliseconds (typeshed's Counter: int values only)
+        self._stats = cast("dict[str, Any]", collections.Counter())
         self._closed = False
         #: batches pulled from the role's iterator and not yet handed to the user
         self.ahead = 0
@@ -788,7 +789,7 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], memo: dict[int, An
             return items
         if isinstance(obj, MutableMapping):
             with contextlib.suppress(Exception):
-                clone = copy_module.copy(obj)
+                clone: Any = copy_module.copy(obj)
                 for k, v in items.items():
                     clone[k] = v
                 return clone

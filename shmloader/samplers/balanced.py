@@ -244,10 +244,10 @@ def _pack_levels(
     m = len(lengths)
     if m < nbins:
         return None
-    bins = [[] for _ in range(nbins)]
-    cost = [0] * nbins
+    bins: list[list[int]] = [[] for _ in range(nbins)]
+    cost: list[Cost] = [0] * nbins
     tokens = [0] * nbins
-    top = [0] * steps
+    top: list[Cost] = [0] * steps
     version = [0] * nbins
     heap: list[tuple[Cost, int, int, int]] = []  # (cost - step top, tokens, bin, version)
     parked: list[tuple[int, tuple[Cost, int, int, int]]] = []
@@ -806,7 +806,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
     def _record(
         self, epoch: int, w: int, first: int, indices: list[int], plan: Plan, repeats: int
     ) -> None:
-        steps = []
+        steps: list[dict[str, Any]] = []
         for s, step in enumerate(plan):
             tokens = [sum(self._lengths[indices[p]] for p in micro) for micro in step]
             costs = [sum(self._costs[indices[p]] for p in micro) for micro in step]

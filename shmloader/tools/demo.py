@@ -115,7 +115,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: Any) -> None:
     )
 
     def make() -> torch.utils.data.DataLoader:
-        sampler = torch.utils.data.DistributedSampler(
+        sampler: torch.utils.data.DistributedSampler[int] = torch.utils.data.DistributedSampler(
             dataset, num_replicas=dp, rank=dp_rank, seed=0
         )
         return torch.utils.data.DataLoader(

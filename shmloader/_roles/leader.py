@@ -5,7 +5,7 @@ One batch, on the leader (``Leader.iterate``)::
     batch = next(loader)                      (Source; or a SlotRef a DataLoader worker wrote)
     enc = codec.encode(batch)
     writer.await_readers()                    (window: SHMLOADER_SLOTS)
-    slot = ring.acquire(n)                    (_publish_ref: pool.adopt(ref))
+    slot = ring.acquire(n)                    (_publish_ref: pool.accept(ref))
     codec.write_payload(enc, slot)
     xnode.send(meta, slot) =================> each node leader (``relay``)
     writer.announce: hub.publish(BATCH) ----> this node's followers (``follower``)
@@ -211,7 +211,7 @@ class Leader:
         assert pool is not None
         self.writer.await_readers()
         t0 = time.perf_counter_ns()
-        slot = pool.adopt(ref) if ref.nbytes else None  # no payload: no slot
+        slot = pool.accept(ref) if ref.nbytes else None  # no payload: no slot
         payload = slot.payload[: ref.nbytes] if slot is not None else None
         crc = _crc(payload) if self.config.verify and payload is not None else -1
         if self.xnode is not None:

@@ -101,7 +101,7 @@ def test_the_leader_sends_to_node_leaders_before_its_readers_hear_of_the_batch(n
     payload = bytes(view)
     crc = zlib.crc32(payload) if verify else -1
     assert [e[0] for e in log] == ["send", "check_open", "announce"], log
-    assert log[0] == ("send", Kind.BATCH, crc, payload), "the node leaders got another payload"
+    assert log[0] == ("send", Kind.BATCH, crc, payload), "node leaders: another CRC-32 or payload"
     assert log[2] == ("announce", Kind.BATCH, crc), "the readers were told another CRC-32"
     assert writer.seq == 1
 

@@ -56,7 +56,7 @@ def targets() -> list[tuple[Any, str, str]]:
     from shmloader._node import ring
     from shmloader._proto import codec
     from shmloader._roles import follower, leader
-    from shmloader._roles import node_writer as writer
+    from shmloader._roles.node_writer import NodeWriter
     from shmloader._transport.channel import Spoke
 
     targets: list[tuple[Any, str, str]] = [
@@ -66,9 +66,9 @@ def targets() -> list[tuple[Any, str, str]]:
         (ring.RingWriter, "acquire", "leader: RingWriter.acquire"),
         (ring.RingReader, "view", "follower: RingReader.view (mmap)"),
         (Spoke, "wait", "follower: Spoke.wait (BATCH message)"),
-        (writer.Writer, "await_readers", "leader: _await_readers"),
-        (writer.Writer, "announce", "leader: _announce"),
-        (writer.Writer, "tell_readers", "leader: _tell_readers (announcement)"),
+        (NodeWriter, "await_readers", "leader: _await_readers"),
+        (NodeWriter, "announce", "leader: _announce"),
+        (NodeWriter, "tell_readers", "leader: _tell_readers (announcement)"),
         (leader.Leader, "_publish", "leader: _publish (all)"),
         (follower.Follower, "_attach", "follower: _attach"),
         (follower._Releaser, "send", "follower: _Releaser.send (releases, requests)"),

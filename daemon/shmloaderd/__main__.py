@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="shmloaderd",
         description="Per-node shmloader daemon: shared-memory budget, reaping of crashed "
-        "jobs' segments, stats (shmloader stat) and an optional warm pool.",
+        "jobs' segments, stats (shmloader stat) and optional warm segments.",
     )
     p.add_argument(
         "--socket",
@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_size,
         default=64 << 20,
         metavar="SIZE",
-        help="payload bytes of each pooled segment (default 64M)",
+        help="payload bytes of each warm segment (default 64M)",
     )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(
@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="a ring directory to reap and account besides /dev/shm (repeatable): what jobs "
         "set as SHMLOADER_SHM_DIR, e.g. a tmpfs mounted with huge=within_size. The first one "
-        "also holds the warm pool and is what admissions and a percentage --budget measure",
+        "also holds the warm segments and is what admissions and a percentage --budget measure",
     )
     p.add_argument(
         "--max-uid-connections",

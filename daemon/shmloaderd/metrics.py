@@ -86,7 +86,7 @@ class _Collector:
         yield from gauge("shmloaderd_in_use_bytes", "bytes held", daemon.get("in_use_bytes"))
         yield from gauge("shmloaderd_shm_size_bytes", "/dev/shm size", node["shm_size_bytes"])
         yield from gauge("shmloaderd_shm_free_bytes", "/dev/shm free", node["shm_free_bytes"])
-        yield from gauge("shmloaderd_pool_bytes", "warm pool bytes", daemon.get("pool_bytes"))
+        yield from gauge("shmloaderd_pool_bytes", "warm segment bytes", daemon.get("pool_bytes"))
         yield from gauge("shmloaderd_jobs", "jobs on this node", len(doc["jobs"]))
         job_bytes = GaugeMetricFamily(
             "shmloaderd_job_bytes", "bytes held", labels=["token", "job", "uid"]

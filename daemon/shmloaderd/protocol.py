@@ -48,7 +48,7 @@ field type, an unknown op or another ``v`` is answered with ``ok: false``.
                                                              --json`` document)
     adopt       token, name, bytes, pid, start, pidns?,      adopted, name, capacity
                 shm_dir?
-                                                             (warm pool, see ``pool``)
+                                                             (warm segments, see ``warm``)
 
 ``pidns`` is the inode of the process's pid namespace (0 or absent: unknown):
 the daemon judges a pid only in its own namespace (NOTE [pid namespaces] in

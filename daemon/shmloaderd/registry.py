@@ -26,8 +26,8 @@ after ``GRANT_TTL_S``. Nothing a client declares (``register``'s or
 a 2**62-byte segment holds nothing more for it.
 
 NOTE [budget]
-    ``admit`` refuses when the jobs' usage plus the warm pool plus the request
-    would exceed the budget (the pool is shrunk first to make room), or when
+    ``admit`` refuses when the jobs' usage plus the warm segments plus the request
+    would exceed the budget (those are shrunk first to make room), or when
     /dev/shm itself has not that much free. A refusal names the budget, the
     bytes in use and the jobs (token, ranks, pids) that hold them. A request
     is refused without being recorded, so asking for too much costs nothing
@@ -266,8 +266,8 @@ class Registry:
     def __init__(
         self,
         budget: Callable[[], int | None],
-        pool_bytes: Callable[[], int] = lambda: 0,
-        shrink_pool: Callable[[int], int] = lambda need: 0,
+        warm_bytes: Callable[[], int] = lambda: 0,
+        shrink_warm: Callable[[int], int] = lambda need: 0,
         uid_budget: Callable[[int | None], int | None] = lambda uid: None,
         tenants: bool = False,
         dirs: list[str] | None = None,
@@ -276,8 +276,8 @@ class Registry:
         self.me = os.geteuid()  # whose a job is when no uid is given (single-user mode)
         self.dirs = dirs  # the ring directories (None: ``admin.ring_dirs()``)
         self.budget = budget
-        self.pool_bytes = pool_bytes
-        self.shrink_pool = shrink_pool
+        self.warm_bytes = warm_bytes
+        self.shrink_warm = shrink_warm
         self.uid_budget = uid_budget
         self.tenants = tenants  # node mode: refusals detail only the asker's jobs
         self.granted = 0
@@ -421,7 +421,7 @@ class Registry:
                 "your jobs on this node at once"
             )
         elif budget is not None and in_use + nbytes > budget:
-            self.shrink_pool(in_use + nbytes - budget)
+            self.shrink_warm(in_use + nbytes - budget)
             in_use = self.in_use(now)
         if not reason and budget is not None and in_use + nbytes > budget:
             reason = (
@@ -505,7 +505,7 @@ class Registry:
 
     def in_use(self, now: float | None = None) -> int:
         now = time.monotonic() if now is None else now
-        return sum(j.usage(now) for j in self.jobs.values()) + self.pool_bytes()
+        return sum(j.usage(now) for j in self.jobs.values()) + self.warm_bytes()
 
     def uid_in_use(self, uid: int | None, now: float | None = None) -> int:
         """Bytes all jobs of ``uid`` hold (observed plus pending grants)."""
@@ -526,9 +526,9 @@ class Registry:
         if others:
             total = sum(j.usage(now) for j in others)
             parts.append(f"{len(others)} job(s) of other users {human_bytes(total)}")
-        pool = self.pool_bytes()
-        if pool:
-            parts.append(f"the warm pool {human_bytes(pool)}")
+        warm = self.warm_bytes()
+        if warm:
+            parts.append(f"the warm segments {human_bytes(warm)}")
         return "; ".join(parts) or "nothing"
 
     def observe_one(self, job: Job) -> None:

@@ -6,12 +6,12 @@ Main loop (every step bounded; ``stop`` ends it within ``SLICE_S``)::
                        │ reap pass due?     scan /dev/shm, unlink segments │
                        │                    of dead owners and sockets of │
                        │                    dead writers, update jobs,    │
-                       │                    ask the pool filler for more  │
+                       │                    ask the warm filler for more  │
                        │ watchdog due?      WATCHDOG=1                     │
                        │ poll the socket    <= SLICE_S; answer every       │
                        │                    request waiting (protocol.py)  │
                        └─────────────── until stop is set ─────────────────┘
-                       STOPPING=1 ─> unlink the pool and the socket, exit
+                       STOPPING=1 ─> unlink warm segments and the socket, exit
 
 The reaper follows NOTE [reaping rule] in ``shmloader._node.inventory``: a segment goes
 only when its header validates and its owner (pid, start time) is dead; a
@@ -21,7 +21,7 @@ uses). In node mode (NOTE [tenants] in ``tenants``) the same rule covers
 every uid's segments and private runtime directories, each reap logged with
 its uid, job and bytes; every request is checked against its peer's
 credentials first, and ``stats`` answers with the asker's view (``view``).
-Pool work runs on its own thread (NOTE [pool off the loop] in ``pool``):
+Warm segments are made on their own thread (NOTE [pool off the loop] in ``warm``):
 nothing on the loop waits for page faults. On SIGTERM nothing of a live job
 is unlinked; on the next start the jobs are re-discovered from their
 control segments. Nothing a client sends can stop the loop: a malformed
@@ -63,9 +63,9 @@ from shmloader.errors import ProtocolError, human_bytes
 from . import notify, protocol
 from ._version import __version__
 from .guard import DEFAULT_MAX_UID_CONNECTIONS, ConnectionGuard
-from .pool import Pool
 from .registry import MAX_OWNERS, Job, Registry, RegistryFull, _from_description
 from .tenants import Peer, Tenancy, UidBudgets, peer_of, user_name
+from .warm import WarmSegments
 
 log = logging.getLogger("shmloaderd")
 
@@ -135,13 +135,13 @@ class Daemon:
         self.budget = budget
         self.budget_text = budget_text
         self.reap_interval = reap_interval
-        self.pool = Pool(pool_bytes, pool_segment)
+        self.warm = WarmSegments(pool_bytes, pool_segment)
         self.tenancy = Tenancy(tenants)  # NOTE [tenants]
         self.uid_budgets = uid_budgets or UidBudgets()
         self.registry = Registry(
             budget,
-            lambda: self.pool.nbytes,
-            self.pool.shrink,
+            lambda: self.warm.nbytes,
+            self.warm.shrink,
             uid_budget=self.uid_budgets,
             tenants=tenants,
             dirs=self.shm_dirs,
@@ -234,7 +234,7 @@ class Daemon:
         self.guard = guard
         guard.start()
         self._bound = True
-        self.pool.start()
+        self.warm.start()
         log.info(
             "shmloaderd %s (pid %d) serving %s%s; budget %s; reaping every %g s%s",
             __version__,
@@ -243,7 +243,7 @@ class Daemon:
             " for every user of the node (node mode)" if tenants else f" for uid {os.geteuid()}",
             self.budget_text,
             self.reap_interval,
-            f"; warm pool {human_bytes(self.pool.target)}" if self.pool.target else "",
+            f"; warm segments {human_bytes(self.warm.target)}" if self.warm.target else "",
         )
 
     # ----------------------------------------------------------------- loop
@@ -349,9 +349,9 @@ class Daemon:
         if op == "unregister":
             return r.unregister(f, uid, any_uid=anyone)
         if op == "adopt":
-            pool_dir = os.path.realpath(segment_module.SHM_DIR)
-            if f.get("shm_dir", pool_dir) != pool_dir:  # a link cannot cross directories
-                reason = f"the warm pool is in {pool_dir}, the ring in {f['shm_dir']}"
+            warm_dir = os.path.realpath(segment_module.SHM_DIR)
+            if f.get("shm_dir", warm_dir) != warm_dir:  # a link cannot cross directories
+                reason = f"the warm segments are in {warm_dir}, the ring in {f['shm_dir']}"
                 return {"ok": True, "adopted": False, "reason": reason}
             job = r.job(f["token"], uid, any_uid=anyone)
             if self.tenancy.enabled and job.uid is not None:  # NOTE [tenants]: fchown to them
@@ -359,7 +359,7 @@ class Daemon:
                 owner = {"uid": job.uid, "gid": gid}
             else:
                 owner = {}
-            reply = self.pool.adopt(
+            reply = self.warm.adopt(
                 f["token"], f["name"], f["bytes"], f["pid"], f["start"], f.get("pidns", 0), **owner
             )
             if reply.get("adopted"):
@@ -373,7 +373,7 @@ class Daemon:
     # ---------------------------------------------------------------- reaper
 
     def reap_pass(self) -> None:
-        """Unlink what dead owners left, update the registry, refill the pool."""
+        """Unlink what dead owners left, update the registry, refill the warm segments."""
         every_uid = self.tenancy.enabled  # NOTE [reaping rule] in shmloader._node.inventory
         try:
             entries = scan_entries(every_uid=every_uid, dirs=self.shm_dirs)
@@ -412,7 +412,7 @@ class Daemon:
             self._reap_sockets()
             budget = self.budget()
             room = None if budget is None else budget - self.registry.in_use()
-            self.pool.request_refill(room)  # NOTE [pool off the loop]
+            self.warm.request_refill(room)  # NOTE [pool off the loop]
             self._snapshot = {"stats": self._document(kept), "waits": self._waits()}
         except Exception:
             log.exception("reap pass failed; retrying at the next one")
@@ -453,7 +453,7 @@ class Daemon:
                 None,
             )  # fmt: skip
             if ctl is None or ctl.header is None:
-                continue  # no ring: a probe or a pool segment, nothing to show as a job
+                continue  # no ring: a probe or a warm segment, nothing to show as a job
             job = Job(token, since=ctl.header.created_ns / 1e9, uid=uid)
             _from_description(job, ctl)
             self.registry.record_end(job, "its processes died", n, nbytes)
@@ -482,7 +482,7 @@ class Daemon:
 
     def _document(self, entries: list) -> dict[str, Any]:
         doc = build_document(
-            [e for e in entries if not (e.header and e.header.token == self.pool.token)],
+            [e for e in entries if not (e.header and e.header.token == self.warm.token)],
             "daemon",
             self.shm_dirs,
         )
@@ -550,7 +550,7 @@ class Daemon:
             if key not in jobs:
                 jobs[key] = _ended_job(rec)
         doc["jobs"] = [jobs[k] for k in sorted(jobs, key=_by_token)]
-        doc["node"]["shmloader_bytes"] = sum(j["bytes"] for j in doc["jobs"]) + self.pool.nbytes
+        doc["node"]["shmloader_bytes"] = sum(j["bytes"] for j in doc["jobs"]) + self.warm.nbytes
         doc["daemon"] = {
             "pid": os.getpid(),
             "version": __version__,
@@ -563,8 +563,8 @@ class Daemon:
             "reaped_segments": self.reaped_segments,
             "reaped_bytes": self.reaped_bytes,
             "reaped_sockets": self.reaped_sockets,
-            "pool_bytes": self.pool.nbytes,
-            "pool_segments": len(self.pool.items),
+            "pool_bytes": self.warm.nbytes,
+            "pool_segments": len(self.warm.items),
             "tenants": self.tenancy.enabled,
             "connections_shed": 0 if self.guard is None else self.guard.shed,
             "uids": self._uids(doc["jobs"], now),
@@ -664,8 +664,8 @@ class Daemon:
     # ----------------------------------------------------------------- close
 
     def close(self) -> None:
-        """Close the socket and unlink the pool; live jobs' segments stay."""
-        self.pool.close()
+        """Close the socket and unlink the warm segments; live jobs' segments stay."""
+        self.warm.close()
         if self.guard is not None:
             self.guard.close()
             self.guard = None

@@ -26,8 +26,8 @@ NOTE [tenants]
     peers may name anything. What a peer sees (``stat``) is cut to its
     uid by ``server.Daemon.view``; what it may take (``admit``, ``adopt``) is
     bounded by its uid's budget (``UidBudgets``, NOTE [budget] in
-    ``registry``), and a pooled segment it adopts is handed over with
-    ``fchown`` to it and mode 0600 before its name is linked (``pool``).
+    ``registry``), and a warm segment it adopts is handed over with
+    ``fchown`` to it and mode 0600 before its name is linked (``warm``).
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ NOTE [release words]
     Who writes what (every store one aligned 8-byte word):
 
     - the writer's main process: the holder table once, at creation; a
-      slot's HOLDERS when it adopts the slot's batch, *before* the pool
-      state says HELD (so a claimer never pairs HELD with an older mask);
+      slot's HOLDERS when it accepts the slot's batch, *before* the pool
+      state says PUBLISHED (so a claimer never pairs it with an older mask);
       GONE when a reader said BYE or was found lost; its own word when its
       view of the batch dies.
     - each reader: its own word of a slot, with the ticket the BATCH
@@ -36,7 +36,7 @@ NOTE [release words]
     - nobody else. A worker only reads.
 
     The rule a claimer applies (under its partition's lock, ``pool``): a
-    HELD slot with ticket ``t`` is free when every holder j in its
+    PUBLISHED slot with ticket ``t`` is free when every holder j in its
     HOLDERS mask has word ``t``, or its GONE bit, or is a process the
     claimer saw dead (pid and start time, same pid namespace only).
 
@@ -132,7 +132,7 @@ class ReleaseWords:
         return self._index.get(rank)
 
     def hold(self, i: int, ranks: Iterable[int]) -> None:
-        """Slot ``i``'s new batch is held by ``ranks`` (before its state says HELD)."""
+        """Slot ``i``'s new batch is held by ``ranks`` (before its state says PUBLISHED)."""
         mask = 0
         for rank in ranks:
             j = self.index_of(rank)

@@ -27,7 +27,7 @@ Slot state machine (zero is invalid)::
     Pooled slots (``Slot.pooled``, made by ``pool.WorkerPool``) are written
     by the leader's DataLoader workers, not by ``acquire`` (which skips them);
     their FREE -> HELD -> FREE cycle here runs beside the pool's own
-    FREE -> WRITING -> FILLED -> HELD words (state machine in ``pool``), a
+    EMPTY -> WRITING -> FILLED -> PUBLISHED words (``pool.PoolState``), a
     worker grows them (``replace_pooled`` installs the new generation), and
     their names stay linked for the pool's life (NOTE [pool names]).
 
@@ -65,7 +65,7 @@ NOTE [retired slots]
     shrunk away (NOTE [ring shrink]) or replaced by a worker (``pool``):
     ``_retire`` queues the name of every retired segment a batch was
     announced in, and the writer announces the queue (``take_retired``) as
-    RETIRE messages before its next message (``Writer.tell_readers``), so
+    RETIRE messages before its next message (``NodeWriter.tell_readers``), so
     they reach every reader before anything that follows the retirement.
     The reader then closes that descriptor (``RingReader.retire``). Only a
     FREE slot is ever retired (every holder released its batch) and a
@@ -383,7 +383,7 @@ class RingWriter:
             gen,
             capacity,
             (time.perf_counter() - t0) * 1e3,
-            "adopted from the warm pool" if adopted else "created and touched",
+            "adopted from the daemon's warm segments" if adopted else "created and touched",
         )
         slot = Slot(index, gen, segment, mm, payload)
         if not self.readers:
@@ -426,7 +426,7 @@ class RingWriter:
         return Slot(index, gen, segment, mm, payload, pooled=True)
 
     def _adopt(self, name: str, capacity: int) -> Segment | None:
-        """A pre-touched segment of the daemon's warm pool, renamed to ``name``, or None."""
+        """A pre-touched segment of the daemon's warm ones, renamed to ``name``, or None."""
         if self._daemon is None or self._daemon.adopt(self.token, name, capacity) is None:
             return None
         try:

@@ -975,8 +975,8 @@ def touch(mm: mmap.mmap) -> None:
         every other thread for 16.7 s). ``mmap.madvise`` holds the GIL for
         the whole call, so the touch calls libc's
         ``madvise(MADV_POPULATE_WRITE)`` through ``ctypes``, which releases
-        it, as the daemon's pool does (NOTE [pool off the loop] in
-        ``shmloaderd.pool``). Where the kernel refuses it (before 5.14) a
+        it, as the daemon's warm segments do (NOTE [pool off the loop] in
+        ``shmloaderd.warm``). Where the kernel refuses it (before 5.14) a
         write per page does the same in bytecode, which yields the GIL
         between pages.
     """

@@ -1,46 +1,11 @@
-"""Signalling messages between the ranks of one group on one node. Pure.
-
-Every message is a ZeroMQ multipart message of two or three frames::
-
-    frame 0  header  struct "<2sBBQ"   magic b"SL", version, kind, seq
-    frame 1  body    UTF-8 JSON object, the kind's fields (schema below)
-    frame 2  blob    optional bytes: the codec's batch metadata (BATCH only)
-
-Payload bytes never travel here: a BATCH names the slot that holds them.
-
-    kind      direction  body fields
-    HELLO     R -> W     rank, pid, start
-    BATCH     W -> R     it, epoch, pos, slot, gen, seg, nbytes, draws, crc   (+ blob: metadata)
-    ACK       R -> W     rank                    (seq: the batch received)
-    RELEASE   R -> W     rank, slot, gen         (seq: the batch dropped)
-    ATTACHED  R -> W     rank, seg
-    END       W -> R     it, epoch, pos, draws   (the leader's iterator ended after pos batches)
-    ERROR     W -> R     it, type, message, traceback           (readers ACK it: seq)
-    STOP      W -> R     it, epoch, pos, reason, closed         (readers ACK it: seq)
-                                      (KeyboardInterrupt/SystemExit in the leader's loader,
-                                       or closed=1: the writer closed)
-    BYE       R -> W     rank                    (a reader closes)
-    RETIRE    W -> R     seg                     (the writer retired that slot segment:
-                                                  NOTE [retired slots] in ring)
-
-Every writer message is stamped with the writer's position: ``it`` numbers its
-``iter()`` calls, ``epoch`` is its ``set_epoch`` value and ``pos`` the batch's
-index in that epoch (resumed cursors included). A reader drops what belongs to
-an earlier iteration and refuses, with a typed error naming both positions,
-anything that shows the ranks iterate differently (``loader``, NOTE
-[iteration numbers]). ERROR and STOP carry as ``seq`` the writer's next batch
-number; readers ACK that number, so the writer knows its last word arrived
-before its process may exit. ``draws`` is the number of
-default-generator draws the leader's loader made (see ``rng``). ``crc`` is the
-payload's CRC-32 with ``SHMLOADER_VERIFY=1``, else -1. A BATCH of a slot
-that DataLoader workers write also carries ``rel`` (the pool control
-segment's name) and ``tk`` (the batch's ticket): where and what the reader
-stores once its view is gone (NOTE [release words] in ``release``); a
-malformed pair only means the reader releases by RELEASE alone.
-
-``parse`` checks magic, version, kind and every field's type, and raises
-:class:`~shmloader.errors.ProtocolError` on anything else; receivers log and
-drop such messages (they never crash on them).
+"""The datapath's one vocabulary of events, pure: ``Kind`` names every message between a
+node's writer and its readers (ZeroMQ) and every event the leader sends node leaders
+(four of them, numbered on that path by ``xnode.CODES``). It owns the node messages'
+frames (``_HEADER``, the JSON body, the metadata blob), each kind's body schema
+(``SCHEMA``) and the check of what arrives (``parse``: a
+:class:`~shmloader.errors.ProtocolError` for anything malformed, which receivers log
+and drop), and touches no socket and no shared memory. The table of kinds, directions
+and fields, and what the stamps mean: ``docs/internals/datapath.md``.
 """
 
 from __future__ import annotations
@@ -55,12 +20,14 @@ from ..errors import ProtocolError
 
 MAGIC = b"SL"
 VERSION = 1
-_HEADER = struct.Struct("<2sBBQ")
+_HEADER = struct.Struct("<2sBBQ")  # frame 0: magic b"SL", version, kind, seq
 MAX_BODY = 1 << 20
 MAX_BLOB = 64 << 20
 
 
 class Kind(enum.IntEnum):
+    """What a message or a cross-node event is: the header's kind byte of a node message."""
+
     HELLO = 1
     BATCH = 2
     ACK = 3

@@ -6,12 +6,12 @@ one role object from the topology, and the façade holds it by composition::
     role          object      module     holds (by composition)
     ----          ------      ------     ----------------------
     local         Local       local      Source (the user's loader)
-    leader        Leader      leader     Source, Writer, WorkerPool?, CrossNode?
-    node leader   Relay       relay      Reader, Writer, CrossNode
-    follower      Follower    follower   Reader, RingReader, Spoke (_Releaser)
+    leader        Leader      leader     Source, NodeWriter, WorkerPool?
+    node leader   Relay       relay      Receiver, NodeWriter, CrossNode
+    follower      Follower    follower   Receiver, RingReader, Spoke (_Releaser)
 
-    Writer (writer): what the leader and a node leader do as their node's writer
-    Reader (reader): what a node leader and a follower do as readers
+    NodeWriter (node_writer): what the leader and a node leader do as their node's writer
+    Receiver (receiver): what a node leader and a follower do with what they receive
 
 Every role has the same small contract (``Role``): ``iterate(it, cursor,
 skip)`` returns the iterator of one ``iter()`` (``ready()`` first says

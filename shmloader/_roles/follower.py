@@ -14,7 +14,7 @@ One batch, on a follower (``Follower.iterate``)::
     ring.release  <--RELEASE------- weakref.finalize (_Releaser, NOTE [prompt release])
     a slot retired --RETIRE-------> its descriptor closed (NOTE [retired slots] in ring)
 
-A follower holds a ``Reader`` (stamp checks and delivery), its node's
+A follower holds a ``Receiver`` (stamp checks and delivery), its node's
 ``RingReader`` (mappings), its ``Spoke`` and the ``_Releaser`` that owns the
 spoke's outgoing side. It owns ``stash`` (a message of the writer's next
 iteration) and ``writer_closed``.
@@ -40,7 +40,7 @@ from .._transport.channel import SLICE_S, Spoke
 from ..errors import PeerLostError, ProtocolError, ShmLoaderError
 from . import rng
 from .base import CLOSE_WAIT_S, Context, _check_crc, _leader_error, log
-from .reader import Reader
+from .receiver import Receiver
 from .topology import GroupTopology
 
 
@@ -170,12 +170,12 @@ class Follower:
     name = "follower"
 
     def __init__(
-        self, ctx: Context, topo: GroupTopology, reader: Reader, ring: RingReader, spoke: Spoke
+        self, ctx: Context, topo: GroupTopology, receiver: Receiver, ring: RingReader, spoke: Spoke
     ) -> None:
         self.ctx = ctx
         self.config = ctx.config
         self.topo = topo
-        self.reader = reader
+        self.receiver = receiver
         self.ring = ring
         self.spoke = spoke
         self.out = _Releaser(spoke, topo.me)
@@ -274,7 +274,7 @@ class Follower:
             return True
         self._drop(msg)
         if msg.kind in (Kind.BATCH, Kind.END):
-            self.reader.left_behind(msg_it, msg["pos"], msg.kind == Kind.END)
+            self.receiver.left_behind(msg_it, msg["pos"], msg.kind == Kind.END)
         return False
 
     def _drop(self, msg: wire.Message) -> None:
@@ -330,17 +330,17 @@ class Follower:
         return False
 
     def _loop(self, it: int) -> Iterator[Any]:
-        ctx, reader, topo = self.ctx, self.reader, self.topo
+        ctx, receiver, topo = self.ctx, self.receiver, self.topo
         while True:
             ctx.check_open()
             msg = self._next_event(it)
             mine = ctx.cursor.mine(it)
             theirs = (msg.body.get("it", it), msg.body.get("epoch", -1), msg.body.get("pos", -1))
             if msg is self.stash:  # a later iteration started while we still iterate
-                raise reader.diverged("left", theirs, mine)
+                raise receiver.diverged("left", theirs, mine)
             if msg.kind == Kind.END:
                 if theirs[1:] != mine[1:]:
-                    raise reader.diverged("ended", theirs, mine)
+                    raise receiver.diverged("ended", theirs, mine)
                 rng.mirror_draws(msg["draws"])
                 ctx.cursor.finish()
                 return
@@ -352,7 +352,7 @@ class Follower:
                         topo.role(topo.writer),
                         "it closed its ShmLoader while this rank was still iterating",
                     )
-                raise reader.stopped(msg["reason"], theirs, mine)
+                raise receiver.stopped(msg["reason"], theirs, mine)
             if msg.kind == Kind.ERROR:
                 raise _leader_error(msg.body, topo.leader)
             if msg.kind != Kind.BATCH:
@@ -360,10 +360,10 @@ class Follower:
                 continue
             if theirs[1:] != mine[1:]:
                 self._drop(msg)
-                raise reader.diverged("batch", theirs, mine)
+                raise receiver.diverged("batch", theirs, mine)
             t0 = time.perf_counter_ns()
             self.out.send(wire.frames(Kind.ACK, msg.seq, rank=topo.me))
-            yield reader.deliver(msg.blob, self._map(msg), msg["draws"], t0)
+            yield receiver.deliver(msg.blob, self._map(msg), msg["draws"], t0)
 
     def _map(self, msg: wire.Message) -> np.ndarray:
         """A private view of the payload a BATCH announced (empty without payload)."""

@@ -1,40 +1,12 @@
-"""What a writer does (the leader and each node leader): its node's readers and ring.
-
-A writer publishes each batch into its node's ring and tells its readers;
-the readers' HELLO / ACK / RELEASE / ATTACHED / BYE come back on the hub::
-
-    writer (Writer)                      reader (a follower of this node)
-    ---------------                      --------------------------------
-    await_readers: every reader said   <--HELLO-------  set-up
-      HELLO, none lags SLOTS behind    <--ACK---------  took batch seq
-    ring.publish(slot, seq)
-    announce: hub.publish(BATCH) -------BATCH-------->  maps it (one send for all)
-    pump / handle                      <--ATTACHED----  first map of a segment
-                                       <--RELEASE-----  the batch died
-                                       <--BYE---------  closed
-    END (the role's end) ----------------END--------->  iteration over
-    fail: ERROR | STOP, then tell_last waits (bounded) for each reader's ACK
-
-What the writer owns (nobody else writes it): ``seq`` (batches announced),
-``pos`` (the position stamped on the next message, from ``begin``), the
-readers' HELLOs, ACKs and BYEs, its own releases, and the ring's HELD/FREE
-bookkeeping through ``ring.release``. It reads the ``Cursor``'s epoch.
-
-NOTE [ring growth]
-    A rank's depth is ``SHMLOADER_SLOTS + 2`` batches: its window of batches
-    taken ahead, the one in use, and the one it just dropped whose RELEASE is
-    on its way (a loop drops a batch only once it holds the next). What the
-    writer watches is each held batch's *age*: how many newer batches its
-    holder has taken since (the reader's ACK; for the writer's own view, its
-    publications). An age past the depth means the rank keeps old batches
-    (or parts of them) alive; the writer warns, naming each such batch and
-    its holders, at the first time and each doubling of the age after.
-    Counting ring slots instead would blame a background prefetch queue
-    (each queued batch is taken, so acknowledged, and still held: the ring
-    holds ``SHMLOADER_SLOTS`` plus the queue) for growth that no setting
-    could silence; by age, ``SHMLOADER_SLOTS`` at least the queue's depth
-    plus the batch its thread is putting keeps it quiet, as the warning
-    advises, while a kept batch ages without bound and is always named.
+"""The node writer (``NodeWriter``): what the leader and each node leader do as the writer
+of their node's ring. It owns the one publish sequence (``publish``: wait for readers,
+a slot, the payload, its checksum, the cross-node send where the writer is the leader,
+the announcement, the counters, the writer's own view), the stamps (``seq``, batches
+announced; ``pos``, the position on the next message, from ``begin``), the readers'
+HELLOs, ACKs and BYEs, its own releases and, through ``RingWriter`` and the
+``WorkerPool``, every slot's bookkeeping; it reads the ``Cursor``'s epoch and touches
+neither the loader nor the user's batches. The exchange with the readers, drawn:
+``docs/internals/datapath.md``.
 """
 
 from __future__ import annotations
@@ -44,22 +16,26 @@ import contextlib
 import functools
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 
 from .._node.ring import RingWriter, Slot, SlotState, private_view
-from .._proto import wire
+from .._proto import codec, wire
 from .._proto.wire import Kind
 from .._transport.channel import BYE_GRACE_S, Hub
-from .._transport.xnode import KIND_ERROR, KIND_STOP, CrossNode
-from .._workers.pool import WorkerPool
+from .._transport.xnode import CrossNode, Event
+from .._workers.pool import SlotRef, WorkerPool
 from ..errors import PeerLostError, ProtocolError, human_bytes
-from .base import CLOSE_WAIT_S, Context, _error_body, log
+from .base import CLOSE_WAIT_S, Context, _check_crc, _crc, _error_body, log
 from .topology import GroupTopology
 
+#: What ``NodeWriter.publish`` puts in a slot: a batch the leader's main process encoded,
+#: one a DataLoader worker wrote into a pool slot, or one a node leader receives.
+Publishable = codec.Encoded | SlotRef | Event
 
-class Writer:
+
+class NodeWriter:
     """This node's writer: the ring, the hub and the readers' state (leader and node leader)."""
 
     def __init__(
@@ -77,6 +53,8 @@ class Writer:
         self.ring = ring
         self.hub = hub
         self.xnode = xnode  # its position follows the stamps (the leader's cross-node stamps)
+        #: the group leader's writer sends every event on to the node leaders first
+        self.sends = xnode is not None and topo.is_leader
         self.pool = pool  # the leader's: release words of pooled slots (NOTE [release words])
         self.hello: set[int] = set()
         self.acked = dict.fromkeys(topo.readers, 0)
@@ -85,6 +63,7 @@ class Writer:
         self.seq = 0  # batches announced by this writer
         self.pos = 0  # position stamped on the next message of this epoch
         self.ring_warned = 0  # age of a held batch last warned about (NOTE [ring growth])
+        self.began_ns = 0  # when the latest publish, done waiting for readers, took its slot
 
     def begin(self, cursor: int) -> None:
         """A new iteration starts at position ``cursor`` of the epoch."""
@@ -100,6 +79,119 @@ class Writer:
         """Rewrite the ring's description for ``stat`` (``report.Reporter``)."""
         self.ring.describe(description)
 
+    def stats(self) -> dict[str, Any]:
+        """What the writer adds to ``ShmLoader.stats()``: its ring, the bytes sent across nodes."""
+        out = {"ring_slots": len(self.ring.slots), "ring_bytes": self.ring.total_bytes}
+        if self.xnode is not None:
+            out["cross_node_bytes_sent"] = self.xnode.bytes_sent
+        return out
+
+    def closers(self) -> list[Callable[[], None]]:
+        return [self.hub.close, self.ring.close]
+
+    # -- the publish sequence ------------------------------------------------
+
+    @overload
+    def publish(
+        self, it: int, batch: Publishable, draws: int, *, view: Literal[True] = ...
+    ) -> np.ndarray: ...
+    @overload
+    def publish(self, it: int, batch: Publishable, draws: int, *, view: Literal[False]) -> None: ...
+    def publish(
+        self, it: int, batch: Publishable, draws: int, *, view: bool = True
+    ) -> np.ndarray | None:
+        """Put ``batch`` in a slot, tell every rank of the group; the writer's own view of it.
+
+        The one sequence for every batch of the group: wait for the readers;
+        take a slot (``acquire``, or the pool slot a DataLoader worker wrote:
+        ``WorkerPool.accept``) and put the payload there (the encoded batch
+        written, or the leader's received straight into it); its CRC-32
+        (``SHMLOADER_VERIFY``: computed, or the leader's checked); on the
+        leader, the send to every node leader, done *before* this node's
+        readers hear of the batch; the announcement; the counters. Returns a
+        copy-on-write view of the payload that releases the writer's hold when
+        it dies. ``view=False`` (the leader under ``SHMLOADER_COPY``, which
+        hands out the loader's own batch): the hold ends at once, and None.
+        """
+        self.await_readers()
+        t0 = self.began_ns = time.perf_counter_ns()
+        slot = self._fill(batch)
+        write_ns = 0 if isinstance(batch, SlotRef) else time.perf_counter_ns() - t0
+        payload = slot.payload[: batch.nbytes] if slot is not None else None
+        crc = self._checksum(batch, payload)
+        if self.sends:
+            assert self.xnode is not None
+            self.xnode.send(Kind.BATCH, it, batch.meta, payload, draws=draws, crc=crc)
+            self.ctx.check_open()  # a close() that gave up waiting for this send
+        self.announce(it, batch.meta, batch.nbytes, slot, draws, write_ns, crc)
+        self._count(batch, t0, write_ns)
+        if view:
+            return self.own_view(slot, batch.nbytes)
+        if slot is not None:
+            self.ring.release(self.topo.me, slot.index, slot.gen)
+        return None
+
+    def _fill(self, batch: Publishable) -> Slot | None:
+        """The slot that holds ``batch``'s payload once this returns; None: no payload."""
+        if not batch.nbytes:
+            return None
+        if isinstance(batch, SlotRef):  # a DataLoader worker wrote it there already
+            assert self.pool is not None
+            return self.pool.accept(batch)
+        slot = self.ring.acquire(batch.nbytes)
+        if isinstance(batch, Event):  # the leader's payload, straight into the slot
+            assert self.xnode is not None
+            self.xnode.receive_payload(slot.payload[: batch.nbytes])
+        else:
+            codec.write_payload(batch, slot.payload)
+        return slot
+
+    def _checksum(self, batch: Publishable, payload: np.ndarray | None) -> int:
+        """The CRC-32 announced with ``batch``, -1: none (``SHMLOADER_VERIFY``).
+
+        The leader computes it; a node leader checks the leader's against what
+        arrived in its slot, before any of its readers may map it.
+        """
+        if isinstance(batch, Event):
+            if payload is not None and batch.crc >= 0:
+                _check_crc(payload, batch.crc, self.seq)
+            return batch.crc
+        return _crc(payload) if self.config.verify and payload is not None else -1
+
+    def _count(self, batch: Publishable, t0: int, write_ns: int) -> None:
+        """The leader's counters of a batch it published (a node leader counts what it
+        receives: ``Receiver.deliver``)."""
+        if isinstance(batch, Event):
+            return
+        pooled = isinstance(batch, SlotRef)
+        counts = self.ctx.stats.counts
+        counts["published"] += 1
+        if pooled:
+            counts["worker_written"] += 1
+        counts["bytes_published"] += batch.nbytes
+        counts["publish_ms_total"] += (time.perf_counter_ns() - t0) / 1e6
+        counts["write_ms_last"] = write_ns / 1e6  # 0 for a worker's: the main process wrote none
+        if pooled:
+            assert self.pool is not None
+            counts["worker_write_ms_last"] = self.pool.last_write_ns / 1e6
+            counts["bytes_collated_in_place"] += self.pool.last_placed
+
+    def free_released(self) -> None:
+        """Pool slots every holder released go back to the workers (before the leader blocks
+        on them): readers' messages and the writer's own releases first."""
+        if self.pool is None:
+            return
+        self.pump()
+        self.pool.sync()
+
+    def end(self, it: int, draws: int) -> None:
+        """The iteration ended: END to the node leaders (the leader's), then to this node."""
+        if self.sends:
+            assert self.xnode is not None
+            self.xnode.send(Kind.END, it, b"", draws=draws)
+        self.await_readers(window=False)
+        self.tell_readers(self.stamped(Kind.END, it, draws=draws))
+
     def own_view(self, slot: Slot | None, nbytes: int) -> np.ndarray:
         """The writer's private view of a slot it just published; releases itself."""
         if slot is None:
@@ -108,9 +200,9 @@ class Writer:
         word = self.pool.own_release(slot) if self.pool is not None else None
         return private_view(slot.segment, nbytes, release, word)
 
-    def fail(self, it: int, exc: BaseException, *, forward: bool = False) -> None:
-        """Tell every reader (and with ``forward``, the leader's, every node leader) that
-        this iteration failed.
+    def fail(self, it: int, exc: BaseException) -> None:
+        """Tell every reader (and the leader's writer, every node leader first) that this
+        iteration failed.
 
         Readers that have not said HELLO yet are waited for (bounded): a
         message sent before their connection is up would be lost, and they
@@ -119,14 +211,13 @@ class Writer:
         try:
             stop = isinstance(exc, KeyboardInterrupt | SystemExit)
             if stop:
-                kind = KIND_STOP
+                kind = Kind.STOP
                 body: dict[str, Any] = {"reason": f"{type(exc).__name__} on the leader"}
                 parts = self.stamped(Kind.STOP, it, closed=0, reason=body["reason"])
             else:
-                kind, body = KIND_ERROR, _error_body(it, exc)
+                kind, body = Kind.ERROR, _error_body(it, exc)
                 parts = wire.frames(Kind.ERROR, self.seq, **body)
-            link_broken = self.xnode is not None and self.xnode.broken
-            if self.xnode is not None and forward and not link_broken:
+            if self.sends and self.xnode is not None and not self.xnode.broken:
                 self.xnode.send_json(kind, it, body)
             with contextlib.suppress(PeerLostError):
                 self.await_readers(window=False, timeout=min(self.config.timeout, CLOSE_WAIT_S))  # type: ignore[type-var]
@@ -203,7 +294,24 @@ class Writer:
             log.warning("shmloader: not every follower confirmed the error: %s", exc)
 
     def warn_growth(self) -> None:
-        """NOTE [ring growth]: say what is held when a rank keeps batches past the depth."""
+        """Say what is held when a rank keeps batches past its depth.
+
+        NOTE [ring growth]
+            A rank's depth is ``SHMLOADER_SLOTS + 2`` batches: its window of batches
+            taken ahead, the one in use, and the one it just dropped whose RELEASE is
+            on its way (a loop drops a batch only once it holds the next). What the
+            writer watches is each held batch's *age*: how many newer batches its
+            holder has taken since (the reader's ACK; for the writer's own view, its
+            publications). An age past the depth means the rank keeps old batches
+            (or parts of them) alive; the writer warns, naming each such batch and
+            its holders, at the first time and each doubling of the age after.
+            Counting ring slots instead would blame a background prefetch queue
+            (each queued batch is taken, so acknowledged, and still held: the ring
+            holds ``SHMLOADER_SLOTS`` plus the queue) for growth that no setting
+            could silence; by age, ``SHMLOADER_SLOTS`` at least the queue's depth
+            plus the batch its thread is putting keeps it quiet, as the warning
+            advises, while a kept batch ages without bound and is always named.
+        """
         ring = self.ring
         assert ring is not None
         # How far each holder has moved on: the newest batch it took (a reader's

@@ -1,21 +1,10 @@
-"""The node leader: receives each batch from the leader and publishes it on its node.
-
-One batch, on a node leader (``Relay``); it holds a ``Reader`` of the
-leader's stamps (``reader``) and is the ``Writer`` of its node (``writer``)::
-
-    leader                          node leader (node B)          follower (node B)
-    ------                          --------------------          -----------------
-    xnode.send(meta, slot) =======> xnode.receive_header()
-                                    (stamp checked: NOTE [iteration numbers])
-                                    writer.await_readers()
-                                    slot' = ring.acquire(n)
-                                    xnode.receive_payload(slot')
-                                    writer.announce: hub.publish(BATCH) -> spoke receives BATCH
-                                    yield decode(private view)
-
-END, ERROR and STOP from the leader are forwarded to this node's readers.
-The relay owns only ``stash`` (a header of the next iteration, received
-while this one was still going).
+"""The node leader (``Relay``): one loop over the leader's events, each batch received over
+the cross-node path straight into a slot of this node's ring through its node writer's
+one ``publish``, END, ERROR and STOP passed on to this node's readers. It owns only
+``stash`` (an event of the leader's next iteration, received while this one was still
+going), checks each stamp through its ``Receiver``, moves the ``Cursor`` (at the end of
+an iteration) and touches the ring and the hub only through its ``NodeWriter``; one batch
+on a node leader, drawn: ``docs/internals/datapath.md``.
 """
 
 from __future__ import annotations
@@ -28,12 +17,12 @@ import numpy as np
 
 from .._proto import wire
 from .._proto.wire import Kind
-from .._transport.xnode import KIND_END, KIND_ERROR, KIND_STOP, CrossNode
+from .._transport.xnode import CrossNode, Event
 from ..errors import LeaderError
 from . import rng
-from .base import Context, _check_crc, _error_fields, _json_body, _leader_error
-from .node_writer import Writer
-from .reader import Reader
+from .base import Context, _error_fields, _json_body, _leader_error
+from .node_writer import NodeWriter
+from .receiver import Receiver
 
 
 class Relay:
@@ -41,12 +30,14 @@ class Relay:
 
     name = "node leader"
 
-    def __init__(self, ctx: Context, reader: Reader, writer: Writer, xnode: CrossNode) -> None:
+    def __init__(
+        self, ctx: Context, receiver: Receiver, writer: NodeWriter, xnode: CrossNode
+    ) -> None:
         self.ctx = ctx
-        self.reader = reader
+        self.receiver = receiver
         self.writer = writer
         self.xnode = xnode
-        self.stash: tuple | None = None  # a header of the next iteration
+        self.stash: Event | None = None  # an event of the next iteration
 
     def ready(self) -> None:
         pass
@@ -62,15 +53,10 @@ class Relay:
         self.writer.say_closed(self.ctx.cursor.it)
 
     def closers(self) -> list[Callable[[], None]]:
-        return [self.writer.hub.close, self.writer.ring.close]
+        return self.writer.closers()
 
     def stats(self) -> dict[str, Any]:
-        ring = self.writer.ring
-        return {
-            "ring_slots": len(ring.slots),
-            "ring_bytes": ring.total_bytes,
-            "cross_node_bytes_sent": self.xnode.bytes_sent,
-        }
+        return self.writer.stats()
 
     def _loop(self, it: int) -> Iterator[Any]:
         try:
@@ -85,8 +71,42 @@ class Relay:
             raise
 
     def _relay(self, it: int) -> Iterator[Any]:
-        ctx, xnode, reader, writer = self.ctx, self.xnode, self.reader, self.writer
-        ring = writer.ring
+        ctx, receiver, writer = self.ctx, self.receiver, self.writer
+        while True:
+            event = self._next_event(it)
+            head, mine = event.head, ctx.cursor.mine(it)
+            theirs = (head.it, head.epoch, head.pos)
+            if head.kind == Kind.END:
+                if (head.epoch, head.pos) != mine[1:]:
+                    raise receiver.diverged("ended", theirs, mine)
+                writer.end(it, head.draws)
+                rng.mirror_draws(head.draws)
+                ctx.cursor.finish()
+                return
+            if head.kind == Kind.STOP:
+                reason = str(_json_body(event.meta).get("reason", ""))
+                writer.tell_last(writer.stamped(Kind.STOP, it, reason=reason, closed=0))
+                raise receiver.stopped(reason, theirs, mine)
+            if head.kind == Kind.ERROR:
+                body = {**_json_body(event.meta), "it": it}
+                writer.tell_last(wire.frames(Kind.ERROR, writer.seq, **_error_fields(body)))
+                raise _leader_error(body, writer.topo.leader)
+            if (head.epoch, head.pos) != mine[1:]:
+                self._skip_payload(event)
+                raise receiver.diverged("batch", theirs, mine)
+            t0 = time.perf_counter_ns()
+            yield receiver.deliver(
+                event.meta, writer.publish(it, event, head.draws), head.draws, t0
+            )
+
+    def _next_event(self, it: int) -> Event:
+        """The leader's next event of iteration ``it``, or its last word (ERROR, STOP).
+
+        Events of an iteration this node left early are dropped here, their
+        payload received into nothing (NOTE [iteration numbers] in ``cursor``);
+        one of a later iteration is kept in ``stash`` for it, and raises.
+        """
+        ctx, xnode, receiver = self.ctx, self.xnode, self.receiver
         while True:
             ctx.check_open()
             t_wait = time.perf_counter()
@@ -95,47 +115,21 @@ class Relay:
                 # (NOTE [close from any thread] in roles)
                 with ctx.check_open.outside():
                     self.stash = xnode.receive_header()
-            head, self.stash = self.stash, None
+            event, self.stash = self.stash, None
             ctx.stats.note_wait(t_wait)
-            kind, leader_it, nbytes, meta, draws, crc, epoch, pos = head
-            theirs = (leader_it, epoch, pos)
-            mine = ctx.cursor.mine(it)
-            terminal = kind in (KIND_ERROR, KIND_STOP)
-            if leader_it < it and not terminal:  # this node left that iteration early
-                if nbytes:
-                    xnode.receive_payload(np.empty(nbytes, np.uint8))
-                reader.left_behind(leader_it, pos, kind == KIND_END)
+            head = event.head
+            if head.it < it and head.kind not in (Kind.ERROR, Kind.STOP):
+                self._skip_payload(event)  # this node left that iteration early
+                receiver.left_behind(head.it, head.pos, head.kind == Kind.END)
                 continue
-            if leader_it > it:  # the leader left our iteration: keep its message for the next
-                self.stash = head
-                raise reader.diverged("left", theirs, mine)
-            if kind == KIND_END:
-                if (epoch, pos) != mine[1:]:
-                    raise reader.diverged("ended", theirs, mine)
-                writer.await_readers(window=False)
-                writer.tell_readers(writer.stamped(Kind.END, it, draws=draws))
-                rng.mirror_draws(draws)
-                ctx.cursor.finish()
-                return
-            if terminal:
-                body = _json_body(meta)
-                if kind == KIND_STOP:
-                    reason = str(body.get("reason", ""))
-                    writer.tell_last(writer.stamped(Kind.STOP, it, reason=reason, closed=0))
-                    raise reader.stopped(reason, theirs, mine)
-                body["it"] = it
-                writer.tell_last(wire.frames(Kind.ERROR, writer.seq, **_error_fields(body)))
-                raise _leader_error(body, writer.topo.leader)
-            if (epoch, pos) != mine[1:]:
-                if nbytes:
-                    xnode.receive_payload(np.empty(nbytes, np.uint8))
-                raise reader.diverged("batch", theirs, mine)
-            t0 = time.perf_counter_ns()
-            writer.await_readers()
-            slot = ring.acquire(nbytes) if nbytes else None
-            if slot is not None:
-                xnode.receive_payload(slot.payload[:nbytes])
-                if crc >= 0:
-                    _check_crc(slot.payload[:nbytes], crc, writer.seq)
-            writer.announce(it, meta, nbytes, slot, draws, time.perf_counter_ns() - t0, crc)
-            yield reader.deliver(meta, writer.own_view(slot, nbytes), draws, t0)
+            if head.it > it:  # the leader left our iteration: keep its event for the next
+                self.stash = event
+                raise receiver.diverged(
+                    "left", (head.it, head.epoch, head.pos), ctx.cursor.mine(it)
+                )
+            return event
+
+    def _skip_payload(self, event: Event) -> None:
+        """Receive (and drop) the payload of a batch this node will not publish."""
+        if event.nbytes:
+            self.xnode.receive_payload(np.empty(event.nbytes, np.uint8))

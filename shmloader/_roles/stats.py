@@ -122,7 +122,7 @@ def device_fields(stage: DeviceStage | None) -> dict[str, Any]:
 
 
 class Announcing(Protocol):
-    """What the reporter reads of a writer (``writer.Writer``)."""
+    """What the reporter reads of a writer (``node_writer.NodeWriter``)."""
 
     seq: int  # batches announced
     acked: dict[int, int]  # per reader: batches it took

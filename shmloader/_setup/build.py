@@ -49,8 +49,8 @@ from .._roles.cursor import Boundary, Cursor
 from .._roles.follower import Follower
 from .._roles.leader import Leader, worker_pool
 from .._roles.local import Local, Source
-from .._roles.node_writer import Writer
-from .._roles.reader import Reader
+from .._roles.node_writer import NodeWriter
+from .._roles.receiver import Receiver
 from .._roles.relay import Relay
 from .._roles.stats import RankStats, Reporter, connect_daemon, describe, device_fields
 from .._roles.topology import GroupTopology, broadcast_bytes, discover, node_claim
@@ -205,22 +205,22 @@ def _make_role(
                 made.pool = pool.close
         hub = Hub(topo.socket_path)
         made.hub = hub.close
-        writer = Writer(ctx, topo, ring, hub, xnode, pool)
+        writer = NodeWriter(ctx, topo, ring, hub, xnode, pool)
         reporter.writer = writer
         if topo.is_leader:
             source = Source(loader, shared.cursor, shared.boundary)  # type: ignore[arg-type]
-            role = Leader(ctx, source, writer, pool, xnode)
+            role = Leader(ctx, source, writer, pool)
             if shared.stage is not None and shared.stage.on_device:
                 warn_pin_memory(loader, pool)
         else:
             assert xnode is not None
-            role = Relay(ctx, Reader(ctx, topo), writer, xnode)
+            role = Relay(ctx, Receiver(ctx, topo), writer, xnode)
     else:
         ring_reader = RingReader(topo.ring_token, topo.me)
         made.reader = ring_reader.close
         spoke = Spoke(topo.socket_path, topo.me)
         made.spoke = spoke.close
-        role = Follower(ctx, topo, Reader(ctx, topo), ring_reader, spoke)
+        role = Follower(ctx, topo, Receiver(ctx, topo), ring_reader, spoke)
     closers = role.closers()
     if daemon is not None:
         if topo.is_writer:

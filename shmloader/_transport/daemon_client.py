@@ -383,12 +383,12 @@ class DaemonClient:
         return Admitter(self.path, self.timeout)
 
     def adopt(self, token: str, name: str, nbytes: int) -> int | None:
-        """Take a pre-touched segment of the daemon's warm pool as ``name``.
+        """Take one of the daemon's warm (pre-touched) segments as ``name``.
 
         Returns its payload capacity (>= ``nbytes``) when the daemon renamed
         one to ``name`` with this process as owner in its header: open it with
         ``Segment.attach(name, kind=KIND_DATA, token=token)``, it is already
-        touched. None when the pool has nothing that fits or the daemon is
+        touched. None when none of them fits or the daemon is
         away: create the segment as usual (after ``admit``).
         """
         reply = self.request(

@@ -1,42 +1,82 @@
-"""The cross-node path: the group leader sends each event once to every other node.
-
-Each node leader receives the leader's header, metadata and payload
-point-to-point over the group's gloo exchange group, the payload straight into
-a slot of its own ring, and then announces it on its node exactly as a leader
-would. The leader posts the sends to all node leaders at once and waits for
-them together, so a batch crosses the network once per node, never once per
-rank. ``it``, ``epoch`` and ``pos`` stamp the leader's position (``cursor``,
-NOTE [iteration numbers]); the leader's ``Writer`` keeps ``position`` current. Everything
-travels as ``uint8``/``int64`` tensors: no pickle, no ``broadcast_object_list``::
-
-    message 1  int64[8]         kind, it, nbytes, meta_len, draws, crc (-1: none), epoch, pos
-    message 2  uint8[meta_len]  codec metadata (BATCH) or JSON (ERROR/STOP)
-    message 3  uint8[nbytes]    payload, slot to slot (BATCH with nbytes > 0)
-
-Point-to-point on the exchange group rather than a node-leader subgroup: a
-subgroup made by the node leaders alone would shift torch's group numbering
-on those ranks only, and any later group created with local synchronisation
-would then rendezvous under different names on different ranks.
-
-Coexisting with NCCL: the exchange group is gloo over the CPU whatever the
-default backend is (``loader._exchange_group``); the batch stays on the CPU
-and training moves it to the GPU afterwards, as it would without shmloader.
+"""The cross-node path (``CrossNode``): the group leader sends each event (a ``Header``,
+the metadata, the payload) point-to-point to every node leader over the group's gloo
+exchange group, and a node leader receives it, the payload straight into the slot of
+its own ring it is given. It owns the header's byte layout (``Header``, ``_HEADER``)
+and the one table between ``wire.Kind`` and an event's cross-node code (``CODES``),
+reads the codec's and the RNG mirror's bounds, and touches nothing else: the ring and
+the stamps are the node writer's (``_roles.node_writer``, which keeps ``position``
+current). The messages, and why the path is built this way:
+``docs/internals/datapath.md``.
 """
 
 from __future__ import annotations
 
 import json
+import struct
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from .._proto.codec import MAX_META_BYTES
+from .._proto.wire import Kind
 from .._roles.rng import MAX_MIRRORED_DRAWS
 from ..errors import PeerLostError, ProtocolError
 
-KIND_BATCH, KIND_END, KIND_ERROR, KIND_STOP = 1, 2, 3, 4
-_FIELDS = 8
+#: The cross-node code of each event kind, the first word of its header on the wire.
+#: The one table between ``Kind`` and those bytes: the codes predate ``Kind``'s numbers.
+CODES: dict[Kind, int] = {Kind.BATCH: 1, Kind.END: 2, Kind.ERROR: 3, Kind.STOP: 4}
+_KINDS = {code: kind for kind, code in CODES.items()}
+
+
+class Header(NamedTuple):
+    """The first message of every cross-node event: ``_HEADER``'s eight int64 words, in order."""
+
+    kind: Kind  # on the wire: CODES[kind]
+    it: int
+    nbytes: int  # payload bytes (the third message, BATCH only; 0: none)
+    meta_len: int  # bytes of the second message: codec metadata (BATCH) or JSON (ERROR, STOP)
+    draws: int
+    crc: int  # the payload's CRC-32, -1: none
+    epoch: int
+    pos: int
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(CODES[self.kind], *self[1:])
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> Header:
+        """The header in ``raw``; :class:`ProtocolError` unless every field is in bounds."""
+        words = _HEADER.unpack(raw)
+        code, _it, nbytes, meta_len, draws = words[:5]
+        if code not in _KINDS or nbytes < 0 or meta_len < 0:
+            raise ProtocolError(f"bad cross-node header {list(words)}")
+        if meta_len > MAX_META_BYTES or not 0 <= draws <= MAX_MIRRORED_DRAWS:
+            raise ProtocolError(
+                f"cross-node header {list(words)} out of bounds: metadata at most "
+                f"{MAX_META_BYTES} bytes, draws 0..{MAX_MIRRORED_DRAWS}"
+            )
+        return cls(_KINDS[code], *words[1:])
+
+
+#: int64 words in the machine's byte order, as a ``torch.int64`` tensor holds them.
+_HEADER = struct.Struct(f"={len(Header._fields)}q")
+
+
+class Event(NamedTuple):
+    """What a node leader received of one event: its header and metadata (the payload follows)."""
+
+    head: Header
+    meta: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.head.nbytes
+
+    @property
+    def crc(self) -> int:
+        return self.head.crc
 
 
 class CrossNode:
@@ -62,7 +102,7 @@ class CrossNode:
 
     def send(
         self,
-        kind: int,
+        kind: Kind,
         it: int,
         meta: bytes,
         payload: np.ndarray | None = None,
@@ -71,8 +111,8 @@ class CrossNode:
         crc: int = -1,
     ) -> None:
         nbytes = 0 if payload is None else payload.nbytes
-        head = [kind, it, nbytes, len(meta), draws, crc, *self.position]
-        tensors = [torch.tensor(head, dtype=torch.int64)]
+        head = Header(kind, it, nbytes, len(meta), draws, crc, *self.position)
+        tensors = [torch.frombuffer(bytearray(head.pack()), dtype=torch.int64)]
         if meta:
             tensors.append(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
         if nbytes:
@@ -87,7 +127,7 @@ class CrossNode:
             raise self._failed(exc, f"node leader(s) {list(self.peers)}") from None
         self.bytes_sent += nbytes * len(self.peers)
 
-    def send_json(self, kind: int, it: int, body: dict) -> None:
+    def send_json(self, kind: Kind, it: int, body: dict) -> None:
         self.send(kind, it, json.dumps(body).encode())
 
     # -- node leader ---------------------------------------------------------
@@ -98,24 +138,17 @@ class CrossNode:
         except (RuntimeError, dist.DistBackendError) as exc:
             raise self._failed(exc, f"leader rank {self.leader}") from None
 
-    def receive_header(self) -> tuple[int, int, int, bytes, int, int, int, int]:
-        """(kind, it, nbytes, meta, draws, crc, epoch, pos) of the next event."""
-        head = torch.zeros(_FIELDS, dtype=torch.int64)
-        self._recv(head)
-        kind, it, nbytes, meta_len, draws, crc, epoch, pos = (int(x) for x in head)
-        if kind not in (KIND_BATCH, KIND_END, KIND_ERROR, KIND_STOP) or nbytes < 0 or meta_len < 0:
-            raise ProtocolError(f"bad cross-node header {head.tolist()}")
-        if meta_len > MAX_META_BYTES or not 0 <= draws <= MAX_MIRRORED_DRAWS:
-            raise ProtocolError(
-                f"cross-node header {head.tolist()} out of bounds: metadata at most "
-                f"{MAX_META_BYTES} bytes, draws 0..{MAX_MIRRORED_DRAWS}"
-            )
+    def receive_header(self) -> Event:
+        """The next event's header and metadata; its payload is ``receive_payload``'s."""
+        raw = torch.zeros(len(Header._fields), dtype=torch.int64)
+        self._recv(raw)
+        head = Header.unpack(raw.numpy().tobytes())
         meta = b""
-        if meta_len:
-            buf = torch.empty(meta_len, dtype=torch.uint8)
+        if head.meta_len:
+            buf = torch.empty(head.meta_len, dtype=torch.uint8)
             self._recv(buf)
             meta = buf.numpy().tobytes()
-        return kind, it, nbytes, meta, draws, crc, epoch, pos
+        return Event(head, meta)
 
     def receive_payload(self, dest: np.ndarray) -> None:
         """Receive the payload straight into ``dest`` (a ring slot's bytes)."""

@@ -1,62 +1,12 @@
-"""The worker writer: a DataLoader worker publishes its own batches into the ring.
-
-The leader wraps its ``DataLoader``'s ``collate_fn`` in a :class:`WorkerWriter`
-(a plain picklable object, so every ``multiprocessing_context`` works: fork,
-forkserver, spawn). Inside a worker the wrapper calls the user's collate,
-encodes the batch (``codec.encode``, which refuses unsupported leaves before
-anything is written), claims a slot of its partition of the pool (``pool``),
-writes the payload there once and returns a :class:`~shmloader._workers.pool.SlotRef`
-in the batch's place. The DataLoader carries that small object to the main
-process, keeps its in-order delivery, and the leader announces the slot::
-
-    DataLoader worker w                          leader main process
-    -------------------                          -------------------
-    i = claim(hint)                FREE -> WRITING (grow if too small)
-    batch = collate_fn(samples)    (user's; its shared-memory outputs are
-                                    made in slot i: NOTE [collate into the slot])
-    enc = codec.encode(batch, placed=...)   (refuses bad leaves: WorkerFailure)
-    codec.write_payload(enc, slot i)   the leaves not already in place
-    FILLED; return SlotRef ----- DataLoader queue -----> ref = next(source)
-                                                          slot = pool.adopt(ref)   FILLED -> HELD
-                                                          announce (meta only), xnode.send(slot)
-                                                          yield decode(private view of slot)
-                                                          ... every rank released: HELD -> FREE
-
-``hint`` is the larger of the samples' bytes and this worker's last batch:
-a slot that can hold the batch before the collate has made it.
-
-NOTE [collate into the slot]
-    Inside a DataLoader worker, torch's ``default_collate`` stacks each
-    tensor (and each numpy array, as a tensor) into memory it gets from
-    ``UntypedStorage._new_shared``: fresh shared memory, so that the batch
-    can reach the main process without a copy, written at page-fault speed.
-    While the user's collate runs, the worker writer answers that call (on
-    this thread only) from the slot it already claimed: a bump allocator
-    (``_Arena``) over the slot's pre-touched pages. The stacked batch is then
-    already where the payload goes, and ``codec.encode(placed=...)`` keeps
-    those leaves where they are (NOTE [placed leaves] in ``codec``); only
-    the rest (leaves a custom collate made in private memory, small numbers)
-    is copied after them. Any allocation that does not fit, any other
-    thread, any other device gets torch's own ``_new_shared``. If the
-    finished batch outgrows the slot, the worker grows the slot and copies
-    the whole batch, as without the allocator. A collate may keep references
-    to its outputs past the call (a memory bank, a view of one leaf): the
-    pieces it keeps are copied out of the slot, at their addresses, before
-    the slot is written again (NOTE [kept collate outputs] in ``pool``), so
-    they keep their bytes as with plain PyTorch.
-    ``SHMLOADER_COLLATE_IN_SLOT=0`` (``Config.collate_in_slot``, carried to
-    the workers in the ``PoolSpec``) turns the allocator off: every batch is
-    then written by one copy after the collate.
-
-Errors of our own making inside the worker (``UnsupportedBatchError``,
-``ShmCapacityError``, a pool wait that timed out) travel as a
-:class:`WorkerFailure` value instead of an exception: the DataLoader would
-rebuild them as ``RuntimeError`` (their constructors take more than one
-argument), while the leader re-raises them with the same type and message,
-and readers get ``LeaderError`` carrying both, as for any leader error. The
-user's own exceptions (dataset, collate) still travel the DataLoader's way.
-Called outside a worker (no ``get_worker_info()``), the wrapper is the
-user's collate unchanged.
+"""What the leader's DataLoader workers run: ``SlotCollate``, the ``collate_fn`` wrapper
+the leader installs, claims a slot of its worker's partition of the pool, runs the
+user's collate with torch's shared-memory allocations answered from that slot (NOTE
+[collate into the slot]), encodes the batch keeping what already lies in place, copies
+the rest after it and returns a ``SlotRef`` in the batch's place. It owns the wrapper,
+its ``install``/``uninstall`` on a loader and the allocator it puts in a worker's torch;
+it touches the pool only through the worker's ``WorkerSlots`` and, called in the main
+process, nothing: there the wrapper is the user's collate unchanged. One batch from a
+worker to the leader, drawn: ``docs/internals/datapath.md``.
 """
 
 from __future__ import annotations
@@ -82,7 +32,15 @@ from .pool import PoolSpec, SlotRef, WorkerPool, WorkerSlots, estimate_bytes
 
 
 class WorkerFailure:
-    """An error raised by the worker writer, carried to the leader as a value."""
+    """An error of our own making in a worker, carried to the leader as a value.
+
+    ``UnsupportedBatchError``, ``ShmCapacityError``, a pool wait that timed
+    out: the DataLoader would rebuild them as ``RuntimeError`` (their
+    constructors take more than one argument), while the leader re-raises
+    them with the same type and message, and readers get ``LeaderError``
+    carrying both, as for any leader error. The user's own exceptions
+    (dataset, collate) still travel the DataLoader's way.
+    """
 
     __slots__ = ("attrs", "message", "module", "name", "trace", "worker")
 
@@ -132,6 +90,29 @@ class _Arena:
     """Bump allocator over a claimed slot's payload: the collate's shared-memory outputs.
 
     ``track`` is told of every piece handed out (NOTE [kept collate outputs] in ``pool``).
+
+    NOTE [collate into the slot]
+        Inside a DataLoader worker, torch's ``default_collate`` stacks each
+        tensor (and each numpy array, as a tensor) into memory it gets from
+        ``UntypedStorage._new_shared``: fresh shared memory, so that the batch
+        can reach the main process without a copy, written at page-fault speed.
+        While the user's collate runs, the slot collate answers that call (on
+        this thread only) from the slot it already claimed: a bump allocator
+        (``_Arena``) over the slot's pre-touched pages. The stacked batch is then
+        already where the payload goes, and ``codec.encode(placed=...)`` keeps
+        those leaves where they are (NOTE [placed leaves] in ``codec``); only
+        the rest (leaves a custom collate made in private memory, small numbers)
+        is copied after them. Any allocation that does not fit, any other
+        thread, any other device gets torch's own ``_new_shared``. If the
+        finished batch outgrows the slot, the worker grows the slot and copies
+        the whole batch, as without the allocator. A collate may keep references
+        to its outputs past the call (a memory bank, a view of one leaf): the
+        pieces it keeps are copied out of the slot, at their addresses, before
+        the slot is written again (NOTE [kept collate outputs] in ``pool``), so
+        they keep their bytes as with plain PyTorch.
+        ``SHMLOADER_COLLATE_IN_SLOT=0`` (``Config.collate_in_slot``, carried to
+        the workers in the ``PoolSpec``) turns the allocator off: every batch is
+        then written by one copy after the collate.
     """
 
     def __init__(self, dest: np.ndarray, track: Callable[[np.ndarray], None] | None = None) -> None:
@@ -194,8 +175,12 @@ def _allocating_from(arena: _Arena | None) -> Iterator[None]:
         _LOCAL.arena = None
 
 
-class WorkerWriter:
-    """``collate_fn`` wrapper: collate into this worker's pool slot, then finish the batch there."""
+class SlotCollate:
+    """``collate_fn`` wrapper: collate into this worker's pool slot, then finish the batch there.
+
+    ``hint`` (what it claims before the collate has made the batch) is the
+    larger of the samples' bytes and this worker's last batch.
+    """
 
     def __init__(self, collate_fn: Callable[[Any], Any], spec: PoolSpec) -> None:
         self.collate_fn = collate_fn
@@ -319,7 +304,7 @@ def check_installable(loader: Any) -> None:
     workers write two rings: refused, naming the fix.
     """
     collate = getattr(loader, "collate_fn", None)
-    if isinstance(collate, WorkerWriter):
+    if isinstance(collate, SlotCollate):
         raise LoaderStateError(
             f"the DataLoader that make_loader returned ({type(loader).__name__} at "
             f"{id(loader):#x}) is already published by another open ShmLoader (its "
@@ -340,7 +325,7 @@ def install(loader: Any, pool: WorkerPool) -> bool:
     collate = getattr(loader, "collate_fn", None)
     if collate is None:
         return False
-    loader.collate_fn = WorkerWriter(collate, pool.spec)
+    loader.collate_fn = SlotCollate(collate, pool.spec)
     pool.on_close(functools.partial(uninstall, loader, pool.spec))
     return True
 
@@ -349,10 +334,10 @@ def uninstall(loader: Any, spec: PoolSpec) -> None:
     """Undo ``install``: the user's collate back, and persistent workers (which carry
     the wrapper for ``spec``'s closed pool) shut down so that the next ``iter()``
     starts workers with the collate the loader has then."""
-    writer = getattr(loader, "collate_fn", None)
-    if not isinstance(writer, WorkerWriter) or writer.spec is not spec:
+    wrapper = getattr(loader, "collate_fn", None)
+    if not isinstance(wrapper, SlotCollate) or wrapper.spec is not spec:
         return
-    loader.collate_fn = writer.collate_fn
+    loader.collate_fn = wrapper.collate_fn
     iterator = getattr(loader, "_iterator", None)
     if iterator is not None:
         with contextlib.suppress(Exception):

@@ -1,169 +1,13 @@
-"""The worker slot pool: ring slots that DataLoader workers write themselves.
-
-With a ``DataLoader`` that has workers, the leader's ring gets a pool of
-``num_workers x per_worker`` slots, created and touched by the leader's main
-process before its first ``iter()``. Worker ``w`` owns the slots
-``w * per_worker ... (w + 1) * per_worker - 1`` (its *partition*): it encodes
-each collated batch straight into one of them and sends the main process a
-small :class:`SlotRef` in the batch's place. The main process never touches
-the payload: it announces the slot like any other ring slot.
-
-Per-worker size: ``prefetch_factor`` batches the DataLoader keeps in flight
-per worker, plus this worker's share of the batches ranks still hold
-(``ceil((SHMLOADER_SLOTS + 2) / num_workers)``: the reader window, the
-leader's own batch and one in transit), plus one. The DataLoader hands tasks
-to workers round robin and a worker runs its tasks in order, so that is what
-a worker needs to never wait in a lockstep job. That is the partition's
-most: slots start one granule small and grow only when a worker finds no
-free slot that fits, and with release words a lockstep job grows
-``prefetch_factor + 1`` per worker (NOTE [pool size]).
-
-Control segment (``/shml-<token>-pool``, one page of header, then)::
-
-    offset      field (u64 each)
-    0           version          POOL_VERSION
-    8           num_workers
-    16          per_worker
-    24          in use: the slots per worker that workers claim (NOTE [pool size])
-    32, 40      where the release words start, how many holders they have
-                (NOTE [release words] in ``release``; 0: none)
-    64 + 128*i  slot i: state, gen, capacity, writer pid, ticket, write ns,
-                name (random part), bytes collated in place, keeper pid
-    after the records: the release words (HOLDERS and one ticket per holder per slot)
-
-Pool slot state machine (the ``state`` word; the ring's own FREE/HELD runs
-beside it, see ``ring.py``)::
-
-               claim (worker, under its          encode + write done,
-               partition's lockf lock)           SlotRef sent
-    FREE ---------------------------> WRITING ------------------> FILLED
-     ^  ^                              ^ |                          |
-     |  |  writer dead (reclaim, main) | |           adopt (main):  |
-     |  +------------------------------|-+           HOLDERS, then  v
-     |  |                              +--------------------------- HELD
-     |  |      claim (worker, lock): every holder's release word     |
-     |  |      says this ticket, or GONE, or dead                    |
-     |  +---- FILLED  the SlotRef died unpublished (abandon, main)   |
-     +--------------------------------------------------------------+
-            every holder released it (words, or RELEASEs: sync, main, lock)
-
-    FREE -> WRITING   worker only; ticket += 1, pid = the worker
-    HELD -> WRITING   worker only, the same, once every holder released the
-                      current ticket (NOTE [release words] in ``release``): the
-                      main process need not have seen the releases yet
-    WRITING -> FILLED worker only
-    FILLED -> HELD    main only, when it publishes the SlotRef (ticket checked);
-                      the slot's HOLDERS word first
-    HELD -> FREE      main only, at its next ``next()`` (sync), when every holder
-                      released (words, or the ring slot FREE by RELEASEs), under
-                      the partition's lock and only if the ticket is unchanged
-    FILLED -> FREE    main only, a SlotRef dropped by the DataLoader (resume skip,
-                      a persistent iterator's reset drain)
-    WRITING/FILLED -> FREE  main only, at iter(), when the writer pid is dead
-
-Every word is one aligned 8-byte store; a worker claims under a POSIX record
-lock on its partition's byte of the control file (released by the kernel if
-the worker dies), so two live workers with the same id (two DataLoader
-iterators alive at once) never take the same slot, and HELD, the one state
-two processes may leave (a worker claiming it, the main process freeing it),
-is left only under that lock.
-
-NOTE [pool size]
-    ``per_worker`` slots per worker let every worker run ``prefetch_factor``
-    batches ahead while ranks hold theirs; but the fewest a worker can run
-    with is ``MIN_PER_WORKER`` = 2: one the ranks hold (the batch the user is
-    on), one it writes next.
-
-    How many a job really uses (each grown once, to the batch size): a
-    worker takes the smallest free slot that fits, a HELD one every holder
-    released counting as free (NOTE [release words]). When none fits but
-    one that fits is HELD by ranks about to drop it (a batch older than the
-    one this worker wrote last: ranks drop it as they take that one), the
-    worker waits for it, up to ``GROW_GRACE_S``, before it grows another.
-    A worker gets its next task the moment the main process takes a batch,
-    while every rank still holds the one before; without that wait, a
-    lockstep job would grow a third slot per worker. With it, a lockstep
-    job cycles through ``prefetch_factor + 1`` slots per worker (two for
-    one worker with ``prefetch_factor=1``: base PyTorch's ``num_workers x
-    prefetch_factor`` in flight plus the one the loop holds); a job whose
-    ranks keep more (a prefetch queue, device copies in flight) pays the
-    grace once per extra slot it grows, never more than ``per_worker``.
-
-    Fitting /dev/shm: A rank that lags behind holds more, yet it only
-    moves forward through batches already announced, releasing them, so the
-    worker's wait always ends. When a worker first learns the batch size
-    (``check_capacity``) and the whole pool at that size does not fit
-    ``/dev/shm``, the pool shrinks to the most slots per worker that fit,
-    down to 2, for every worker (the *in use* word; slots past it are never
-    claimed nor grown), and the leader's main process warns once with what
-    it costs (fewer batches prepared ahead). Only when 2 per worker do not fit
-    is it a :class:`ShmCapacityError`. Base PyTorch holds up to
-    ``num_workers x prefetch_factor`` batches in shared memory (plus the one
-    the loop holds); the pool's least, ``2 x num_workers`` slots (each
-    ``slot_capacity_for`` a batch: 1/8 headroom, 64 KiB granules), is within
-    that for ``prefetch_factor >= 2`` up to the headroom; with
-    ``prefetch_factor=1`` it can be up to 2.25 times as much. The one-copy path
-    (the leader's main process copies each batch into the ring) needs torch's
-    in-flight batches *plus* ring slots, never less than this minimum, so it
-    is not a fallback for space.
-
-NOTE [pool admission]
-    With the node daemon, every byte of the pool goes through its admission
-    before it exists: the leader's main process asks for generation 0 of
-    each slot (``WorkerPool._new_segment``), and a worker asks for each
-    generation it grows (``WorkerSlots._grow``) through the ``admit`` of its
-    ``PoolSpec`` (``daemon_client.Admitter``: the daemon's socket path,
-    connected once per worker process). A refusal is a
-    :class:`ShmCapacityError` in the worker, re-raised on the leader
-    (``WorkerFailure``) before the segment is made.
-
-Growth: a batch larger than every FREE slot of the partition makes the worker
-create generation ``gen + 1`` of a FREE slot (bigger, touched once, its header
-naming the leader's main process as owner so that ``gc`` and the daemon reap
-it with the job) and record the new ``gen`` and ``capacity``; the main
-process installs that segment in the ring when it adopts the first SlotRef
-that names it, retiring the old generation. Before a worker first grows (and
-before it collates its first batch, from the samples' sizes) it checks that
-the whole pool at that size fits ``/dev/shm``: :class:`ShmCapacityError`
-naming ``num_workers`` and ``prefetch_factor`` otherwise, before any batch.
-
-NOTE [pool names]
-    Pool slot segments (and the pool's control segment) stay named in
-    ``/dev/shm`` for the life of the pool, unlike ring slots (NOTE [names in
-    /dev/shm]): a worker started later (every epoch without persistent
-    workers, any multiprocessing context) opens its slots by name. Their
-    headers name the leader's main process as owner, so a killed leader's
-    segments are reaped by ``shmloader gc`` or the daemon like the rest of
-    its ring. ``close`` unlinks every generation left in ``/dev/shm``, found by
-    name and header token (``_unlink_all``), never by the control words.
-
-    The names are still unpredictable (NOTE [unpredictable names] in
-    ``segment``): ``<stem>.<random>``. The control segment's name travels to
-    the workers in the pickled ``PoolSpec``; each slot's random part lives in
-    its record (``NAME``), written by whoever creates that generation (the
-    main process for generation 0, the growing worker after), so every
-    process derives the current name from the control segment.
-
-NOTE [kept collate outputs]
-    A collate's shared-memory outputs are made in the worker's claimed slot
-    (NOTE [collate into the slot] in ``worker``), and a collate may keep them
-    past the call: a memory bank that returns its output from K calls back, a
-    packing carry, a view of one leaf. Plain PyTorch keeps such outputs
-    intact (each is fresh shared memory), so a slot must never be rewritten
-    under them. The worker tracks every piece of a slot it hands to a
-    collate (``WorkerSlots.track``: a finalizer on the array a storage was
-    made from, which lives exactly as long as that storage) and records
-    itself in the slot's ``KEPT`` word while any is alive. Before it writes
-    into a generation that still has live pieces (the next claim of that
-    slot), it *detaches* them (``_detach``): the pages under each piece are
-    copied into private anonymous memory mapped at the very same addresses
-    (``mremap`` over them, one atomic step per range), so every tensor that
-    references them keeps its bytes, and the slot is mapped afresh for the
-    new batch. The cost is one copy of what is kept, when it is kept; a
-    collate that keeps nothing pays a finalizer per storage. Another process
-    (a second worker with the same id: two DataLoader iterators alive at
-    once) never claims a slot whose ``KEPT`` names a live worker other than
-    itself.
+"""The workers' slot pool: ring slots the leader's DataLoader workers write themselves. It
+owns the pool's control segment (its header words, one ``SlotRecord`` per slot, where
+the release words start), the pool state machine (``PoolState``, beside the ring's own
+``SlotState`` of the same slots), the partition of the slots among workers, a worker's
+growth of a slot, the fit of the whole pool in ``/dev/shm``, the reclaiming of dead
+workers' slots and the copying of a collate's kept outputs out of a slot before it is
+rewritten; the main process's side (``WorkerPool``) drives the ring's pooled slots and
+never reads or writes a payload, a worker's side (``WorkerSlots``) touches only its own
+partition's records and segments. The control segment's layout, the state machine
+drawn and why the pool is sized as it is: ``docs/internals/datapath.md``.
 """
 
 from __future__ import annotations
@@ -171,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import enum
 import errno
 import fcntl
 import functools
@@ -179,11 +24,12 @@ import logging
 import math
 import mmap
 import os
+import struct
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -219,17 +65,116 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POOL_VERSION = 2
-FREE, WRITING, FILLED, HELD = 1, 2, 3, 4
-STATE_NAMES = {0: "INVALID", FREE: "FREE", WRITING: "WRITING", FILLED: "FILLED", HELD: "HELD"}
-# Word indices of a slot record (WRITE_NS: the worker's last encode + write, for stats).
-#: NAME: the random part of the current generation's segment name (NOTE [pool names])
-#: PLACED: bytes of the batch its collate made in the slot (NOTE [collate into the slot])
-#: KEPT: the worker whose collate still references memory in this generation, or 0
-#: (NOTE [kept collate outputs])
-STATE, GEN, CAPACITY, PID, TICKET, WRITE_NS, NAME, PLACED, KEPT = range(9)
-_RECORD_WORDS = 16  # 128 bytes per slot: two cache lines
-_RECORDS_AT = 8  # in words: slot records start at payload offset 64
-#: A worker's wait for a FREE slot polls with this backoff (seconds).
+
+
+class PoolState(enum.IntEnum):
+    """A pool slot's ``state`` word (zero is invalid), and who may move it where.
+
+    Its own names: the ring's ``SlotState`` (FREE, HELD) runs beside it for the
+    same slot, in the main process only::
+
+        EMPTY -> WRITING      worker only, under its partition's lock; ticket += 1,
+                              pid = the worker
+        PUBLISHED -> WRITING  worker only, the same, once every holder released the
+                              current ticket (NOTE [release words] in ``release``): the
+                              main process need not have seen the releases yet
+        WRITING -> FILLED     worker only: encoded and written, its SlotRef sent
+        WRITING -> EMPTY      worker only: the encode or the write failed
+        FILLED -> PUBLISHED   main only, when it publishes the SlotRef (``accept``,
+                              ticket checked); the slot's HOLDERS word first
+        PUBLISHED -> EMPTY    main only, at its next ``next()`` (``sync``), when every
+                              holder released (words, or the ring slot FREE by
+                              RELEASEs), under the partition's lock and only if the
+                              ticket is unchanged
+        FILLED -> EMPTY       main only: a SlotRef the DataLoader dropped (``abandon``)
+        WRITING/FILLED -> EMPTY   main only, at ``iter()``: the worker is dead (``reclaim``)
+
+    PUBLISHED is the one state two processes may leave (a worker claiming the
+    slot, the main process emptying it): it is left only under the lock.
+    """
+
+    INVALID = 0
+    EMPTY = 1
+    WRITING = 2
+    FILLED = 3
+    PUBLISHED = 4
+
+
+def state_name(value: int) -> str:
+    """``PoolState`` name of a state word (garbage in a word shows as ``?``)."""
+    try:
+        return PoolState(value).name
+    except ValueError:
+        return "?"
+
+
+class SlotRecord(NamedTuple):
+    """A pool slot's record in the control segment: ``_RECORD``'s fields, in this order."""
+
+    state: int  # PoolState
+    gen: int  # the slot segment's current generation
+    capacity: int  # its payload bytes
+    pid: int  # the worker that claimed the slot last
+    ticket: int  # claims so far: names the batch in it (NOTE [release words] in ``release``)
+    write_ns: int  # that worker's encode + write of it, for stats
+    name: int  # the random part of the generation's segment name (NOTE [pool names])
+    placed: int  # bytes of the batch its collate made in the slot (NOTE [collate into the slot])
+    kept: int  # the worker whose collate still references this generation, or 0
+    # (NOTE [kept collate outputs])
+
+
+#: One slot's record: u64 words, little-endian; each record has ``_RECORD_BYTES``.
+_RECORD = struct.Struct("<" + "Q" * len(SlotRecord._fields))
+_RECORD_BYTES = 128  # two cache lines per slot
+_RECORD_WORDS = _RECORD_BYTES // 8
+_RECORDS_AT = 8  # in words: the records start at payload offset 64, after the header words
+assert _RECORD.size <= _RECORD_BYTES
+
+
+class _Word:
+    """A ``SlotRecord`` field of a ``Record``: one aligned 8-byte load or store."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.index = SlotRecord._fields.index(name)
+
+    def __get__(self, rec: Record, owner: type | None = None) -> int:
+        return int(rec.words[self.index])
+
+    def __set__(self, rec: Record, value: int) -> None:
+        rec.words[self.index] = value
+
+
+class Record:
+    """One slot's record in a process's mapping of the control segment, by field name.
+
+    The main process and workers write one record concurrently, so each field
+    is loaded and stored on its own (an aligned 8-byte word: never torn); only
+    ``reset`` (before any worker exists) and ``snapshot`` (what to show) take
+    the record whole.
+    """
+
+    __slots__ = ("words",)
+    state, gen, capacity, pid, ticket = _Word(), _Word(), _Word(), _Word(), _Word()
+    write_ns, name, placed, kept = _Word(), _Word(), _Word(), _Word()
+
+    def __init__(self, words: np.ndarray) -> None:
+        self.words = words  # _RECORD_WORDS u64 of the control mapping
+
+    def snapshot(self) -> SlotRecord:
+        return SlotRecord._make(_RECORD.unpack_from(self.words.data))
+
+    def reset(self, record: SlotRecord) -> None:
+        _RECORD.pack_into(self.words.data, 0, *record)
+
+
+def _records(words: np.ndarray, total: int) -> list[Record]:
+    at = _RECORDS_AT
+    return [
+        Record(words[at + i * _RECORD_WORDS : at + (i + 1) * _RECORD_WORDS]) for i in range(total)
+    ]
+
+
+#: A worker's wait for an EMPTY slot polls with this backoff (seconds).
 POLL_FIRST_S, POLL_MAX_S = 50e-6, 2e-3
 #: ... and checks this often that the leader's main process is alive (seconds).
 OWNER_CHECK_S = 0.2
@@ -251,7 +196,25 @@ def pool_stem(token: str) -> str:
 
 
 def pool_slot_name(token: str, i: int, gen: int, suffix: int) -> str:
-    """Generation ``gen`` of pool slot ``i``: ``slot_stem`` plus its recorded random part."""
+    """Generation ``gen`` of pool slot ``i``: ``slot_stem`` plus its recorded random part.
+
+    NOTE [pool names]
+        Pool slot segments (and the pool's control segment) stay named in
+        ``/dev/shm`` for the life of the pool, unlike ring slots (NOTE [names in
+        /dev/shm]): a worker started later (every epoch without persistent
+        workers, any multiprocessing context) opens its slots by name. Their
+        headers name the leader's main process as owner, so a killed leader's
+        segments are reaped by ``shmloader gc`` or the daemon like the rest of
+        its ring. ``close`` unlinks every generation left in ``/dev/shm``, found by
+        name and header token (``_unlink_all``), never by the control words.
+
+        The names are still unpredictable (NOTE [unpredictable names] in
+        ``segment``): ``<stem>.<random>``. The control segment's name travels to
+        the workers in the pickled ``PoolSpec``; each slot's random part lives in
+        its record (``NAME``), written by whoever creates that generation (the
+        main process for generation 0, the growing worker after), so every
+        process derives the current name from the control segment.
+    """
     return f"{slot_stem(token, i, gen)}.{suffix:016x}"
 
 
@@ -261,7 +224,48 @@ def _suffix(segment: Segment) -> int:
 
 
 def per_worker_slots(prefetch_factor: int, ring_slots: int, num_workers: int) -> int:
-    """Slots in one worker's partition (see the module docstring)."""
+    """Slots in one worker's partition: ``prefetch_factor`` batches in flight, the worker's
+    share of what ranks hold (``SHMLOADER_SLOTS + 2``), and one more.
+
+    NOTE [pool size]
+        ``per_worker`` slots per worker let every worker run ``prefetch_factor``
+        batches ahead while ranks hold theirs; but the fewest a worker can run
+        with is ``MIN_PER_WORKER`` = 2: one the ranks hold (the batch the user is
+        on), one it writes next.
+
+        How many a job really uses (each grown once, to the batch size): a
+        worker takes the smallest free slot that fits, a PUBLISHED one every holder
+        released counting as free (NOTE [release words]). When none fits but
+        one that fits is PUBLISHED, held by ranks about to drop it (a batch older than the
+        one this worker wrote last: ranks drop it as they take that one), the
+        worker waits for it, up to ``GROW_GRACE_S``, before it grows another.
+        A worker gets its next task the moment the main process takes a batch,
+        while every rank still holds the one before; without that wait, a
+        lockstep job would grow a third slot per worker. With it, a lockstep
+        job cycles through ``prefetch_factor + 1`` slots per worker (two for
+        one worker with ``prefetch_factor=1``: base PyTorch's ``num_workers x
+        prefetch_factor`` in flight plus the one the loop holds); a job whose
+        ranks keep more (a prefetch queue, device copies in flight) pays the
+        grace once per extra slot it grows, never more than ``per_worker``.
+
+        Fitting /dev/shm: A rank that lags behind holds more, yet it only
+        moves forward through batches already announced, releasing them, so the
+        worker's wait always ends. When a worker first learns the batch size
+        (``check_capacity``) and the whole pool at that size does not fit
+        ``/dev/shm``, the pool shrinks to the most slots per worker that fit,
+        down to 2, for every worker (the *in use* word; slots past it are never
+        claimed nor grown), and the leader's main process warns once with what
+        it costs (fewer batches prepared ahead). Only when 2 per worker do not fit
+        is it a :class:`ShmCapacityError`. Base PyTorch holds up to
+        ``num_workers x prefetch_factor`` batches in shared memory (plus the one
+        the loop holds); the pool's least, ``2 x num_workers`` slots (each
+        ``slot_capacity_for`` a batch: 1/8 headroom, 64 KiB granules), is within
+        that for ``prefetch_factor >= 2`` up to the headroom; with
+        ``prefetch_factor=1`` it can be up to 2.25 times as much. The one-copy path
+        (the leader's main process copies each batch into the ring) needs torch's
+        in-flight batches *plus* ring slots, never less than this minimum, so it
+        is not a fallback for space.
+    """
     return prefetch_factor + math.ceil((ring_slots + 2) / num_workers) + 1
 
 
@@ -278,7 +282,7 @@ class PoolSpec:
     owner_start: int
     timeout: float
     allow_pickle: bool
-    collate_in_slot: bool = True  # NOTE [collate into the slot] in ``worker``
+    collate_in_slot: bool = True  # NOTE [collate into the slot] in ``collate``
     # the daemon's admission for bytes a worker adds, or None (NOTE [pool admission])
     admit: Callable[[str, int], None] | None = None
     # the ring directory: a spawned worker does not inherit the leader's (``ringdir``)
@@ -294,17 +298,17 @@ class SlotRef:
 
     A SlotRef that dies in the leader's main process without being published
     (the DataLoader dropped it: a resume fast-forward, a persistent iterator's
-    reset) frees its slot (FILLED -> FREE).
+    reset) frees its slot (FILLED -> EMPTY).
     """
 
-    __slots__ = ("adopted", "gen", "index", "meta", "nbytes", "owner_pid", "ticket", "token")
+    __slots__ = ("accepted", "gen", "index", "meta", "nbytes", "owner_pid", "ticket", "token")
 
     def __init__(
         self, token: str, index: int, gen: int, ticket: int, nbytes: int, meta: bytes, owner: int
     ) -> None:
         self.token, self.index, self.gen, self.ticket = token, index, gen, ticket
         self.nbytes, self.meta, self.owner_pid = nbytes, meta, owner
-        self.adopted = False
+        self.accepted = False
 
     def __reduce__(self) -> tuple:
         args = (self.token, self.index, self.gen, self.ticket, self.nbytes, self.meta)
@@ -314,7 +318,7 @@ class SlotRef:
         return f"SlotRef(slot {self.index}.{self.gen}, ticket {self.ticket}, {self.nbytes} bytes)"
 
     def __del__(self) -> None:
-        if self.adopted or os.getpid() != self.owner_pid:
+        if self.accepted or os.getpid() != self.owner_pid:
             return
         pool = _POOLS.get(self.token)
         if pool is not None:
@@ -322,7 +326,7 @@ class SlotRef:
 
 
 class WorkerPool:
-    """The main process's side: creates the pool, adopts SlotRefs, frees slots.
+    """The main process's side: creates the pool, accepts SlotRefs, frees slots.
 
     Drives the ring's pooled slots; never writes or reads a payload.
     """
@@ -388,20 +392,28 @@ class WorkerPool:
             )
             ring.on_drop(self.release.drop)  # a reader's BYE or loss ends its holds
         self._warned_size = False
-        self.last_write_ns = 0  # the adopted batch's write into its slot, in its worker
+        self.last_write_ns = 0  # the accepted batch's write into its slot, in its worker
         self.last_placed = 0  # bytes of it that its collate made in place
         self._finalizer = weakref.finalize(
             self, _unlink_all, self.control, ring.token, num_workers * per_worker, os.getpid()
         )
         self._on_close: list[Callable[[], None]] = []
+        self.records = _records(self.words, total)
         try:
             for i in range(self.spec.total):
                 slot = ring.add_pooled(self._new_segment(i, GRANULE))
-                self._record(i)[[STATE, GEN, CAPACITY, NAME]] = (
-                    FREE,
-                    slot.gen,
-                    slot.capacity,
-                    _suffix(slot.segment),
+                self._record(i).reset(
+                    SlotRecord(
+                        PoolState.EMPTY,
+                        slot.gen,
+                        slot.capacity,
+                        0,
+                        0,
+                        0,
+                        _suffix(slot.segment),
+                        0,
+                        0,
+                    )
                 )
         except BaseException:
             self.close()
@@ -409,6 +421,18 @@ class WorkerPool:
         _POOLS[ring.token] = self
 
     def _new_segment(self, i: int, capacity: int) -> Segment:
+        """Generation 0 of slot ``i``, admitted by the daemon first.
+
+        NOTE [pool admission]
+            With the node daemon, every byte of the pool goes through its admission
+            before it exists: the leader's main process asks for generation 0 of
+            each slot (``WorkerPool._new_segment``), and a worker asks for each
+            generation it grows (``WorkerSlots._grow``) through the ``admit`` of its
+            ``PoolSpec`` (``daemon_client.Admitter``: the daemon's socket path,
+            connected once per worker process). A refusal is a
+            :class:`ShmCapacityError` in the worker, re-raised on the leader
+            (``WorkerFailure``) before the segment is made.
+        """
         if self.daemon is not None:
             self.daemon.admit(self.ring.token, capacity + HEADER_SIZE)
         stem = slot_stem(self.ring.token, i, 0)
@@ -417,24 +441,23 @@ class WorkerPool:
             self.daemon.add_segment(self.ring.token, segment.name, HEADER_SIZE + segment.capacity)
         return segment
 
-    def _record(self, i: int) -> np.ndarray:
-        at = _RECORDS_AT + i * _RECORD_WORDS
-        return self.words[at : at + _RECORD_WORDS]
+    def _record(self, i: int) -> Record:
+        return self.records[i]
 
     def state(self, i: int) -> str:
-        return STATE_NAMES.get(int(self._record(i)[STATE]), "?")
+        return state_name(self._record(i).state)
 
     # -- per batch ---------------------------------------------------------
 
-    def adopt(self, ref: SlotRef) -> Slot:
-        """The ring slot ``ref`` names, ready for ``ring.publish`` (FILLED -> HELD)."""
+    def accept(self, ref: SlotRef) -> Slot:
+        """The ring slot ``ref`` names, ready for ``ring.publish`` (FILLED -> PUBLISHED)."""
         i = ref.index
         if not 0 <= i < self.spec.total or ref.token != self.ring.token:
             raise ProtocolError(f"{ref!r} does not belong to pool {self.ring.token}")
         rec = self._record(i)
-        if int(rec[STATE]) != FILLED or int(rec[TICKET]) != ref.ticket or int(rec[GEN]) != ref.gen:
+        if rec.state != PoolState.FILLED or rec.ticket != ref.ticket or rec.gen != ref.gen:
             raise ProtocolError(
-                f"{ref!r} is stale: slot {i} is {self.state(i)} with ticket {int(rec[TICKET])}"
+                f"{ref!r} is stale: slot {i} is {self.state(i)} with ticket {rec.ticket}"
             )
         # A worker claims a slot its holders released by their words, maybe before
         # this process handled their RELEASEs: the ring's record follows here.
@@ -444,17 +467,17 @@ class WorkerPool:
             slot = self._install(i, ref.gen)
         if ref.nbytes > slot.capacity:
             raise ProtocolError(f"{ref!r} overruns slot {i} of {slot.capacity} bytes")
-        if self.release is not None:  # before HELD: NOTE [release words]
+        if self.release is not None:  # before PUBLISHED: NOTE [release words]
             holders = set(self.ring.readers)
             if self.ring.self_rank is not None:
                 holders.add(self.ring.self_rank)
             self.release.hold(i, holders)
-        rec[STATE] = HELD
-        ref.adopted = True
+        rec.state = PoolState.PUBLISHED
+        ref.accepted = True
         if not self._warned_size and int(self.words[USE]) < self.spec.per_worker:
             self._warn_size(slot.capacity)
-        self.last_write_ns = int(rec[WRITE_NS])
-        self.last_placed = int(rec[PLACED])
+        self.last_write_ns = rec.write_ns
+        self.last_placed = rec.placed
         return slot
 
     def _warn_size(self, capacity: int) -> None:
@@ -479,7 +502,7 @@ class WorkerPool:
 
     def _install(self, i: int, gen: int) -> Slot:
         """Generation ``gen`` of slot ``i``, grown by a worker, replaces the ring's older one."""
-        name = pool_slot_name(self.ring.token, i, gen, int(self._record(i)[NAME]))
+        name = pool_slot_name(self.ring.token, i, gen, self._record(i).name)
         segment = Segment.attach(name, kind=KIND_DATA, token=self.ring.token)
         try:  # admitted by the worker before it made the segment (NOTE [pool admission])
             slot = self.ring.replace_pooled(self.base + i, segment)
@@ -492,7 +515,7 @@ class WorkerPool:
         return slot
 
     def sync(self) -> None:
-        """HELD -> FREE for every pool slot every holder released (words or RELEASEs).
+        """PUBLISHED -> EMPTY for every pool slot every holder released (words or RELEASEs).
 
         The ring's record of who holds a slot follows the release words too
         (NOTE [release words]), so that NOTE [ring growth] names only real holders.
@@ -500,9 +523,9 @@ class WorkerPool:
         slots = self.ring.slots
         for i in range(self.spec.total):
             rec = self._record(i)
-            if int(rec[STATE]) != HELD:
+            if rec.state != PoolState.PUBLISHED:
                 continue
-            ticket, slot = int(rec[TICKET]), slots[self.base + i]
+            ticket, slot = rec.ticket, slots[self.base + i]
             released = slot.state == SlotState.FREE
             if self.release is not None:
                 self._follow_words(slot, i, ticket)
@@ -520,13 +543,13 @@ class WorkerPool:
                 self.ring.release(rank, slot.index, slot.gen, slot.seq)
 
     def _free_held(self, i: int, ticket: int) -> None:
-        """HELD -> FREE unless a worker claimed the slot meanwhile (its partition's lock)."""
+        """PUBLISHED -> EMPTY unless a worker claimed the slot meanwhile (its partition's lock)."""
         offset = i // self.spec.per_worker
         fcntl.lockf(self.control.fd, fcntl.LOCK_EX, 1, offset)
         try:
             rec = self._record(i)
-            if int(rec[STATE]) == HELD and int(rec[TICKET]) == ticket:
-                rec[STATE] = FREE
+            if rec.state == PoolState.PUBLISHED and rec.ticket == ticket:
+                rec.state = PoolState.EMPTY
         finally:
             fcntl.lockf(self.control.fd, fcntl.LOCK_UN, 1, offset)
 
@@ -537,25 +560,25 @@ class WorkerPool:
         if self.release is None or slot is None or not slot.pooled:
             return {}
         i = slot.index - self.base
-        return {"rel": self.control.name, "tk": int(self._record(i)[TICKET])}
+        return {"rel": self.control.name, "tk": self._record(i).ticket}
 
     def own_release(self, slot: Slot | None) -> Callable[[], None] | None:
         """For this process's own view of ``slot``'s batch: store its word when it is gone."""
         if self.release is None or slot is None or not slot.pooled:
             return None
         i = slot.index - self.base
-        return functools.partial(self.release.release, i, 0, int(self._record(i)[TICKET]))
+        return functools.partial(self.release.release, i, 0, self._record(i).ticket)
 
     def abandon(self, ref: SlotRef) -> None:
-        """A SlotRef died unpublished: FILLED -> FREE (from ``SlotRef.__del__``)."""
+        """A SlotRef died unpublished: FILLED -> EMPTY (from ``SlotRef.__del__``)."""
         if self._closed or not 0 <= ref.index < self.spec.total:
             return
         rec = self._record(ref.index)
-        if int(rec[STATE]) == FILLED and int(rec[TICKET]) == ref.ticket:
-            rec[STATE] = FREE
+        if rec.state == PoolState.FILLED and rec.ticket == ref.ticket:
+            rec.state = PoolState.EMPTY
 
     def reclaim(self) -> list[int]:
-        """At ``iter()``: free slots whose writer died while WRITING or FILLED.
+        """At ``iter()``: empty the slots whose worker died while WRITING or FILLED.
 
         The half-written batch of a killed worker is never announced (its
         SlotRef was never sent, or died with the iterator) and its slot
@@ -564,30 +587,26 @@ class WorkerPool:
         done = []
         for i in range(self.spec.total):
             rec = self._record(i)
-            state, pid = int(rec[STATE]), int(rec[PID])
-            if state in (WRITING, FILLED) and not process_alive(pid, 0):
+            if rec.state in (PoolState.WRITING, PoolState.FILLED) and not process_alive(rec.pid, 0):
                 self.ring.settle_pooled(self.base + i)
                 slot = self.ring.slots[self.base + i]
-                if int(rec[GEN]) != slot.gen:
-                    self._adopt_orphan(i, int(rec[GEN]))
-                rec[STATE] = FREE
+                if rec.gen != slot.gen:
+                    self._keep_orphan(i, rec.gen)
+                rec.state = PoolState.EMPTY
                 done.append(i)
         if done:
             log.warning("shmloader: reclaimed pool slots %s of dead DataLoader workers", done)
         return done
 
-    def _adopt_orphan(self, i: int, gen: int) -> None:
+    def _keep_orphan(self, i: int, gen: int) -> None:
         """A dead worker grew slot ``i`` to ``gen``: keep that segment, or roll back."""
         try:
             self._install(i, gen)
         except (ProtocolError, OSError):
-            unlink_name(pool_slot_name(self.ring.token, i, gen, int(self._record(i)[NAME])))
+            unlink_name(pool_slot_name(self.ring.token, i, gen, self._record(i).name))
             slot = self.ring.slots[self.base + i]
-            self._record(i)[[GEN, CAPACITY, NAME]] = (
-                slot.gen,
-                slot.capacity,
-                _suffix(slot.segment),
-            )
+            rec = self._record(i)
+            rec.gen, rec.capacity, rec.name = slot.gen, slot.capacity, _suffix(slot.segment)
 
     @property
     def total_bytes(self) -> int:
@@ -658,6 +677,7 @@ class WorkerSlots:
         self.control = Segment.attach(spec.control, kind=KIND_DATA, token=spec.token)
         mm = self.control.map_shared()
         self.words = np.frombuffer(mm, np.uint64, offset=HEADER_SIZE)
+        self.records = _records(self.words, spec.total)
         self.release = ReleaseWords.of(self.words, spec.total)  # NOTE [release words]
         self.dead = 0  # holders this worker saw dead (mask of release-word columns)
         self.last_filled = -1  # the slot of this worker's newest batch
@@ -673,9 +693,8 @@ class WorkerSlots:
         self._keys = itertools.count()
         self.detached = 0  # pieces copied out of a slot before it was rewritten
 
-    def _record(self, i: int) -> np.ndarray:
-        at = _RECORDS_AT + i * _RECORD_WORDS
-        return self.words[at : at + _RECORD_WORDS]
+    def _record(self, i: int) -> Record:
+        return self.records[i]
 
     def _in_use(self) -> int:
         """Slots per worker in use (NOTE [pool size])."""
@@ -691,7 +710,7 @@ class WorkerSlots:
         """A slot of this partition for ``nbytes``: (index, ticket), state WRITING.
 
         Waits, polling with backoff, at most ``spec.timeout`` seconds for a
-        FREE slot (NOTE [bounded waits] in ``channel``), and raises
+        claimable slot (NOTE [bounded waits] in ``channel``), and raises
         :class:`PeerLostError` within ``OWNER_CHECK_S`` of the leader's main
         process dying (its own view holds every batch, and it frees what
         readers left): the DataLoader worker then ends as its own parent
@@ -728,7 +747,7 @@ class WorkerSlots:
                         "pool slot",
                     )
             if now > deadline:
-                states = [STATE_NAMES.get(int(self._record(i)[STATE])) for i in self.partition]
+                states = [state_name(self._record(i).state) for i in self.partition]
                 raise ShmLoaderError(
                     f"DataLoader worker {self.worker_id} waited {self.spec.timeout:.0f} s for a "
                     f"free slot of its {len(states)} pool slots (states {states}): ranks "
@@ -741,9 +760,9 @@ class WorkerSlots:
     def _try_claim(self, nbytes: int, *, patient: bool = False) -> tuple[int, int] | None:
         """Claim the smallest free slot that fits, else grow the largest free one.
 
-        A HELD slot whose every holder released its batch (NOTE [release
-        words]) is free. ``patient``: rather than grow another slot, wait
-        while a slot that fits is HELD by ranks that are about to drop it (a
+        A PUBLISHED slot whose every holder released its batch (NOTE [release
+        words]) is empty. ``patient``: rather than grow another slot, wait
+        while a slot that fits is PUBLISHED, held by ranks about to drop it (a
         batch older than this worker's newest: ranks take that one next).
         """
         offset = self.worker_id  # one byte of the control file per partition
@@ -753,32 +772,33 @@ class WorkerSlots:
             coming = False  # a slot that fits will be released soon
             for i in self.partition:
                 rec = self._record(i)
-                state = int(rec[STATE])
-                if state == HELD and self._released(i, int(rec[TICKET])):
-                    state = FREE
-                if state != FREE or self._kept_elsewhere(int(rec[KEPT])):
-                    fits = int(rec[CAPACITY]) >= nbytes
-                    coming |= patient and state == HELD and fits and i != self.last_filled
+                state = rec.state
+                if state == PoolState.PUBLISHED and self._released(i, rec.ticket):
+                    state = PoolState.EMPTY
+                if state != PoolState.EMPTY or self._kept_elsewhere(rec.kept):
+                    fits = rec.capacity >= nbytes
+                    published = state == PoolState.PUBLISHED
+                    coming |= patient and published and fits and i != self.last_filled
                     continue
-                cap = int(rec[CAPACITY])
+                cap = rec.capacity
                 if best is None:
                     best = i
                     continue
-                best_cap = int(self._record(best)[CAPACITY])
+                best_cap = self._record(best).capacity
                 if (cap >= nbytes) and (best_cap < nbytes or cap < best_cap):
                     best = i  # the smallest that fits
                 elif cap < nbytes and best_cap < nbytes and cap > best_cap:
                     best = i  # none fits yet: grow the largest
             if best is None:
                 return None
-            if coming and int(self._record(best)[CAPACITY]) < nbytes:
+            if coming and self._record(best).capacity < nbytes:
                 return None  # NOTE [pool size]: wait for it rather than grow another slot
             rec = self._record(best)
-            self.took_released = int(rec[STATE]) == HELD
-            ticket = int(rec[TICKET]) + 1
-            rec[TICKET] = ticket
-            rec[PID] = self.pid
-            rec[STATE] = WRITING
+            self.took_released = rec.state == PoolState.PUBLISHED
+            ticket = rec.ticket + 1
+            rec.ticket = ticket
+            rec.pid = self.pid
+            rec.state = PoolState.WRITING
             return best, ticket
         finally:
             fcntl.lockf(self.control.fd, fcntl.LOCK_UN, 1, offset)
@@ -794,8 +814,8 @@ class WorkerSlots:
         waiting = 0
         for i in self.partition:
             rec = self._record(i)
-            if int(rec[STATE]) == HELD:
-                waiting |= self.release.blocking(i, int(rec[TICKET]), self.dead)
+            if rec.state == PoolState.PUBLISHED:
+                waiting |= self.release.blocking(i, rec.ticket, self.dead)
         if waiting:
             self.dead |= self.release.dead_among(waiting)
 
@@ -810,7 +830,7 @@ class WorkerSlots:
         first (NOTE [kept collate outputs]): the array returned is safe to write.
         """
         rec = self._record(i)
-        gen, cap = int(rec[GEN]), int(rec[CAPACITY])
+        gen, cap = rec.gen, rec.capacity
         if cap < nbytes:
             gen = self._grow(i, gen, cap, nbytes)
         elif self.live.get((i, gen)):
@@ -818,7 +838,7 @@ class WorkerSlots:
         held = self.maps.get(i)
         if held is None or held[0] != gen:
             self._forget(i)
-            name = pool_slot_name(self.spec.token, i, gen, int(rec[NAME]))
+            name = pool_slot_name(self.spec.token, i, gen, rec.name)
             segment = Segment.attach(name, kind=KIND_DATA, token=self.spec.token)
             mm = segment.map_shared()
             touch(mm)  # populate this process's page tables once, not per batch
@@ -840,7 +860,7 @@ class WorkerSlots:
 
         def need(k: int) -> int:
             have = (
-                int(self._record(w * spec.per_worker + j)[CAPACITY])
+                self._record(w * spec.per_worker + j).capacity
                 for w in range(spec.num_workers)
                 for j in range(k)
             )
@@ -877,7 +897,7 @@ class WorkerSlots:
         capacity = slot_capacity_for(max(nbytes, int(cap * 1.5)))
         new = gen + 1
         rec = self._record(i)
-        old_name = int(rec[NAME])
+        old_name = rec.name
         # Grown twice within one claim (a batch that outgrew the slot it was
         # collated into): no SlotRef ever named the generation in between, so
         # nobody else will install it, and its name would be lost below.
@@ -891,8 +911,8 @@ class WorkerSlots:
         # Recorded at once, while the header still names this worker: if it dies
         # before this, gc reaps the segment (dead owner); after, close() and
         # reclaim() find it from here.
-        rec[NAME] = _suffix(segment)
-        rec[GEN] = new
+        rec.name = _suffix(segment)
+        rec.gen = new
         try:
             # the job's owner is the leader's main process, not this short-lived worker
             header = dataclasses.replace(
@@ -905,14 +925,14 @@ class WorkerSlots:
         except BaseException:
             segment.unlink()
             segment.close()
-            rec[GEN], rec[NAME] = gen, old_name
+            rec.gen, rec.name = gen, old_name
             raise
         self._forget(i)
         if stale is not None:
             unlink_name(stale)
         view = np.frombuffer(mm, np.uint8, count=segment.capacity, offset=HEADER_SIZE)
         self.maps[i] = (new, segment, mm, view)
-        rec[CAPACITY] = segment.capacity
+        rec.capacity = segment.capacity
         self.unsent[i] = new
         return new
 
@@ -920,11 +940,32 @@ class WorkerSlots:
         """Count ``piece`` (of slot ``i``, handed to a collate) as live until it dies.
 
         ``piece`` must be the object a storage was made from (``torch.frombuffer``
-        holds it for exactly the storage's life). NOTE [kept collate outputs].
+        holds it for exactly the storage's life).
+
+        NOTE [kept collate outputs]
+            A collate's shared-memory outputs are made in the worker's claimed slot
+            (NOTE [collate into the slot] in ``collate``), and a collate may keep them
+            past the call: a memory bank that returns its output from K calls back, a
+            packing carry, a view of one leaf. Plain PyTorch keeps such outputs
+            intact (each is fresh shared memory), so a slot must never be rewritten
+            under them. The worker tracks every piece of a slot it hands to a
+            collate (``WorkerSlots.track``: a finalizer on the array a storage was
+            made from, which lives exactly as long as that storage) and records
+            itself in the slot's ``KEPT`` word while any is alive. Before it writes
+            into a generation that still has live pieces (the next claim of that
+            slot), it *detaches* them (``_detach``): the pages under each piece are
+            copied into private anonymous memory mapped at the very same addresses
+            (``mremap`` over them, one atomic step per range), so every tensor that
+            references them keeps its bytes, and the slot is mapped afresh for the
+            new batch. The cost is one copy of what is kept, when it is kept; a
+            collate that keeps nothing pays a finalizer per storage. Another process
+            (a second worker with the same id: two DataLoader iterators alive at
+            once) never claims a slot whose ``KEPT`` names a live worker other than
+            itself.
         """
         key = next(self._keys)
         self.live.setdefault((i, gen), {})[key] = (piece.ctypes.data, piece.nbytes)
-        self._record(i)[KEPT] = self.pid
+        self._record(i).kept = self.pid
         weakref.finalize(piece, self._untrack, i, gen, key)
 
     def _untrack(self, i: int, gen: int, key: int) -> None:
@@ -935,8 +976,8 @@ class WorkerSlots:
             return
         del self.live[(i, gen)]
         rec = self._record(i)
-        if int(rec[KEPT]) == self.pid and not any(slot == i for slot, _gen in self.live):
-            rec[KEPT] = 0
+        if rec.kept == self.pid and not any(slot == i for slot, _gen in self.live):
+            rec.kept = 0
 
     def _detach(self, i: int, gen: int) -> None:
         """Copy the live pieces of slot ``i`` out of it, at their addresses; remap the slot."""
@@ -945,21 +986,21 @@ class WorkerSlots:
         self.detached += len(pieces)
         self._forget(i)  # the old mapping now holds private pages: map the slot afresh
         if not any(slot == i for slot, _gen in self.live):
-            self._record(i)[KEPT] = 0
+            self._record(i).kept = 0
         log.debug("pool slot %d.%d: %d kept collate outputs copied out", i, gen, len(pieces))
 
     def filled(self, i: int, write_ns: int, placed: int = 0) -> None:
         self.unsent.pop(i, None)
         self.last_filled = i
         rec = self._record(i)
-        rec[WRITE_NS] = write_ns
-        rec[PLACED] = placed
-        rec[STATE] = FILLED
+        rec.write_ns = write_ns
+        rec.placed = placed
+        rec.state = PoolState.FILLED
 
     def free(self, i: int) -> None:
         """Give a claimed slot back unwritten (the encode or write failed)."""
         self.unsent.pop(i, None)  # its generation stays recorded: the main process installs it
-        self._record(i)[STATE] = FREE
+        self._record(i).state = PoolState.EMPTY
 
     def _forget(self, i: int) -> None:
         held = self.maps.pop(i, None)

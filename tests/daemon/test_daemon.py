@@ -902,7 +902,7 @@ def test_pool_refill_never_blocks_the_loop(monkeypatch, tmp_path) -> None:
     """Faulting a pooled segment in runs off the loop: requests keep being answered."""
     import threading
 
-    from shmloaderd import pool as pool_module
+    from shmloaderd import warm as pool_module
     from shmloaderd.server import Daemon as InProcessDaemon
 
     touching, done = threading.Event(), threading.Event()

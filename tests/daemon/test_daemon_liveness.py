@@ -10,8 +10,8 @@ import secrets
 
 import pytest
 from shmloaderd import protocol
-from shmloaderd.pool import Pool
 from shmloaderd.registry import Job, Registry
+from shmloaderd.warm import WarmSegments
 
 from shmloader._node import segment
 from shmloader._node.inventory import inspect
@@ -132,7 +132,7 @@ def test_a_job_of_our_namespace_still_ends_with_its_processes() -> None:
 def test_warm_pool_adoption_stamps_the_adopters_namespace(no_leaks) -> None:
     """An adopted segment names its new owner's pid namespace: no reaper of
     another namespace may judge it by its pid (before, the header said 0)."""
-    pool = Pool(8 << 20, 1 << 20)
+    pool = WarmSegments(8 << 20, 1 << 20)
     try:
         assert pool.refill(None)
         token = new_token()

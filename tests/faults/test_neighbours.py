@@ -742,6 +742,7 @@ def test_peer_counts_are_bounded() -> None:
 
 @pytest.mark.timeout(10)
 def test_a_cross_node_header_with_a_huge_meta_len_is_refused_before_allocating() -> None:
+    from shmloader._proto.wire import Kind
     from shmloader._transport import xnode
 
     class Fake(xnode.CrossNode):
@@ -755,9 +756,9 @@ def test_a_cross_node_header_with_a_huge_meta_len_is_refused_before_allocating()
 
     for head in (
         # kind, it, nbytes, meta_len, draws, crc, epoch, pos
-        [xnode.KIND_BATCH, 1, 0, 1 << 50, 0, -1, 0, 0],
-        [xnode.KIND_BATCH, 1, 0, 0, 1 << 40, -1, 0, 0],
-        [xnode.KIND_END, 1, 0, 0, -5, -1, 0, 0],
+        [xnode.CODES[Kind.BATCH], 1, 0, 1 << 50, 0, -1, 0, 0],
+        [xnode.CODES[Kind.BATCH], 1, 0, 0, 1 << 40, -1, 0, 0],
+        [xnode.CODES[Kind.END], 1, 0, 0, -5, -1, 0, 0],
     ):
         with pytest.raises(ProtocolError, match="out of bounds"):
             Fake(head).receive_header()

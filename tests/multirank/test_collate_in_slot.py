@@ -89,7 +89,7 @@ def _run(loader: DataLoader, share: bool, in_slot: bool = True) -> tuple[list, l
             placed.append(leader.pool.last_placed)
         if leader is not None:
             states = [leader.pool.state(i) for i in range(leader.pool.spec.total)]
-            assert set(states) == {"FREE"}, states
+            assert set(states) == {"EMPTY"}, states
     finally:
         if leader is not None:
             leader.close()
@@ -188,7 +188,7 @@ def test_a_collate_error_gives_the_claimed_slot_back():
             while True:
                 leader.deliver(next(it))
         states = [leader.pool.state(i) for i in range(leader.pool.spec.total)]
-        assert states == ["FREE"] * leader.pool.spec.total  # not WRITING: given back
+        assert states == ["EMPTY"] * leader.pool.spec.total  # not WRITING: given back
         del it
     finally:
         leader.close()

@@ -43,7 +43,7 @@ pool = WorkerPool(ring, num_workers=1, prefetch_factor=2, ring_slots=2, timeout=
 install(loader, pool)
 it = iter(loader)
 held = [next(it) for _ in range(pool.spec.per_worker)]
-time.sleep(0.5)  # the worker collates the next batch: no FREE slot
+time.sleep(0.5)  # the worker collates the next batch: no EMPTY slot
 states = {pool.state(i) for i in range(pool.spec.total)}
 assert states == {"FILLED"}, states
 print(ring.token, it._workers[0].pid, flush=True)
@@ -279,7 +279,7 @@ def test_workers_ask_the_daemon_before_they_grow_a_slot(daemons):
                 if isinstance(ref, WorkerFailure):
                     raise ref.exception()
                 # published and never released: each batch grows another slot
-                ring.publish(pool.adopt(ref), seq, ref.nbytes, 0)
+                ring.publish(pool.accept(ref), seq, ref.nbytes, 0)
         time.sleep(0.3)  # what the other workers do meanwhile counts too
         del it
     finally:

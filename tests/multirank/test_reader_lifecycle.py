@@ -299,11 +299,11 @@ class _Ring:
 def _writer(bye: bool):
     import types
 
-    from shmloader._roles.node_writer import Writer
+    from shmloader._roles.node_writer import NodeWriter
 
     topo = types.SimpleNamespace(readers=[1, 2], role=lambda rank: "follower")
     ctx = types.SimpleNamespace(cursor=types.SimpleNamespace(epoch=0), config=None)
-    writer = Writer(ctx, topo, _Ring(), _Hub(bye), None)
+    writer = NodeWriter(ctx, topo, _Ring(), _Hub(bye), None)
     writer.hello = {1, 2}
     return writer
 

@@ -1,6 +1,6 @@
 """The worker writer: DataLoader workers write batches straight into pool slots.
 
-Single-process tests drive a ``WorkerPool`` the way the leader does (adopt,
+Single-process tests drive a ``WorkerPool`` the way the leader does (accept,
 publish, private view, release, sync) against a real DataLoader in every
 multiprocessing context; multi-rank tests check delivery, faults and the
 cross-node path through ``ShmLoader``.
@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from shmloader._node.ring import RingWriter, new_token, private_view
 from shmloader._proto import codec
-from shmloader._workers.collate import WorkerFailure, WorkerWriter, install
-from shmloader._workers.pool import FREE, WorkerPool, per_worker_slots
+from shmloader._workers.collate import SlotCollate, WorkerFailure, install
+from shmloader._workers.pool import PoolState, WorkerPool, per_worker_slots
 from shmloader.errors import ShmCapacityError, UnsupportedBatchError
 from tests.multirank.test_sharing import assert_same
 from tests.support.harness import run_ranks
@@ -100,7 +100,7 @@ class Leader:
     def deliver(self, ref) -> object:
         if isinstance(ref, WorkerFailure):
             raise ref.exception()
-        slot = self.pool.adopt(ref)
+        slot = self.pool.accept(ref)
         self.ring.publish(slot, self.seq, ref.nbytes, 0)
         self.seq += 1
         released = []
@@ -203,12 +203,12 @@ def test_main_process_collate_is_the_users_collate():
         ring, num_workers=1, prefetch_factor=2, ring_slots=2, timeout=5, allow_pickle=False
     )
     try:
-        writer = WorkerWriter(custom_collate, pool.spec)
+        writer = SlotCollate(custom_collate, pool.spec)
         batch = writer(
             [{"x": torch.ones(2), "i": 1, "seed_draw": torch.zeros(1, dtype=torch.int64)}]
         )
         assert isinstance(batch["ids"], np.ndarray), "outside a worker: the batch, unchanged"
-        assert all(pool.state(i) == "FREE" for i in range(pool.spec.total))
+        assert all(pool.state(i) == "EMPTY" for i in range(pool.spec.total))
     finally:
         ring.close()
         pool.close()
@@ -228,7 +228,7 @@ def test_unsupported_batch_in_a_worker_raises_the_same_type_and_message_on_the_l
         assert "batch['bad'][0]" in str(info.value)
         assert "function" in str(info.value)
         assert "DataLoader worker 0" in "".join(info.value.__notes__)
-        assert all(leader.pool.state(i) == "FREE" for i in range(leader.pool.spec.total))
+        assert all(leader.pool.state(i) == "EMPTY" for i in range(leader.pool.spec.total))
     finally:
         leader.close()
 
@@ -268,10 +268,10 @@ def test_worker_killed_mid_write_raises_and_its_slot_is_reclaimed():
             assert torch.equal(
                 batch["x"], torch.stack([Sized(12, grow=False)[i]["x"] for i in (0, 1)])
             )
-        stuck = [i for i in range(leader.pool.spec.total) if leader.pool.state(i) != "FREE"]
+        stuck = [i for i in range(leader.pool.spec.total) if leader.pool.state(i) != "EMPTY"]
         assert stuck, "the killed worker's slot is WRITING until reclaimed"
         assert leader.pool.reclaim() == stuck
-        assert all(leader.pool.state(i) == "FREE" for i in range(leader.pool.spec.total))
+        assert all(leader.pool.state(i) == "EMPTY" for i in range(leader.pool.spec.total))
     finally:
         it._shutdown_workers()
         leader.close()
@@ -286,7 +286,7 @@ def test_a_dropped_slotref_frees_its_slot():
         assert leader.pool.state(ref.index) == "FILLED"
         index = ref.index
         del ref  # what a resume fast-forward does with skipped batches
-        assert leader.pool.state(index) == "FREE"
+        assert leader.pool.state(index) == "EMPTY"
         del it
     finally:
         leader.close()
@@ -322,7 +322,7 @@ def test_pool_names_cannot_be_predicted_or_squatted():
         assert re.fullmatch(rf"/shml-{token}-pool\.[0-9a-f]{{16}}", pool.control.name)
         gens = set()
         for seq, ref in enumerate(loader):
-            slot = pool.adopt(ref)
+            slot = pool.accept(ref)
             gens.add(slot.gen)
             assert re.fullmatch(
                 rf"/shml-{token}-{ref.index}\.{slot.gen}\.[0-9a-f]{{16}}", slot.segment.name
@@ -355,7 +355,7 @@ def test_pool_larger_than_dev_shm_is_a_capacity_error_before_any_batch(monkeypat
         assert leader.seq == 0
     finally:
         leader.close()
-    assert FREE == 1
+    assert PoolState.EMPTY == 1
 
 
 # ----------------------------------------------------------------- multi-rank
@@ -581,7 +581,7 @@ def _bare_pool(num_workers: int, per_worker_ring_slots: int = 2) -> tuple[RingWr
 
 
 def test_a_claim_takes_the_smallest_free_slot_that_fits_else_grows_the_largest():
-    from shmloader._workers.pool import CAPACITY, STATE, WRITING, WorkerSlots
+    from shmloader._workers.pool import PoolState, WorkerSlots
 
     ring, pool = _bare_pool(1)
     try:
@@ -589,12 +589,12 @@ def test_a_claim_takes_the_smallest_free_slot_that_fits_else_grows_the_largest()
         caps = [8192, 65536, 4096, 32768, 16384, 4096, 12288]
         assert len(caps) == pool.spec.per_worker
         for i, cap in enumerate(caps):
-            slots._record(i)[CAPACITY] = cap
-        slots._record(4)[STATE] = WRITING  # not FREE: never taken
+            slots._record(i).capacity = cap
+        slots._record(4).state = PoolState.WRITING  # not EMPTY: never taken
         assert slots._try_claim(10_000)[0] == 6  # 12288: the smallest that fits (16384 is busy)
         assert slots._try_claim(10_000)[0] == 3  # then 32768
         assert slots._try_claim(5000)[0] == 0  # 8192
-        assert slots._try_claim(100_000)[0] == 1  # none fits: the largest FREE one grows
+        assert slots._try_claim(100_000)[0] == 1  # none fits: the largest EMPTY one grows
         assert slots._try_claim(1)[0] in (2, 5)  # 4096, either of the two
         del slots
     finally:
@@ -626,18 +626,23 @@ def test_worker_partitions_never_overlap():
 def test_a_slot_filled_by_a_worker_that_died_is_reclaimed_and_a_live_ones_is_not():
     import subprocess
 
-    from shmloader._workers.pool import FILLED, PID, STATE, WRITING
+    from shmloader._workers.pool import PoolState
 
     dead = subprocess.Popen(["true"])
     dead.wait()
     ring, pool = _bare_pool(1)
     try:
         for i, (state, pid) in enumerate(
-            [(FILLED, dead.pid), (WRITING, dead.pid), (FILLED, os.getpid()), (WRITING, os.getpid())]
+            [
+                (PoolState.FILLED, dead.pid),
+                (PoolState.WRITING, dead.pid),
+                (PoolState.FILLED, os.getpid()),
+                (PoolState.WRITING, os.getpid()),
+            ]
         ):
-            pool._record(i)[[STATE, PID]] = (state, pid)
+            pool._record(i).pid, pool._record(i).state = pid, state
         assert pool.reclaim() == [0, 1]
-        assert [pool.state(i) for i in range(4)] == ["FREE", "FREE", "FILLED", "WRITING"]
+        assert [pool.state(i) for i in range(4)] == ["EMPTY", "EMPTY", "FILLED", "WRITING"]
     finally:
         ring.close()
         pool.close()
@@ -645,7 +650,7 @@ def test_a_slot_filled_by_a_worker_that_died_is_reclaimed_and_a_live_ones_is_not
 
 def test_garbage_in_the_control_segment_leaves_no_name_after_close():
     """close() unlinks what was made for the pool, whatever its control words say."""
-    from shmloader._workers.pool import GEN, NAME, WorkerSlots
+    from shmloader._workers.pool import WorkerSlots
 
     ring, pool = _bare_pool(2)
     token = ring.token
@@ -660,7 +665,7 @@ def test_garbage_in_the_control_segment_leaves_no_name_after_close():
         del slots
         rng = np.random.default_rng(5)
         for i in range(pool.spec.total):  # then every record's gen and name turn to garbage
-            pool._record(i)[[GEN, NAME]] = rng.integers(0, 2**63, 2, dtype=np.uint64)
+            pool._record(i).gen, pool._record(i).name = rng.integers(0, 2**63, 2, dtype=np.uint64)
     finally:
         ring.close()
         pool.close()
@@ -669,11 +674,11 @@ def test_garbage_in_the_control_segment_leaves_no_name_after_close():
 
 
 def test_a_slot_another_live_worker_still_references_is_never_claimed():
-    """NOTE [kept collate outputs]: the KEPT word keeps a second process with the
+    """NOTE [kept collate outputs]: the ``kept`` word keeps a second process with the
     same worker id (two iterators alive at once) off memory a collate still holds."""
     import subprocess
 
-    from shmloader._workers.pool import CAPACITY, KEPT, WorkerSlots
+    from shmloader._workers.pool import WorkerSlots
 
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -682,10 +687,10 @@ def test_a_slot_another_live_worker_still_references_is_never_claimed():
     try:
         slots = WorkerSlots(pool.spec, 0)
         for i in range(pool.spec.per_worker):
-            slots._record(i)[CAPACITY] = 4096 * (i + 1)  # slot 0 is the smallest, then 1, ...
-        slots._record(0)[KEPT] = live.pid  # another worker still holds memory in it
-        slots._record(1)[KEPT] = dead.pid  # a dead one does not count
-        slots._record(2)[KEPT] = os.getpid()  # this worker's own: it copies them out itself
+            slots._record(i).capacity = 4096 * (i + 1)  # slot 0 is the smallest, then 1, ...
+        slots._record(0).kept = live.pid  # another worker still holds memory in it
+        slots._record(1).kept = dead.pid  # a dead one does not count
+        slots._record(2).kept = os.getpid()  # this worker's own: it copies them out itself
         assert slots._try_claim(1)[0] == 1
         assert slots._try_claim(1)[0] == 2
         assert slots._try_claim(1)[0] == 3

@@ -1,6 +1,6 @@
 """A writer's last word (ERROR, STOP) is ACKed by every reader before the writer goes on.
 
-``Writer.tell_last``: the process may exit right after the error propagates,
+``NodeWriter.tell_last``: the process may exit right after the error propagates,
 and a message still in ZeroMQ's queue would be lost (the reader would report
 the leader lost instead of its error). So the writer waits, bounded, for each
 reader's ACK of *that* message, also from a reader that had ACKed every
@@ -17,7 +17,7 @@ import pytest
 from shmloader._proto import wire
 from shmloader._proto.wire import Kind
 from shmloader._roles.cursor import Cursor
-from shmloader._roles.node_writer import Writer
+from shmloader._roles.node_writer import NodeWriter
 from shmloader.config import Config
 
 
@@ -43,7 +43,7 @@ class _Hub:
         assert handle(ack, 1), "the reader ACKed the last word and the writer still waits"
 
 
-def _writer(batches: int) -> tuple[Writer, _Hub]:
+def _writer(batches: int) -> tuple[NodeWriter, _Hub]:
     hub = _Hub()
     topo = types.SimpleNamespace(
         readers=[1], ranks=[0, 1], me=0, peer=lambda r: f"rank {r}", role=lambda r: "follower"
@@ -55,7 +55,7 @@ def _writer(batches: int) -> tuple[Writer, _Hub]:
         report=lambda: None,
     )
     ring = types.SimpleNamespace(take_retired=list)  # no slot retired (NOTE [retired slots])
-    w = Writer(ctx, topo, ring, hub, None)  # type: ignore[arg-type]
+    w = NodeWriter(ctx, topo, ring, hub, None)  # type: ignore[arg-type]
     w.hello.add(1)
     w.seq = batches
     w.acked[1] = batches  # the reader ACKed batches 0 .. batches - 1: every one

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from shmloader._node import segment
 from shmloader._node.release import ReaderWords
 from shmloader._node.ring import GRANULE, RingReader, RingWriter, SlotState, new_token, private_view
-from shmloader._workers.pool import CAPACITY, HELD, STATE, WRITING, SlotRef, WorkerPool, WorkerSlots
+from shmloader._workers.pool import PoolState, SlotRef, WorkerPool, WorkerSlots
 from shmloader.errors import ProtocolError
 from tests.support.harness import run_ranks
 
@@ -56,17 +56,17 @@ class Node:
         """Let the worker claim slot ``i`` alone (the others look busy)."""
         for k in self.worker.partition:
             if k != i:
-                self.worker._record(k)[STATE] = WRITING
+                self.worker._record(k).state = PoolState.WRITING
 
     def publish(self) -> tuple[int, int, dict]:
-        """The worker fills a slot, the main process adopts and publishes it; every
+        """The worker fills a slot, the main process accepts and publishes it; every
         holder maps it. Returns (slot, ticket, {holder: view})."""
         i, ticket = self.worker._try_claim(NBYTES)
         dest, gen = self.worker.payload(i, NBYTES)
         dest[:NBYTES] = self.seq % 251
         self.worker.filled(i, 0)
         ref = SlotRef(self.ring.token, i, gen, ticket, NBYTES, b"", os.getpid())
-        slot = self.pool.adopt(ref)
+        slot = self.pool.accept(ref)
         self.ring.publish(slot, self.seq, NBYTES, 0)
         self.seq += 1
         views = {0: private_view(slot.segment, NBYTES, lambda: None, self.pool.own_release(slot))}
@@ -98,12 +98,12 @@ def test_a_worker_reclaims_a_slot_every_holder_released_while_the_main_process_d
     for holder in (1, 0, 2):
         assert node.worker._try_claim(NBYTES) is None, f"claimed while holder {holder} maps it"
         del views[holder]
-    assert node.pool.state(i) == "HELD", "the main process synced: not what is tested"
+    assert node.pool.state(i) == "PUBLISHED", "the main process synced: not what is tested"
     assert node.ring.slots[i].state == SlotState.HELD  # no RELEASE was handled either
     assert node.worker._try_claim(NBYTES) == (i, ticket + 1)
 
 
-def test_the_main_process_adopts_a_reclaimed_slot_and_ignores_the_late_releases(node):
+def test_the_main_process_accepts_a_reclaimed_slot_and_ignores_the_late_releases(node):
     i, ticket, views = node.publish()
     first_seq = node.ring.slots[i].seq
     views.clear()
@@ -112,14 +112,14 @@ def test_the_main_process_adopts_a_reclaimed_slot_and_ignores_the_late_releases(
     assert node.worker._try_claim(NBYTES) == (i, ticket + 1)
     _dest, gen = node.worker.payload(i, NBYTES)
     node.worker.filled(i, 0)
-    slot = node.pool.adopt(SlotRef(node.ring.token, i, gen, ticket + 1, NBYTES, b"", os.getpid()))
+    slot = node.pool.accept(SlotRef(node.ring.token, i, gen, ticket + 1, NBYTES, b"", os.getpid()))
     node.ring.publish(slot, node.seq, NBYTES, 0)
     # the first batch's RELEASEs arrive now: they must not count for the second
     for rank in (0, 1, 2):
         node.ring.release(rank, i, gen, first_seq)
     assert node.ring.slots[i].holders == {0, 1, 2}
     node.pool.sync()
-    assert node.pool.state(i) == "HELD", "a stale RELEASE freed a slot ranks still hold"
+    assert node.pool.state(i) == "PUBLISHED", "a stale RELEASE freed a slot ranks still hold"
 
 
 def test_sync_frees_by_the_words_alone_and_the_ring_follows(node):
@@ -127,10 +127,10 @@ def test_sync_frees_by_the_words_alone_and_the_ring_follows(node):
     del views[1]
     node.pool.sync()
     assert node.ring.slots[i].holders == {0, 2}, "the ring's holders must follow the words"
-    assert node.pool.state(i) == "HELD"
+    assert node.pool.state(i) == "PUBLISHED"
     views.clear()
     node.pool.sync()
-    assert node.pool.state(i) == "FREE"
+    assert node.pool.state(i) == "EMPTY"
     assert node.ring.slots[i].state == SlotState.FREE
 
 
@@ -238,17 +238,17 @@ def test_a_worker_waits_for_a_slot_about_to_be_released_rather_than_grow(node, m
     # a grace no busy machine outlasts: the release below comes within it
     monkeypatch.setattr(pool_mod, "GROW_GRACE_S", LONG_TIMEOUT_S)
     i, ticket, views = node.publish()  # slot i: the batch ranks hold
-    fits = NBYTES  # slot i fits; make every other one too small, and FREE
+    fits = NBYTES  # slot i fits; make every other one too small, and EMPTY
     for k in node.worker.partition:
         if k != i:
-            node.worker._record(k)[CAPACITY] = 0
+            node.worker._record(k).capacity = 0
     node.worker.last_filled = -1  # the worker wrote a newer batch since
     assert node.worker._try_claim(fits, patient=True) is None, "grew instead of waiting"
     threading.Timer(0.05, views.clear).start()
     assert node.worker.claim(fits) == (i, ticket + 1)
     # the batch a worker wrote last is not about to be released: grow at once
     node.worker.filled(i, 0)
-    node.worker._record(i)[STATE] = HELD  # adopted, and held by every rank again
+    node.worker._record(i).state = PoolState.PUBLISHED  # accepted, and held by every rank again
     node.pool.release.hold(i, {0, 1, 2})
     other = node.worker._try_claim(fits, patient=True)
     assert other is not None and other[0] != i, "waited for the batch ranks are about to take"
@@ -321,7 +321,7 @@ def test_after_a_wait_ran_out_a_worker_grows_at_once_until_ranks_release_again(n
     i, ticket, views = node.publish()
     for k in node.worker.partition:
         if k != i:
-            node.worker._record(k)[CAPACITY] = 0
+            node.worker._record(k).capacity = 0
     node.worker.last_filled = -1
     monkeypatch.setattr(pool_mod, "GROW_GRACE_S", 0.05)
     first = node.worker.claim(NBYTES)  # ranks keep slot i past the grace: grows another

@@ -231,3 +231,35 @@ def test_fuzz_near_valid_messages(kind, version, seq, body, blob, start_valid) -
     if blob is not None:
         parts.append(blob)
     _parse_only_protocol_errors(parts)
+
+
+# ------------------------------------------------------- the cross-node header
+
+
+def test_cross_node_codes_are_the_bytes_they_always_were() -> None:
+    from shmloader._transport import xnode
+
+    assert xnode.CODES == {Kind.BATCH: 1, Kind.END: 2, Kind.ERROR: 3, Kind.STOP: 4}
+
+
+@pytest.mark.parametrize("kind", [Kind.BATCH, Kind.END, Kind.ERROR, Kind.STOP])
+def test_the_cross_node_header_is_eight_int64_words_in_field_order(kind) -> None:
+    import torch
+
+    from shmloader._transport.xnode import CODES, Header
+
+    head = Header(kind, it=3, nbytes=5, meta_len=7, draws=11, crc=0xFFFFFFFF, epoch=13, pos=17)
+    words = [CODES[kind], 3, 5, 7, 11, 0xFFFFFFFF, 13, 17]
+    assert head.pack() == torch.tensor(words, dtype=torch.int64).numpy().tobytes()
+    assert Header.unpack(head.pack()) == head
+    assert Header.unpack(torch.tensor(words, dtype=torch.int64).numpy().tobytes()).kind is kind
+
+
+@pytest.mark.parametrize(
+    "words", [[0, 1, 0, 0, 0, -1, 0, 0], [5, 1, 0, 0, 0, -1, 0, 0], [1, 1, -1, 0, 0, -1, 0, 0]]
+)
+def test_a_cross_node_header_of_an_unknown_kind_or_size_is_refused(words) -> None:
+    from shmloader._transport.xnode import Header
+
+    with pytest.raises(ProtocolError, match="bad cross-node header"):
+        Header.unpack(struct.pack("=8q", *words))

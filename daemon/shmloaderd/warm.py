@@ -1,65 +1,10 @@
-"""The warm pool: pre-touched shared-memory segments a ring can adopt.
-
-The first write into fresh tmpfs pages costs about ten times a rewrite
-(DESIGN: 160-200 ms against 23-26 ms for 256 MiB). With ``--pool BYTES`` the
-daemon keeps up to that many bytes of segments whose pages are already
-faulted in, named ``/shml-<pool token>-<n>.<random>`` and owned (header pid,
-start) by the daemon. A ring writer that needs a slot asks to ``adopt`` one::
-
-    client                                   shmloaderd
-    adopt {token, name, bytes, pid, start} -->  pick the smallest pooled segment
-                                                with capacity >= bytes;
-                                                rewrite its header: kind data,
-                                                token, owner (pid, start), now;
-                                                link() it to ``name`` (fails if
-                                                the name exists), unlink the
-                                                pool name
-                                           <--  {adopted: true, name, capacity}
-    Segment.attach(name, kind=KIND_DATA, token=token) and use it as its own
-
-or ``{adopted: false, reason}`` when nothing fits (the client then creates
-the segment itself, after ``admit``). ``/dev/shm`` files are renamed with
-``link`` + ``unlink`` rather than ``rename`` so an existing name is never
-replaced. A header rewritten to the new owner before the link means the
-segment is, at every instant, owned either by the live daemon or by the
-adopter: the reaper's rule (NOTE [reaping rule] in ``shmloader._node.inventory``) keeps
-it while that owner lives and frees it after.
-
-Pool state per segment (zero is invalid)::
-
-    INVALID --create+touch--> POOLED --adopt--> (the job's) ; POOLED --trim/stop--> unlinked
-
-The pool counts against the node budget; ``admit`` shrinks it to make room
-(NOTE [budget] in ``registry``). Each reaper pass asks for one more segment,
-only while the budget and /dev/shm leave room for it. SIGTERM unlinks the
-pool; after a SIGKILL its segments have a dead owner and are reaped like any
-other.
-
-NOTE [pool names]
-    The pool token is visible to every local user as soon as the first
-    pooled segment is in ``/dev/shm``, and so would be every later name if
-    it were ``<token>-<n>``: a FIFO or a file planted at the next one made
-    every refill fail (the pool never filled again). Each pooled segment
-    therefore ends in its own random part (``Segment.create_unique``, NOTE
-    [unpredictable names] in ``shmloader._node.segment``): a name already taken
-    means another draw. Every open is ``O_NOFOLLOW | O_NONBLOCK`` and checked
-    regular, ours and 0600 before use (``Segment``). ``adopt`` links the
-    segment to the name the client drew (also random); ``link`` never follows
-    or replaces what is there.
-
-NOTE [pool off the loop]
-    Creating and touching a pooled segment takes as long as faulting in its
-    pages (hundreds of ms per GiB, seconds on a busy node), so it never runs
-    on the daemon's loop: a loop blocked past a client's timeout made every
-    client give up on the daemon. One filler thread does it; the loop only
-    asks (``request_refill``). The segment being filled counts in ``nbytes``
-    (it holds memory) but cannot be adopted or shrunk until it is ready.
-    ``items`` is guarded by ``lock``; the loop's ``adopt`` and ``shrink`` take
-    ready items only. The filler must also let go of the GIL while the pages
-    fault in: ``mmap.madvise`` holds it for the whole call, and a 2.9 GiB
-    ``MADV_POPULATE_WRITE`` froze the loop thread for 4 s although it ran on
-    another thread. ``populate`` calls libc's ``madvise`` through ``ctypes``,
-    which releases the GIL for the call.
+"""The daemon's warm segments (``WarmSegments``, ``--pool``): pre-touched shared-memory
+segments a ring adopts instead of creating and faulting in its own. It owns those
+segments (named ``/shml-<token>-<n>.<random>``, owned by the daemon until one is
+adopted), their filler thread and the ``adopt`` that renames one to a job's name with
+the job as its owner; the registry's budget is told their bytes and may shrink them,
+and nothing else of the daemon is touched. The ``adopt`` exchange, the ownership rule
+it keeps and the segments' states: ``docs/internals/datapath.md``.
 """
 
 from __future__ import annotations
@@ -125,7 +70,7 @@ def populate(mm: mmap.mmap) -> None:
 
 
 @dataclass
-class Pooled:
+class WarmSegment:
     segment: Segment
 
     @property
@@ -133,14 +78,29 @@ class Pooled:
         return HEADER_SIZE + self.segment.capacity
 
 
-class Pool:
-    """Up to ``target`` bytes of pooled segments of ``segment_bytes`` payload each."""
+class WarmSegments:
+    """Up to ``target`` bytes of warm segments of ``segment_bytes`` payload each.
+
+    NOTE [pool off the loop]
+        Creating and touching a warm segment takes as long as faulting in its
+        pages (hundreds of ms per GiB, seconds on a busy node), so it never runs
+        on the daemon's loop: a loop blocked past a client's timeout made every
+        client give up on the daemon. One filler thread does it; the loop only
+        asks (``request_refill``). The segment being filled counts in ``nbytes``
+        (it holds memory) but cannot be adopted or shrunk until it is ready.
+        ``items`` is guarded by ``lock``; the loop's ``adopt`` and ``shrink`` take
+        ready items only. The filler must also let go of the GIL while the pages
+        fault in: ``mmap.madvise`` holds it for the whole call, and a 2.9 GiB
+        ``MADV_POPULATE_WRITE`` froze the loop thread for 4 s although it ran on
+        another thread. ``populate`` calls libc's ``madvise`` through ``ctypes``,
+        which releases the GIL for the call.
+    """
 
     def __init__(self, target: int, segment_bytes: int) -> None:
         self.target = target
         self.segment_bytes = segment_bytes
-        self.token = "pool" + secrets.token_hex(6)
-        self.items: list[Pooled] = []
+        self.token = "pool" + secrets.token_hex(6)  # "shml-pool...": the names stay as they were
+        self.items: list[WarmSegment] = []
         self.lock = threading.Lock()  # NOTE [pool off the loop]
         self.filling = 0  # bytes of the segment the filler is making now
         self._next = 0
@@ -158,14 +118,14 @@ class Pool:
     # -- the filler thread (NOTE [pool off the loop]) --------------------
 
     def start(self) -> None:
-        """Start the filler thread (nothing to do without a pool)."""
+        """Start the filler thread (nothing to do without ``--pool``)."""
         if self.target > 0 and self._thread is None:
-            self._thread = threading.Thread(target=self._fill, name="pool-filler", daemon=True)
+            self._thread = threading.Thread(target=self._fill, name="warm-filler", daemon=True)
             self._thread.start()
 
     def request_refill(self, room: int | None) -> None:
         """From the loop: make one more segment if ``room`` (budget left) allows. Never blocks
-        on pool work; without a started filler (tests) it refills inline."""
+        on the filler's work; without a started filler (tests) it refills inline."""
         if self._thread is None:
             self.refill(room)
             return
@@ -184,10 +144,24 @@ class Pool:
             try:
                 self.refill(room)
             except Exception:
-                log.exception("warm pool: refill failed; trying again at the next pass")
+                log.exception("warm segments: refill failed; trying again at the next pass")
 
     def refill(self, room: int | None) -> bool:
-        """Create one segment if the pool is short and ``room`` (budget left) allows."""
+        """Create one segment if there are fewer than ``target`` bytes and ``room`` (budget
+        left) allows.
+
+        NOTE [pool names]
+            The warm segments' token is visible to every local user as soon as the
+            first one is in ``/dev/shm``, and so would be every later name if it
+            were ``<token>-<n>``: a FIFO or a file planted at the next one made
+            every refill fail (none was ever made again). Each warm segment
+            therefore ends in its own random part (``Segment.create_unique``, NOTE
+            [unpredictable names] in ``shmloader._node.segment``): a name already taken
+            means another draw. Every open is ``O_NOFOLLOW | O_NONBLOCK`` and checked
+            regular, ours and 0600 before use (``Segment``). ``adopt`` links the
+            segment to the name the client drew (also random); ``link`` never follows
+            or replaces what is there.
+        """
         need = HEADER_SIZE + self.segment_bytes
         if self.target <= 0 or self.nbytes + need > self.target:
             return False
@@ -204,7 +178,7 @@ class Pool:
             try:  # NOTE [pool names]
                 segment = Segment.create_unique(stem, KIND_DATA, self.token, self.segment_bytes)
             except (ShmCapacityError, ProtocolError, OSError) as exc:
-                log.warning("warm pool: could not create %s.*: %s", stem, exc)
+                log.warning("warm segments: could not create %s.*: %s", stem, exc)
                 return False
             name = segment.name
             try:
@@ -222,15 +196,15 @@ class Pool:
                     segment.unlink()
                     segment.close()
                     return False
-                self.items.append(Pooled(segment))
+                self.items.append(WarmSegment(segment))
         finally:
             with self.lock:
                 self.filling = 0
-        log.debug("warm pool: %s ready (%s)", name, human_bytes(need))
+        log.debug("warm segments: %s ready (%s)", name, human_bytes(need))
         return True
 
     def shrink(self, need: int) -> int:
-        """Unlink ready pooled segments until ``need`` bytes are freed; bytes freed."""
+        """Unlink ready warm segments until ``need`` bytes are freed; bytes freed."""
         freed = 0
         with self.lock:
             taken = []
@@ -242,7 +216,7 @@ class Pool:
             item.segment.unlink()
             item.segment.close()
         if freed:
-            log.info("warm pool: gave back %s to make room", human_bytes(freed))
+            log.info("warm segments: gave back %s to make room", human_bytes(freed))
         return freed
 
     def adopt(
@@ -257,7 +231,7 @@ class Pool:
         uid: int | None = None,
         gid: int | None = None,
     ) -> dict:
-        """Hand the smallest fitting pooled segment to ``(pid, start)`` as ``name``.
+        """Hand the smallest fitting warm segment to ``(pid, start)`` as ``name``.
 
         ``pidns`` is the adopter's pid namespace (0: unknown). A pid of our own
         namespace must run; one of another namespace cannot be checked here
@@ -267,7 +241,7 @@ class Pool:
         ``uid``/``gid`` (node mode, NOTE [tenants] in ``tenants``): the adopting
         user. The segment is ``fchown``-ed to it and set to mode 0600 and its
         header names that uid before its new name is linked: the job never maps
-        a segment another user could open (the pooled one was the daemon's,
+        a segment another user could open (the warm one was the daemon's,
         0600, and only the daemon held it open).
         """
         mine = segment_module.MY_PIDNS
@@ -284,7 +258,7 @@ class Pool:
             return {
                 "ok": True,
                 "adopted": False,
-                "reason": f"no pooled segment of >= {nbytes} bytes (pool holds "
+                "reason": f"no warm segment of >= {nbytes} bytes (the daemon holds "
                 f"{held} of {self.segment_bytes} bytes; raise --pool-segment)",
             }
         seg = item.segment
@@ -310,7 +284,7 @@ class Pool:
         seg.unlink()
         seg.close()
         self.adopted += 1
-        log.info("warm pool: %s adopted as %s by pid %d (uid %d)", seg.name, name, pid, owner)
+        log.info("warm segments: %s adopted as %s by pid %d (uid %d)", seg.name, name, pid, owner)
         return {"ok": True, "adopted": True, "name": name, "capacity": old.capacity}
 
     def close(self, wait: float = 5.0) -> None:

@@ -1,6 +1,7 @@
-"""What a reader does (each follower, and a node leader towards the leader).
+"""What a receiver does: each rank that gets its batches from a writer (a follower from
+its node's writer, a node leader from the leader).
 
-A reader checks every message's stamp against its own position
+A receiver checks every message's stamp against its own position
 (NOTE [iteration numbers] in ``cursor``) and delivers a batch::
 
     stamp (it, epoch, pos) == mine     -> deliver: decode views, mirror RNG draws
@@ -27,7 +28,7 @@ from .base import Context, _owned_copy, log
 from .topology import GroupTopology
 
 
-class Reader:
+class Receiver:
     """Stamp checks and delivery shared by followers and node leaders."""
 
     def __init__(self, ctx: Context, topo: GroupTopology) -> None:

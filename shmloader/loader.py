@@ -1,45 +1,13 @@
 """``ShmLoader``: the public façade over one role object.
 
-Roles (see ``topology``): the *leader* runs the user's loader and publishes
-each batch once into its node's ring; a *node leader* receives each batch from
-the leader over the cross-node path straight into its own ring and publishes
-it on its node; a *follower* maps what its node's writer published. With
-sharing off every rank is *local*: it builds and iterates its own loader,
-exactly as without shmloader.
-
-``ShmLoader`` keeps the public API and holds, by composition, what
-``startup.build`` made for this rank: one role object (``local``,
-``leader``, ``relay``, ``follower``; their contract and map in ``roles``),
-the ``Cursor`` and ``Boundary`` every role shares (``cursor``), the
-checkpoints (``checkpoint``), the group's length (``length``) and the
-reporter (``report``). With ``device=`` or ``select=`` every iteration runs
-through one ``DeviceStage`` (``device``)::
-
-    ShmLoader(make_loader, group)  -> startup.build: set-up, role object
-    iter(loader)                   -> cursor.begin(), boundary.begin(),
-                                      role.iterate(it, cursor, skip) [-> stage.wrap]
-    set_epoch(e)                   -> cursor.set_epoch, role.set_epoch, length.changed
-    len(loader)                    -> the leader's len(), or length.value()
-    state_dict / load_state_dict   -> checkpoint.Checkpoints
-    close()                        -> gate.stop (an iteration on another thread stops
-                                      first), stage, role.close() (BYE / STOP), closers
-
-One batch, leader to a follower on another node::
-
-    leader                          node leader (node B)          follower (node B)
-    ------                          --------------------          -----------------
-    batch = next(loader)
-    enc = codec.encode(batch)
-    slot = ring.acquire(n)
-    codec.write_payload(enc, slot)
-    xnode.send(meta, slot) =======> xnode.receive_header()
-                                    slot' = ring.acquire(n)
-                                    xnode.receive_payload(slot')
-    hub.publish(BATCH) -> local     hub.publish(BATCH) --ZeroMQ->  spoke receives BATCH
-    followers                                                     mmap slot' MAP_PRIVATE
-    yield decode(private view)      yield decode(private view)    yield codec.decode(view)
-                                                                  ... batch garbage ->
-                                    ring.release  <--RELEASE----  weakref.finalize
+It owns construction, ``__iter__`` (the sharing line at the first; every
+``next()`` inside the gate), ``__len__``, ``set_epoch``, ``state_dict`` and
+``load_state_dict``, ``stats`` and ``close`` (every step of closing, in order,
+from any thread), and holds by composition what ``shmloader._setup.build`` made
+for this rank: one role object, the gate, the ``Cursor`` and ``Boundary``, the
+checkpoints, the group's length and the device stage. It keeps no role's state
+itself; how its calls reach the roles is in docs/architecture.md, one batch's
+way in docs/internals/flow.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """What a reader does (each follower, and a node leader towards the leader).
 
-A reader checks every message's stamp against its own position
-(NOTE [iteration numbers] in ``cursor``) and delivers a batch::
-
-    stamp (it, epoch, pos) == mine     -> deliver: decode views, mirror RNG draws
-    another (epoch, pos), a later it   -> diverged: DivergenceError naming both
-    STOP                               -> stopped: LeaderStoppedError
-    an earlier it (this rank left it)  -> left_behind: warn once, go on
-
-It reads the ``Cursor`` (where this rank left an iteration) and, at
-delivery, moves it one batch and captures the step boundary's RNG; it
-counts what it received in ``RankStats``.
+``Reader`` checks every message's stamp against this rank's position (NOTE
+[iteration numbers] in ``shmloader._roles.cursor``; the outcomes are in
+docs/internals/state-machines.md) and delivers a batch: decode, mirror the
+leader's RNG draws, move the ``Cursor`` one batch and capture the step boundary,
+count in ``RankStats``. It touches no socket and no segment: the role that holds
+it receives and maps.
 """
 
 from __future__ import annotations

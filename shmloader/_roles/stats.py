@@ -1,18 +1,11 @@
 """What a rank counts and reports: its counters (``RankStats``) and ``shmloader stat``'s rows.
 
-Every role counts into one ``RankStats`` (each counter has one writer: the
-role that does the counted work). A ``Reporter`` turns them into what
-``shmloader stat`` shows, at most once a second::
-
-    writer (leader, node leader)               reader (follower)
-    ----------------------------               -----------------
-    ring.describe(rows of every rank)          (nothing in /dev/shm)
-      found by a scan of /dev/shm, no daemon
-    daemon.report(own row; each reader's       daemon.report(own row)
-      consumed and lag, from its ACKs)
-
-The daemon is optional: without one (embedded mode) ``connect_daemon``
-returns None and the writer's description is all ``stat`` reads.
+Every role counts into one ``RankStats`` (each counter written by the role that
+does the counted work); a ``Reporter`` turns them, at most once a second, into
+the writer's ring description (what a scan of /dev/shm shows) and the daemon's
+per-rank reports (docs/internals/flow.md). It touches the ring's description and
+the daemon client it is given (``connect_daemon``: None in embedded mode),
+nothing else.
 """
 
 from __future__ import annotations

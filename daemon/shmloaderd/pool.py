@@ -35,7 +35,7 @@ only while the budget and /dev/shm leave room for it. SIGTERM unlinks the
 pool; after a SIGKILL its segments have a dead owner and are reaped like any
 other.
 
-NOTE [pool names]
+NOTE [warm segment names]
     The pool token is visible to every local user as soon as the first
     pooled segment is in ``/dev/shm``, and so would be every later name if
     it were ``<token>-<n>``: a FIFO or a file planted at the next one made
@@ -200,7 +200,7 @@ class Pool:
         with self.lock:
             self.filling = need
         try:
-            try:  # NOTE [pool names]
+            try:  # NOTE [warm segment names]
                 segment = Segment.create_unique(stem, KIND_DATA, self.token, self.segment_bytes)
             except (ShmCapacityError, ProtocolError, OSError) as exc:
                 log.warning("warm pool: could not create %s.*: %s", stem, exc)

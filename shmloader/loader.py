@@ -100,7 +100,7 @@ class ShmLoader:
         if target is not None or select is not None:
             self._stage = DeviceStage(target, select=select, prefetch=self.config.prefetch)
         self.accumulation_steps = accumulation_steps
-        # NOTE [close from any thread] (roles): a thread waits at most a role's
+        # NOTE [close from any thread] (_roles.base): a thread waits at most a role's
         # longest wait (the timeout) for another to leave the loader's code
         self._gate = Gate(float(self.config.timeout or 0) + 2 * CLOSE_WAIT_S)
         self._cursor = Cursor()
@@ -223,7 +223,7 @@ class ShmLoader:
                 reporter.now if reporter is not None else None,
                 start=cursor,
             )
-        # every next() runs inside the gate (NOTE [close from any thread] in roles)
+        # every next() runs inside the gate (NOTE [close from any thread] in _roles.base)
         return self._gate.guard(inner)
 
     def stats(self) -> dict[str, Any]:
@@ -240,7 +240,7 @@ class ShmLoader:
 
         From any thread: an iteration under way on another thread stops first
         (it raises ``ShmLoaderError``), then the peers are told and everything
-        is freed (NOTE [close from any thread] in ``roles``). Every step of
+        is freed (NOTE [close from any thread] in ``_roles.base``). Every step of
         closing is here, in this order.
         """
         if not self._gate.stop():  # the iterating thread is out of the roles' code now

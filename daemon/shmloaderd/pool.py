@@ -22,7 +22,7 @@ the segment itself, after ``admit``). ``/dev/shm`` files are renamed with
 ``link`` + ``unlink`` rather than ``rename`` so an existing name is never
 replaced. A header rewritten to the new owner before the link means the
 segment is, at every instant, owned either by the live daemon or by the
-adopter: the reaper's rule (NOTE [reaping rule] in ``shmloader._node.inventory``) keeps
+adopter: the reaper's rule (NOTE [reaping rule] in ``shmloader._node.reaping``) keeps
 it while that owner lives and frees it after.
 
 Pool state per segment (zero is invalid)::

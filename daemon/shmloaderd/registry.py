@@ -244,7 +244,7 @@ class Registry:
     #     (the file's uid, which its header must repeat). A request acts on the job
     #     of its token *of the peer's uid* (root may name any uid's); a job counts
     #     only the segments of its own uid, and only processes running as that uid
-    #     (``admin.job_pids``, ``_same_user``) for mappings and liveness; a job
+    #     (``inventory.job_pids``, ``_same_user``) for mappings and liveness; a job
     #     discovered by its control segment is that file owner's. Another user's
     #     control segment planted under our token, or an ``admit`` naming our
     #     token, therefore makes a job of *theirs* that holds their own files, and

@@ -362,7 +362,7 @@ class Daemon:
     # next start the jobs are re-discovered from their control segments.
     def reap_pass(self) -> None:
         """Unlink what dead owners left, update the registry, refill the pool."""
-        every_uid = self.tenancy.enabled  # NOTE [reaping rule] in shmloader._node.inventory
+        every_uid = self.tenancy.enabled  # NOTE [reaping rule] in shmloader._node.reaping
         try:
             entries = scan_entries(every_uid=every_uid, dirs=self.shm_dirs)
             names = self._job_names(entries)

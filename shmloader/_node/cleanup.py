@@ -6,7 +6,7 @@ runtime directories) and of the ring tokens it writes (``own``, ``disown``,
 (NOTE [SIGTERM]). It imports nothing of shmloader, touches only what it
 registered, and reads no segment header itself: ``segment`` hands it that
 removal when it loads (``removes_segments``; NOTE [layers]); reaping what dead
-processes left is ``reap``'s.
+processes left is ``reaping``'s.
 """
 
 # NOTE [layers]
@@ -21,10 +21,10 @@ processes left is ``reap``'s.
 #        loads (``removes_segments``).
 #     2. ``segment``, then ``channel`` and ``ring`` (with the pure ``wire`` and
 #        ``codec``): shared memory and signalling. Nothing here imports
-#        ``admin`` or ``daemon_client``: a ring writer is given what it asks of
+#        ``inventory`` or ``daemon_client``: a ring writer is given what it asks of
 #        the daemon (``ring.NodeDaemon``, a ``DaemonClient`` in practice), a
 #        DataLoader worker its ``PoolSpec.admit`` (NOTE [pool admission]).
-#     3. ``daemon_client``; ``admin`` (``stat``, ``gc``); ``reap`` (reaping at
+#     3. ``daemon_client``; ``inventory`` (``stat``); ``reaping`` (``gc``, reaping at
 #        start, with ``gc``'s rule); then ``topology``, the roles and
 #        ``loader`` at the top. ``import shmloader`` loads only ``config`` and
 #        ``errors``; the rest comes on first use (PEP 562).

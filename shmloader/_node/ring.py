@@ -477,7 +477,7 @@ class RingWriter:
     #     the slot afresh for each batch), and a descriptor keeps the segment's
     #     memory alive after its name is gone; on a CUDA reader the device stage
     #     also keeps a registered (page-locked) mapping of it while the
-    #     descriptor is open (NOTE [registration] in ``device``). So a reader must
+    #     descriptor is open (NOTE [registration] in ``registrar``). So a reader must
     #     learn when the writer retires a slot, whether it was grown (gen + 1),
     #     shrunk away (NOTE [ring shrink]) or replaced by a worker (``pool``):
     #     ``_retire`` queues the name of every retired segment a batch was
@@ -561,7 +561,7 @@ def _in_creator(creator: int, fn: Callable[[], None]) -> None:
 #     of that batch is garbage), so a batch never changes under a reader that
 #     still holds any part of it. The writer therefore never rewrites a HELD
 #     slot: it takes a FREE one or grows the ring by one slot. Growth is
-#     bounded by the window rule in ``writer`` (a writer runs at most
+#     bounded by the window rule in ``node_writer`` (a writer runs at most
 #     ``slots`` batches ahead of its slowest reader) plus what readers
 #     deliberately keep alive.
 def private_view(

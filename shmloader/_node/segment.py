@@ -629,7 +629,7 @@ def validate(
     accepts any uid whose header names the file's own owner: only the node
     scan of root (``shmloader gc`` as root, ``shmloaderd`` in node mode) asks
     for it, and nothing it accepts is ever mapped (NOTE [reaping rule] in
-    ``shmloader._node.inventory``).
+    ``shmloader._node.reaping``).
     """
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):

@@ -129,7 +129,7 @@ def align(n: int, to: int = ALIGN) -> int:
 # NOTE [placed leaves]
 #     A writer that made some leaves directly inside the destination buffer (a
 #     DataLoader worker whose collate stacked into its ring slot, see
-#     ``worker``) passes ``placed=``: a leaf whose bytes already lie there,
+#     ``collate``) passes ``placed=``: a leaf whose bytes already lie there,
 #     contiguous and ``ALIGN``-aligned, keeps that offset and is not copied
 #     again (its source in ``Encoded`` is ``None``); the other leaves follow
 #     from ``start`` on, in first-seen order. Placed leaves never overlap one

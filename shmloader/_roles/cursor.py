@@ -178,7 +178,7 @@ class Boundary:
     def user_request(self, delivered: int) -> None:
         """``capture`` at the user's ``next()`` under device prefetch.
 
-        NOTE [checkpoints under prefetch] (``device``): the loop pulls up to
+        NOTE [checkpoints under prefetch] (``shmloader.device.stage``): the loop pulls up to
         ``prefetch`` batches before the user asks for them, so the step
         boundary is counted in batches handed to the user, and the capture is
         made before the stage pulls anything for this request.

@@ -58,7 +58,7 @@ class _Releaser:
           a wait flushes it once per slice: releases queued by other threads
           leave with the owner's next call or within one slice of a wait;
         - ``close()`` on another thread first waits for the iterating thread
-          to leave (NOTE [close from any thread] in ``roles``), and closes
+          to leave (NOTE [close from any thread] in ``base``), and closes
           the socket under ``lock``.
     """
 
@@ -250,7 +250,7 @@ class Follower:
             self.ring.retire(msg["seg"])
             return False
         terminal = msg.kind in (Kind.ERROR, Kind.STOP)
-        if terminal:  # the writer waits (bounded) until it knows we have it: _tell_last
+        if terminal:  # the writer waits (bounded) until it knows we have it: Writer.tell_last
             self.out.send(wire.frames(Kind.ACK, msg.seq, rank=self.topo.me))
         msg_it = msg.body.get("it", it)
         if msg_it == it:

@@ -50,7 +50,7 @@ def worker_pool(
     daemon: DaemonClient | None,
     peers: dict[int, tuple[int, int, int]],
 ) -> WorkerPool | None:
-    """A slot pool written by the leader's DataLoader workers (``worker``), or None.
+    """A slot pool written by the leader's DataLoader workers (``collate``), or None.
 
     Only for a ``torch.utils.data.DataLoader`` with ``num_workers > 0``;
     any other loader is written by the leader's main process. ``peers``:
@@ -141,11 +141,11 @@ class Leader:
                     self.writer.pump()
                     pool.sync()
                 before = rng.snapshot()
-                box = []  # NOTE [no batch in the frame] (roles)
+                box = []  # NOTE [no batch in the frame] (base)
                 t_wait = time.perf_counter()
                 try:
                     # the user's code: close() from another thread need not wait for
-                    # it (NOTE [close from any thread] in roles)
+                    # it (NOTE [close from any thread] in base)
                     with ctx.check_open.outside():
                         box.append(next(batches))
                 except StopIteration:
@@ -170,7 +170,7 @@ class Leader:
         ``SHMLOADER_COPY``), so the loader's batch can be freed at once: the
         node holds each batch once, in the ring, and every rank of the group
         sees the very same structure. A ``SlotRef`` (a DataLoader worker wrote
-        the batch into a pool slot, ``worker``) is announced as it is.
+        the batch into a pool slot, ``collate``) is announced as it is.
         """
         if isinstance(batch, worker_writer.WorkerFailure):
             raise batch.exception()

@@ -190,9 +190,9 @@ class Local:
         while True:
             ctx.check_open()
             source.boundary_reached()
-            box = []  # NOTE [no batch in the frame] (roles)
+            box = []  # NOTE [no batch in the frame] (base)
             try:
-                with ctx.check_open.outside():  # NOTE [close from any thread] (roles)
+                with ctx.check_open.outside():  # NOTE [close from any thread] (base)
                     box.append(next(batches))
             except StopIteration:
                 ctx.cursor.finish()

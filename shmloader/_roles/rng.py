@@ -146,7 +146,7 @@ def mirror_draws(n: int) -> None:
 # -------------------------------------------------------------- the factory
 #
 # NOTE [factory draws]
-#     ``make_loader`` runs on the leader only (``startup._agree_on_loader``),
+#     ``make_loader`` runs on the leader only (``build._agree_on_loader``),
 #     and a factory may draw from the default generators while it builds:
 #     torchdata's ``StatefulDataLoader(shuffle=True)`` seeds its sampler from
 #     torch's generator in the constructor, a ``random_split`` or a

@@ -50,9 +50,9 @@ class RankStats:
         self.waits.add(ms)
 
     def wait_fields(self) -> dict[str, Any]:
-        """This rank's waits for ``stat``: ``wait_ms_p50``/``_p95``/``_p99`` over recent
-        batches and ``wait_share``, the share of wall time spent waiting; {} before
-        the first batch."""
+        """This rank's waits for ``stat``: ``wait_ms_p50``, ``wait_ms_p95``, ``wait_ms_p99``
+        over recent batches and ``wait_share``, the share of wall time spent waiting; {}
+        before the first batch."""
         if not len(self.waits) or self.wait_since is None:
             return {}
         wall_ms = (time.perf_counter() - self.wait_since) * 1e3
@@ -96,8 +96,8 @@ def describe(topo: GroupTopology, job: str | None) -> dict:
 def device_fields(stage: DeviceStage | None) -> dict[str, Any]:
     """This rank's device-delivery counters for ``shmloader stat``; empty without a device.
 
-    The raw counters (``admin.DEVICE_REPORTED``); ``stat`` derives the
-    bandwidth from them (``admin.device_fields``).
+    The raw counters (``inventory.DEVICE_REPORTED``); ``stat`` derives the
+    bandwidth from them (``inventory.device_fields``).
     """
     if stage is None or not stage.on_device:
         return {}
@@ -113,7 +113,7 @@ def device_fields(stage: DeviceStage | None) -> dict[str, Any]:
 
 
 class Announcing(Protocol):
-    """What the reporter reads of a writer (``writer.Writer``)."""
+    """What the reporter reads of a writer (``node_writer.Writer``)."""
 
     seq: int  # batches announced
     acked: dict[int, int]  # per reader: batches it took

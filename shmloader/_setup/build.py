@@ -267,7 +267,7 @@ def _agree_on_loader(
             before = rng.snapshot_all()
             loader = make_loader()
             draws = rng.count_words(before)
-            check_installable(loader)  # one DataLoader, one open ShmLoader (worker.py)
+            check_installable(loader)  # one DataLoader, one open ShmLoader (_workers/collate.py)
             if ranks is not None:
                 check_samplers(loader, ranks, dist.get_world_size())
             with contextlib.suppress(TypeError):

@@ -186,7 +186,7 @@ class _Endpoint:
 #       ``\xff``); the XPUB hands each marker up when it took it, and the
 #       writer counts a reader as arrived only once it has both the reader's
 #       HELLO and its marker (``Hub.subscribed``). The writer publishes only
-#       after every live reader arrived (``_await_readers``).
+#       after every live reader arrived (``Writer.await_readers``).
 #     - *A reader that went away is noticed at once.* A reader's socket closing
 #       unsubscribes its marker (``Hub.left``); the writer checks after every
 #       publication, and a reader gone without BYE is lost (PeerLostError),

@@ -402,8 +402,8 @@ class DaemonClient:
         (recent batches); ``wait_share``: the fraction of its wall time since
         its first batch spent waiting; ``nbytes``: payload bytes it received
         or published so far (traffic, not memory held); ``device``: its
-        device-delivery counters (``admin.DEVICE_REPORTED``), None or empty on
-        host delivery; ``waits``: any of ``wait_ms_p50``/``_p95``/``_p99``,
+        device-delivery counters (``inventory.DEVICE_REPORTED``), None or empty on
+        host delivery; ``waits``: any of ``wait_ms_p50``, ``wait_ms_p95``, ``wait_ms_p99``,
         ``wait_share``, and the histogram since the first batch
         (``wait_hist``: ``waits.NBUCKETS`` counts, ``wait_ms_sum``).
         """

@@ -19,7 +19,7 @@ on those ranks only, and any later group created with local synchronisation
 would then rendezvous under different names on different ranks.
 
 Coexisting with NCCL: the exchange group is gloo over the CPU whatever the
-default backend is (``loader._exchange_group``); the batch stays on the CPU
+default backend is (``shmloader._setup.build.exchange_group``); the batch stays on the CPU
 and training moves it to the GPU afterwards, as it would without shmloader.
 """
 

@@ -146,7 +146,7 @@ NOTE [pool names]
 
 NOTE [kept collate outputs]
     A collate's shared-memory outputs are made in the worker's claimed slot
-    (NOTE [collate into the slot] in ``worker``), and a collate may keep them
+    (NOTE [collate into the slot] in ``collate``), and a collate may keep them
     past the call: a memory bank that returns its output from K calls back, a
     packing carry, a view of one leaf. Plain PyTorch keeps such outputs
     intact (each is fresh shared memory), so a slot must never be rewritten
@@ -278,7 +278,7 @@ class PoolSpec:
     owner_start: int
     timeout: float
     allow_pickle: bool
-    collate_in_slot: bool = True  # NOTE [collate into the slot] in ``worker``
+    collate_in_slot: bool = True  # NOTE [collate into the slot] in ``collate``
     # the daemon's admission for bytes a worker adds, or None (NOTE [pool admission])
     admit: Callable[[str, int], None] | None = None
     # the ring directory: a spawned worker does not inherit the leader's (``ringdir``)
@@ -606,7 +606,7 @@ class WorkerPool:
             self._finalizer()
 
     def on_close(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` when the pool closes (``worker.uninstall`` of its DataLoader)."""
+        """Call ``callback`` when the pool closes (``collate.uninstall`` of its DataLoader)."""
         self._on_close.append(callback)
 
 

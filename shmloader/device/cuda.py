@@ -37,7 +37,7 @@ class DeviceOps(Protocol):
     issued inside ``side()`` so that they run on the side stream in order.
     ``pinned`` gives a page-locked host buffer of exactly ``nbytes`` that the
     stage owns until it passes it to ``unpin`` (NOTE [pinned staging] in
-    ``hostmem``); ``is_pinned`` says whether a host tensor is page-locked
+    ``registrar``); ``is_pinned`` says whether a host tensor is page-locked
     already (it is copied from as it is). ``registration`` says why ring
     slots cannot be registered at all (None: they can);
     ``register``/``unregister`` return an error text or None.
@@ -156,7 +156,7 @@ class CudaOps:
 
 #: ``cudaDevAttrHostRegisterReadOnlySupported``
 _ATTR_READ_ONLY = 113
-#: What a refusal's error code usually means (NOTE [registration] in ``hostmem``).
+#: What a refusal's error code usually means (NOTE [registration] in ``registrar``).
 _CAUSES = {
     1: "invalid value: the address, length or flags were refused",
     2: "the driver could not page-lock this much host memory (locked-memory limits such as "
@@ -181,7 +181,7 @@ _CAUSES = {
 #
 #     Where no such library can be bound, nothing is registered and the stage
 #     stages every leaf through torch's pinned memory (NOTE [pinned staging] in
-#     ``hostmem``), saying why once: no matching ``libcudart`` mapped (a static
+#     ``registrar``), saying why once: no matching ``libcudart`` mapped (a static
 #     build); the mapped file was replaced or removed on disk after it was
 #     loaded (``/proc/self/maps`` shows its path with `` (deleted)``: the path
 #     now names another file or none); or ``ctypes.CDLL`` of the path failed

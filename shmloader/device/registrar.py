@@ -59,7 +59,7 @@ STAGING_SHRINK = 2
 #     private copy-on-write view instead breaks copy-on-write or costs 5-10x).
 #     Whether the GPU can register read-only memory at all is asked once
 #     (``cudaDevAttrHostRegisterReadOnlySupported``); where it cannot, or no
-#     ``libcudart`` can be bound (NOTE [libcudart] in ``cudaops``), nothing is
+#     ``libcudart`` can be bound (NOTE [libcudart] in ``cuda``), nothing is
 #     registered and every leaf is staged (NOTE [no pageable copies]). The
 #     mapping lives while its segment does: when the slot is retired (grown;
 #     the segment's descriptor is closed) and no copy uses it, or on close, it

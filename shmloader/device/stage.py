@@ -291,7 +291,7 @@ class DeviceStage:
     def _host(self, inner: Iterator[Any], start: int) -> Iterator[Any]:
         step = start
         while True:
-            box = []  # NOTE [no batch in the frame] (roles)
+            box = []  # NOTE [no batch in the frame] (_roles.base)
             try:
                 box.append(next(inner))
             except StopIteration:
@@ -385,7 +385,7 @@ class DeviceStage:
             back-pressure. What it bounds: ring slots held for copies (at
             most ``prefetch`` while the writer fills the next, so a ring of
             ``prefetch + 1`` slots serves a GPU rank alone) and, with
-            ``hostmem.STAGING_BUFFERS``, page-locked staging memory.
+            ``registrar.STAGING_BUFFERS``, page-locked staging memory.
         """
         while len(self._inflight) > self.prefetch:
             self._wait_oldest(lambda copy: True)
@@ -503,7 +503,7 @@ class DeviceStage:
     def _stage(self, plans: list[_Plan], copy: _Copy) -> None:
         """Copy the leaves no page-locked memory holds into one staging buffer.
 
-        NOTE [no pageable copies], NOTE [pinned staging] (``hostmem``).
+        NOTE [no pageable copies], NOTE [pinned staging] (``registrar``).
         """
         staging = self._staging
         assert staging is not None

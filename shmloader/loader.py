@@ -6,8 +6,8 @@ It owns construction, ``__iter__`` (the sharing line at the first; every
 from any thread), and holds by composition what ``shmloader._setup.build`` made
 for this rank: one role object, the gate, the ``Cursor`` and ``Boundary``, the
 checkpoints, the group's length and the device stage. It keeps no role's state
-itself; how its calls reach the roles is in docs/architecture.md, one batch's
-way in docs/internals/flow.md.
+itself; the roles it may hold are mapped in docs/architecture.md; how its calls
+reach them, and one batch's way, in docs/internals/flow.md.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ docs/internals/flow.md), serving each request after its peer's credentials are
 checked, and the stats document with each asker's view (``view``). Nothing a
 client sends can stop the loop: a malformed request, or an exception while
 serving one, is answered ``ok: false`` and logged. It unlinks only what the
-reaping rule allows, through ``shmloader._node.reaping``.
+reaping rule allows (through ``shmloader._node.reaping``), its own warm pool and
+its socket.
 """
 
 from __future__ import annotations

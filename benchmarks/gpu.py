@@ -621,7 +621,7 @@ def targets(rows: list[dict]) -> list[dict]:
     regs, slots = dev.get("registrations"), dev.get("ring_slots")
     per_batch = regs is not None and slots is not None and regs <= slots * dev["sp"]
     # Pinned host memory is only the stage's staging buffers for small leaves
-    # (NOTE [no pageable copies] in shmloader.device.stage): far below one batch per rank.
+    # (NOTE [no pageable copies] in shmloader.device.registrar): far below one batch per rank.
     small = None if pinned is None else pinned <= 0.1 * dev["payload_mib"] * dev["sp"]
     add(
         "no pin_memory() copies of batches (pinned: small-leaf staging only) and zero "

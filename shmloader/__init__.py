@@ -1,12 +1,12 @@
 """shmloader: one DataLoader per sequence-parallel group, batches shared once per node.
 
-Public API: :class:`ShmLoader`, :class:`Config`, :class:`ShardedSampler` (with
-:class:`ShardedBatchSampler`, :func:`dp_topology_from_group` and, for a
-``DeviceMesh``, :func:`dp_topology`), :class:`BalancedBatchSampler` and the
-exceptions in :mod:`shmloader.errors`.
-
-Names that need torch are imported lazily (PEP 562), so the light modules
-(``segment``, ``admin``, the daemon's client) start fast without it.
+It owns the public API (``__all__``: :class:`ShmLoader`, :class:`Config`,
+:class:`ShardedSampler` with :class:`ShardedBatchSampler`,
+:func:`dp_topology_from_group` and :func:`dp_topology`,
+:class:`BalancedBatchSampler`, and the exceptions of :mod:`shmloader.errors`).
+Names that need torch are imported on first use (PEP 562), so ``import
+shmloader`` loads only ``config`` and ``errors`` and the light modules start
+fast without torch.
 """
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+"""``python -m shmloader``: the ``shmloader`` command (``shmloader.tools.cli``); owns nothing."""
+
 import sys
 
 from .tools.cli import main

@@ -1,27 +1,12 @@
 """Checkpoints: a rank's state at an optimizer-step boundary, validated, saved and loaded.
 
-``Checkpoints`` reads the ``Cursor`` and ``Boundary`` (``cursor``), the
-leader's ``Source`` (its loader's own state and sampler) and the device
-stage's hand-over position; loading writes the cursor's pending resume and
-the boundary's pending RNG, which take effect at the next ``iter()``::
-
-    state_dict()                                  load_state_dict(state)
-    ------------                                  ----------------------
-    cursor: delivered, rounded down to a step     validate_state: format, keys, topology
-      (as of the batch the user holds; under         (TopologyMismatchError / ConfigError)
-      device prefetch: stage.position)            same world: set_epoch, loader state or
-    rng: at that step boundary                      a cursor to skip, rng pending,
-    leader: sampler state, loader state,            opened (the epoch's start) pending
-      opened + reset_next (the epoch's start)     DP resized: the ShardedSampler re-splits
-
-NOTE [checkpoints]
-    A state is per rank: it carries the rank's RNG at the step boundary
-    and, on an SP group's leader, its DP replica's loader and sampler
-    position. Same world size: only the rank that saved a state may load
-    it (and its group must be the same ranks). Another world size with
-    the same SP size is a DP resize: any rank may load a state that
-    carries a ``ShardedSampler``'s state (a leader's), which the new
-    leader's sampler re-splits. The SP size never changes.
+It owns the state's format (``STATE_FORMAT``: cursor, RNG at the step boundary
+and the epoch's start, sampler and loader state, topology),
+``Checkpoints.state_dict`` and ``load`` and ``validate_state`` (NOTE
+[checkpoints]). It reads the ``Cursor`` and ``Boundary``, the leader's
+``Source`` and the device stage's hand-over position, and on load writes only
+the cursor's pending resume and the boundary's pending RNG, which take effect at
+the next ``iter()`` (docs/internals/flow.md).
 """
 
 from __future__ import annotations
@@ -238,6 +223,14 @@ _RECIPE = (
 )
 
 
+# NOTE [checkpoints]
+#     A state is per rank: it carries the rank's RNG at the step boundary
+#     and, on an SP group's leader, its DP replica's loader and sampler
+#     position. Same world size: only the rank that saved a state may load
+#     it (and its group must be the same ranks). Another world size with
+#     the same SP size is a DP resize: any rank may load a state that
+#     carries a ``ShardedSampler``'s state (a leader's), which the new
+#     leader's sampler re-splits. The SP size never changes.
 def validate_state(state: Any, topology: dict[str, Any]) -> tuple[int, int, Any]:
     """Check a checkpoint completely before anything changes (NOTE [checkpoints]);
     return (epoch, cursor, loader state)."""

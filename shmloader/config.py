@@ -1,8 +1,10 @@
 """Configuration: one frozen dataclass, built from the environment by default.
 
-Every environment variable is optional. A bad value raises
+It owns ``Config`` and ``Config.from_env()``: every ``SHMLOADER*`` variable,
+each optional, validated before anything else happens (a bad value is a
 :class:`~shmloader.errors.ConfigError` naming the variable, the value and what
-is accepted, before anything else happens.
+is accepted). It reads the environment and checks the ring directory
+(``ringdir``), and touches nothing else.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Every exception shmloader raises.
+"""Every exception shmloader raises, all derived from :class:`ShmLoaderError`.
 
-All of them derive from :class:`ShmLoaderError`, so ``except ShmLoaderError``
-catches everything the library itself decided to raise. Messages name the
-value at fault and say how to fix it: a user reading one in a 1000-rank job
-log should not need the source to act on it.
+So ``except ShmLoaderError`` catches everything the library itself decided to
+raise. Messages name the value at fault and say how to fix it: a user reading
+one in a 1000-rank job log should not need the source to act on it. The ground
+layer: it imports nothing of shmloader.
 """
 
 from __future__ import annotations

@@ -1,45 +1,13 @@
 """``ShmLoader``: the public façade over one role object.
 
-Roles (see ``topology``): the *leader* runs the user's loader and publishes
-each batch once into its node's ring; a *node leader* receives each batch from
-the leader over the cross-node path straight into its own ring and publishes
-it on its node; a *follower* maps what its node's writer published. With
-sharing off every rank is *local*: it builds and iterates its own loader,
-exactly as without shmloader.
-
-``ShmLoader`` keeps the public API and holds, by composition, what
-``startup.build`` made for this rank: one role object (``local``,
-``leader``, ``relay``, ``follower``; their contract and map in ``roles``),
-the ``Cursor`` and ``Boundary`` every role shares (``cursor``), the
-checkpoints (``checkpoint``), the group's length (``length``) and the
-reporter (``report``). With ``device=`` or ``select=`` every iteration runs
-through one ``DeviceStage`` (``device``)::
-
-    ShmLoader(make_loader, group)  -> startup.build: set-up, role object
-    iter(loader)                   -> cursor.begin(), boundary.begin(),
-                                      role.iterate(it, cursor, skip) [-> stage.wrap]
-    set_epoch(e)                   -> cursor.set_epoch, role.set_epoch, length.changed
-    len(loader)                    -> the leader's len(), or length.value()
-    state_dict / load_state_dict   -> checkpoint.Checkpoints
-    close()                        -> gate.stop (an iteration on another thread stops
-                                      first), stage, role.close() (BYE / STOP), closers
-
-One batch, leader to a follower on another node::
-
-    leader                          node leader (node B)          follower (node B)
-    ------                          --------------------          -----------------
-    batch = next(loader)
-    enc = codec.encode(batch)
-    slot = ring.acquire(n)
-    codec.write_payload(enc, slot)
-    xnode.send(meta, slot) =======> xnode.receive_header()
-                                    slot' = ring.acquire(n)
-                                    xnode.receive_payload(slot')
-    hub.publish(BATCH) -> local     hub.publish(BATCH) --ZeroMQ->  spoke receives BATCH
-    followers                                                     mmap slot' MAP_PRIVATE
-    yield decode(private view)      yield decode(private view)    yield codec.decode(view)
-                                                                  ... batch garbage ->
-                                    ring.release  <--RELEASE----  weakref.finalize
+It owns construction, ``__iter__`` (the sharing line at the first; every
+``next()`` inside the gate), ``__len__``, ``set_epoch``, ``state_dict`` and
+``load_state_dict``, ``stats`` and ``close`` (every step of closing, in order,
+from any thread), and holds by composition what ``shmloader._setup.build`` made
+for this rank: one role object, the gate, the ``Cursor`` and ``Boundary``, the
+checkpoints, the group's length and the device stage. It keeps no role's state
+itself; the roles it may hold are mapped in docs/architecture.md; how its calls
+reach them, and one batch's way, in docs/internals/flow.md.
 """
 
 from __future__ import annotations
@@ -132,7 +100,7 @@ class ShmLoader:
         if target is not None or select is not None:
             self._stage = DeviceStage(target, select=select, prefetch=self.config.prefetch)
         self.accumulation_steps = accumulation_steps
-        # NOTE [close from any thread] (roles): a thread waits at most a role's
+        # NOTE [close from any thread] (_roles.base): a thread waits at most a role's
         # longest wait (the timeout) for another to leave the loader's code
         self._gate = Gate(float(self.config.timeout or 0) + 2 * CLOSE_WAIT_S)
         self._cursor = Cursor()
@@ -255,7 +223,7 @@ class ShmLoader:
                 reporter.now if reporter is not None else None,
                 start=cursor,
             )
-        # every next() runs inside the gate (NOTE [close from any thread] in roles)
+        # every next() runs inside the gate (NOTE [close from any thread] in _roles.base)
         return self._gate.guard(inner)
 
     def stats(self) -> dict[str, Any]:
@@ -272,7 +240,7 @@ class ShmLoader:
 
         From any thread: an iteration under way on another thread stops first
         (it raises ``ShmLoaderError``), then the peers are told and everything
-        is freed (NOTE [close from any thread] in ``roles``). Every step of
+        is freed (NOTE [close from any thread] in ``_roles.base``). Every step of
         closing is here, in this order.
         """
         if not self._gate.stop():  # the iterating thread is out of the roles' code now

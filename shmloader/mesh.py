@@ -1,39 +1,12 @@
 """``DeviceMesh`` or process group: which ranks share batches, and who is a DP replica.
 
 Most current SP/CP code (torchtitan, accelerate's parallelism config, XTuner's
-newer engines) holds a ``torch.distributed.device_mesh.DeviceMesh`` rather
-than process groups. Everything in shmloader that takes a group takes a mesh
-too:
-
-- ``ShmLoader(make, group=mesh["sp"])``: a one-dimensional mesh is its group;
-- ``ShmLoader(make, group=mesh, mesh_dim="sp")``: the named dimension's group
-  of an n-dimensional mesh (``resolve_group``);
-- ``dp_topology(mesh, sp_dim="sp")``: the data-parallel size and this rank's
-  data-parallel index, read from the mesh's coordinates (no collective).
-
-Which dimensions are data-parallel
-==================================
-
-The DP replicas are the ranks that must receive *different* data. In a mesh
-``(pp, dp_replicate, dp_shard, cp, tp)`` those are the ``dp_*`` dimensions;
-every rank of one ``pp``/``cp``/``tp``/SP slice of a replica computes on the
-same batch. ``dp_topology`` counts a dimension as data-parallel when
-
-- it is named in ``dp_dims=`` (then exactly those, nothing else), or
-- with ``dp_dims=None``, its name is one of ``DP_DIM_NAMES``.
-
-With ``dp_dims=None`` a dimension that is neither the SP dimension, nor a
-``DP_DIM_NAMES`` name, nor a ``MODEL_DIM_NAMES`` name (``ep`` for instance,
-which is data-parallel in some stacks and not in others) is refused with a
-``ConfigError`` asking for ``dp_dims=``: guessing wrong would silently feed two
-replicas the same data, or split one replica's batch.
-
-The DP index is the row-major index of this rank's coordinates over the DP
-dimensions, in the mesh's dimension order::
-
-    mesh (dp=2, sp=2, tp=2), ranks 0..7      dp_topology(mesh) on each rank
-    dp 0: sp 0: [0 1]  sp 1: [2 3]           ranks 0-3: (2, 0)
-    dp 1: sp 0: [4 5]  sp 1: [6 7]           ranks 4-7: (2, 1)
+newer engines) holds a ``DeviceMesh`` rather than process groups, so everything
+that takes a group takes a mesh too. It owns ``resolve_group``
+(``group=mesh["sp"]``, or ``group=mesh, mesh_dim="sp"``) and ``dp_topology``
+(the DP size and this rank's DP index from the mesh's coordinates, no
+collective; which dimensions count as data-parallel is in its docstring). It
+touches no process group state and imports only ``errors``.
 """
 
 from __future__ import annotations
@@ -117,7 +90,24 @@ def dp_topology(
     *,
     dp_dims: Iterable[str] | None = None,
 ) -> tuple[int, int]:
-    """Return ``(num_replicas, dp_rank)`` of this rank in ``mesh`` (see the module docstring).
+    """Return ``(num_replicas, dp_rank)`` of this rank in ``mesh``.
+
+    The DP replicas are the ranks that must receive *different* data. In a mesh
+    ``(pp, dp_replicate, dp_shard, cp, tp)`` those are the ``dp_*`` dimensions;
+    every rank of one ``pp``/``cp``/``tp``/SP slice of a replica computes on the
+    same batch. A dimension counts as data-parallel when it is named in
+    ``dp_dims=`` (then exactly those, nothing else), or, with ``dp_dims=None``,
+    when its name is one of ``DP_DIM_NAMES``. With ``dp_dims=None`` a dimension
+    that is neither the SP dimension, nor a ``DP_DIM_NAMES`` name, nor a
+    ``MODEL_DIM_NAMES`` name (``ep`` for instance, which is data-parallel in some
+    stacks and not in others) is refused with a ``ConfigError`` asking for
+    ``dp_dims=``: guessing wrong would silently feed two replicas the same data,
+    or split one replica's batch. The DP index is the row-major index of this
+    rank's coordinates over the DP dimensions, in the mesh's dimension order::
+
+        mesh (dp=2, sp=2, tp=2), ranks 0..7      dp_topology(mesh) on each rank
+        dp 0: sp 0: [0 1]  sp 1: [2 3]           ranks 0-3: (2, 0)
+        dp 1: sp 0: [4 5]  sp 1: [6 7]           ranks 4-7: (2, 1)
 
     Args:
         mesh: a ``DeviceMesh`` with named dimensions, e.g. ``init_device_mesh("cuda",

@@ -1,18 +1,11 @@
-"""Command line of ``shmloaderd`` (also ``shmloader daemon``).
+"""The command line of ``shmloaderd`` (also ``shmloader daemon``).
 
-    shmloaderd [--socket PATH] [--budget SIZE|PCT%] [--metrics-port PORT]
-               [--reap-interval SECONDS] [--pool SIZE] [--pool-segment SIZE]
-               [--tenants | --single-user] [--uid-budget UID=SIZE|PCT% ...]
-               [--default-uid-budget SIZE|PCT%] [--shm-dir DIR ...]
-               [--max-uid-connections N] [--log-level LEVEL]
-
-Started as root (or with ``--tenants``) it serves every user of the node
-(NOTE [tenants] in ``tenants``); as any other user, or with
-``--single-user``, only its own uid.
-
-Exit codes: 0 after SIGTERM/SIGINT, 2 for a bad argument or when it cannot
-start (the message says why: socket directory not ours, another daemon
-already serving the socket, ...).
+It owns the flags (``shmloaderd --help``: socket, node and per-uid budgets,
+metrics port, reap interval, warm pool, node mode, ring directories, connection
+bound, log level), their parsing and checks (sizes, budgets, ring directories),
+and ``main``, which starts the ``server.Daemon`` and exits 0 after
+SIGTERM/SIGINT, 2 when it cannot start. It touches nothing before its arguments
+are valid.
 """
 
 from __future__ import annotations
@@ -265,6 +258,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Started as root (or with ``--tenants``) the daemon serves every user of the node
+# (NOTE [tenants] in ``tenants``); as any other user, or with ``--single-user``,
+# only its own uid. Exit codes: 0 after SIGTERM/SIGINT, 2 for a bad argument or
+# when it cannot start (the message says why: socket directory not ours, another
+# daemon already serving the socket, ...).
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(

@@ -1,30 +1,10 @@
 """Connections per uid, and the daemon's file descriptors: no client can take it down.
 
-NOTE [connection bound]
-    libzmq accepts every connection to the control socket on its own I/O
-    thread, before any request, and aborts the whole process when
-    ``accept()`` fails with ``EMFILE`` (an ``errno_assert`` in its ipc
-    listener). In node mode the socket is 0666: about 1,100 idle unix
-    connections of any local user, no ZeroMQ handshake needed, ended the
-    root daemon by SIGABRT under systemd's default soft limit of 1,024, and
-    every job of the node then ran without budget or reaping. Two defences:
-
-    - at start the soft ``RLIMIT_NOFILE`` is raised to the hard limit
-      (``raise_fd_limit``; the shipped unit sets ``LimitNOFILE=``), so the
-      daemon has room far beyond what any one user's connections may take;
-    - a monitor of the ROUTER socket (``ConnectionGuard``, its own thread)
-      learns each accepted connection's descriptor, reads its
-      ``SO_PEERCRED`` and keeps a count per uid; a connection that takes a
-      uid past ``--max-uid-connections`` is shut down at once (libzmq then
-      sees the end of the stream and closes it itself: the daemon never
-      closes a descriptor libzmq owns). Before the shutdown the descriptor
-      is checked again to be a connection to our socket of that very uid,
-      so a number libzmq has since reused for anything else is left alone.
-      Root is not bounded.
-
-    A user at the bound loses only its newest connections (such a client
-    finds the daemon away and runs on: NOTE [daemon restarts] in
-    ``shmloader._transport.daemon_client``).
+It owns ``raise_fd_limit`` (the soft ``RLIMIT_NOFILE`` raised to the hard limit
+at start) and ``ConnectionGuard``, a monitor of the ROUTER socket that counts
+each uid's connections by ``SO_PEERCRED`` and shuts down the newest past
+``--max-uid-connections`` (NOTE [connection bound]). It never closes a
+descriptor libzmq owns; it imports nothing of shmloader.
 """
 
 from __future__ import annotations
@@ -62,6 +42,31 @@ _LIBC.getsockname.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctyp
 _LIBC.shutdown.argtypes = [ctypes.c_int, ctypes.c_int]
 
 
+# NOTE [connection bound]
+#     libzmq accepts every connection to the control socket on its own I/O
+#     thread, before any request, and aborts the whole process when
+#     ``accept()`` fails with ``EMFILE`` (an ``errno_assert`` in its ipc
+#     listener). In node mode the socket is 0666: about 1,100 idle unix
+#     connections of any local user, no ZeroMQ handshake needed, ended the
+#     root daemon by SIGABRT under systemd's default soft limit of 1,024, and
+#     every job of the node then ran without budget or reaping. Two defences:
+#
+#     - at start the soft ``RLIMIT_NOFILE`` is raised to the hard limit
+#       (``raise_fd_limit``; the shipped unit sets ``LimitNOFILE=``), so the
+#       daemon has room far beyond what any one user's connections may take;
+#     - a monitor of the ROUTER socket (``ConnectionGuard``, its own thread)
+#       learns each accepted connection's descriptor, reads its
+#       ``SO_PEERCRED`` and keeps a count per uid; a connection that takes a
+#       uid past ``--max-uid-connections`` is shut down at once (libzmq then
+#       sees the end of the stream and closes it itself: the daemon never
+#       closes a descriptor libzmq owns). Before the shutdown the descriptor
+#       is checked again to be a connection to our socket of that very uid,
+#       so a number libzmq has since reused for anything else is left alone.
+#       Root is not bounded.
+#
+#     A user at the bound loses only its newest connections (such a client
+#     finds the daemon away and runs on: NOTE [daemon restarts] in
+#     ``shmloader._transport.daemon_client``).
 def raise_fd_limit() -> tuple[int, int]:
     """Raise the soft ``RLIMIT_NOFILE`` to the hard one (NOTE [connection bound]);
     returns (soft, hard) as they are now."""

@@ -1,40 +1,10 @@
 """Prometheus metrics (``--metrics-port``), served on 127.0.0.1 only.
 
-A custom registry (no process/platform collectors of the library's global
-one) with one collector that renders the daemon's latest stats document, so
-a scrape never touches /dev/shm or the daemon's loop::
-
-    shmloaderd_budget_bytes                     gauge   (absent when unlimited)
-    shmloaderd_in_use_bytes                     gauge
-    shmloaderd_shm_size_bytes / _free_bytes     gauge
-    shmloaderd_pool_bytes                       gauge
-    shmloaderd_jobs                             gauge
-    shmloaderd_job_bytes{token,job,uid}         gauge
-    shmloaderd_job_published_total{token,uid}   counter  batches written
-    shmloaderd_job_publish_seconds_avg{token,uid} gauge
-    shmloaderd_follower_lag_batches{token,uid,rank} gauge
-    shmloaderd_follower_receive_seconds{token,uid,rank} gauge
-
-Every per-job series carries ``uid``: two jobs of one token are two users'
-(NOTE [whose job] in ``registry``), and a duplicate series would fail the
-whole scrape.
-    shmloaderd_rank_wait_share{token,job,rank,role} gauge  share of wall time waiting for data
-    shmloaderd_rank_wait_seconds_p50{token,job,uid,rank,role} gauge median wait for a batch
-    shmloaderd_rank_wait_seconds{token,job,uid,rank,role} histogram  wait for each batch
-                                                since the rank's first (buckets 2**k ms,
-                                                k = -7..17, from ``shmloader._proto.waits``)
-    shmloaderd_reaped_segments_total            counter
-    shmloaderd_reaped_bytes_total               counter
-    shmloaderd_reaped_sockets_total             counter
-    shmloaderd_admissions_total{result}         counter  granted | refused
-    shmloaderd_requests_total{op}               counter  op "invalid" for rejected ones,
-                                                         "denied" for refused ones (node mode)
-    per uid (node mode: every uid with a job or a reap; else the daemon's own):
-    shmloaderd_uid_jobs{uid,user}               gauge
-    shmloaderd_uid_bytes{uid,user}              gauge    bytes its jobs hold
-    shmloaderd_uid_budget_bytes{uid,user}       gauge    (absent without a uid budget)
-    shmloaderd_uid_reaped_segments_total{uid,user} / _reaped_bytes_total  counter
-    shmloaderd_uid_admissions_total{uid,user,result} counter  granted | refused
+It owns the exported series (listed in docs/internals/wire.md; every per-job
+series carries ``uid``, NOTE [whose job] in ``registry``) and a custom registry
+with one collector that renders the daemon's latest stats document, so a scrape
+never touches /dev/shm or the daemon's loop. It imports only
+``shmloader._proto.waits`` (the histogram's buckets).
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """``sd_notify`` by hand: one datagram to ``$NOTIFY_SOCKET`` per state change.
 
-systemd (``Type=notify``) passes the path of a unix datagram socket in
-``NOTIFY_SOCKET``; an address starting with ``@`` is in the abstract
-namespace (a leading NUL byte). Messages are newline-separated
-``KEY=VALUE`` lines; the daemon sends::
-
-    READY=1        after the control socket is bound
-    WATCHDOG=1     every WATCHDOG_USEC / 2 while the loop runs
-    STOPPING=1     when it starts shutting down
-    STATUS=...     a one-line summary (optional, free text)
-
-Without ``NOTIFY_SOCKET`` every call is a no-op, so the daemon runs the same
-under systemd, in a container or in a test.
+It owns ``notify`` (READY, WATCHDOG, STOPPING, STATUS: docs/internals/wire.md)
+and ``watchdog_interval``. Without ``NOTIFY_SOCKET`` every call is a no-op, so
+the daemon runs the same under systemd, in a container or in a test; it touches
+only that socket.
 """
 
 from __future__ import annotations

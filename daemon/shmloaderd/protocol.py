@@ -1,70 +1,12 @@
-"""The control protocol of shmloaderd, version 1. Pure: bytes in, dicts out.
+"""The control protocol of shmloaderd, version 1.
 
-Transport: ZeroMQ over ``ipc://<socket>`` (the file is mode 0600 in a 0700
-directory, so only the daemon's own user can connect; in node mode 0666 in a
-0755 directory, and each request is judged by its connection's
-``SO_PEERCRED``: NOTE [tenants] in ``tenants``). The daemon binds a
-ROUTER; clients use REQ (``shmloader._transport.daemon_client``) or DEALER. Every request
-and every reply is exactly one frame holding one UTF-8 JSON object, at most
-``MAX_REQUEST`` bytes; never pickle::
-
-    request  {"v": 1, "op": <op>, <fields>...}
-    reply    {"v": 1, "ok": true, "daemon_id": str, <results>...}
-             {"v": 1, "ok": false, "daemon_id": str, "error": "<what was wrong and how to fix it>"}
-
-``daemon_id`` is random per daemon process: a client that sees it change
-registers its ring again (NOTE [daemon restarts] in ``shmloader._transport.daemon_client``).
-
-Unknown fields are ignored (newer clients may send more); a missing or wrong
-field type, an unknown op or another ``v`` is answered with ``ok: false``.
-
-    op          fields (? = optional)                       results
-    hello       pid?                                         daemon, version, pid,
-                                                             protocol, socket, budget,
-                                                             shm_dirs (ring directories)
-    register    token, group [int],                          token, known
-                pids {rank: [pid, start, pidns?]},
-                node? [int], leader? int, writer? int,
-                world? int, segments? [{name, bytes}],
-                job? str (<= 128 chars)
-    segment     token, action "add"|"remove", name, bytes?   token, segments
-    admit       token, bytes, pid?, start?, pidns?,          admitted, budget, in_use,
-                shm_dir?                                     shm_free, reason (refused)
-    report      token, rank (of the job's group),           token
-                published?, consumed?, receive_ms? (float),
-                lag?, role? ("leader"|"node leader"|
-                "follower"), wait_ms_p50?, wait_ms_p95?,
-                wait_ms_p99? (floats), wait_share? (float
-                0..1), wait_hist? ([int] of
-                ``shmloader._proto.waits.NBUCKETS``: waits per
-                bucket since the first batch),
-                wait_ms_sum? (float), bytes? (traffic),
-                device? str, device_batches?,
-                device_bytes?, device_copy_ms_total?
-                (float), device_registered? (bool),
-                device_registration_refused? str
-    unregister  token                                        token, known
-    stats       -                                            stats (``shmloader stat
-                                                             --json`` document)
-    adopt       token, name, bytes, pid, start, pidns?,      adopted, name, capacity
-                shm_dir?
-                                                             (warm segments, see ``warm``)
-
-``pidns`` is the inode of the process's pid namespace (0 or absent: unknown):
-the daemon judges a pid only in its own namespace (NOTE [pid namespaces] in
-``registry``). ``parse`` hands the namespaces of ``register``'s ``pids`` on
-as the field ``pids_ns`` ({rank: pidns}); ``pids`` keeps ``(pid, start)``.
-
-``admit`` refusing is not an error: ``ok: true, admitted: false`` with a
-``reason`` naming the budget, what is in use and by which jobs; the client
-raises ``ShmCapacityError`` from it. With a uid budget (node mode) the reply
-also carries ``uid``, ``uid_budget`` and ``uid_in_use``. In node mode a
-request naming another uid's pid is answered ``ok: false`` with an ``error``
-starting ``refused:``; a token always names a job of the asker's own uid
-(NOTE [whose job] in ``registry``); ``stats`` answers with the asker's view.
-Tokens are 1-16 ASCII letters/digits; segment names are
-``/shml-<token>-<suffix>`` and the daemon never accepts a name outside the
-token's own prefix.
+Pure: bytes in, dicts out. It owns the wire format (one frame, one UTF-8 JSON
+object each way, at most ``MAX_REQUEST`` bytes, never pickle), every op and its
+fields (``OPS``; the table is in docs/internals/wire.md), and ``parse``,
+``encode`` and ``error``: a missing or mistyped field, an unknown op or another
+``v`` is an ``ok: false`` answer, unknown fields are ignored. It touches no
+socket and no file; the transport (ZeroMQ over ``ipc://``, peers by
+``SO_PEERCRED``) is the server's.
 """
 
 from __future__ import annotations

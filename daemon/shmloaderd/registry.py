@@ -1,106 +1,13 @@
 """What the daemon knows about the jobs (rings) of this node, and the budget.
 
-A job is one ring, keyed by its token. It enters the registry by a
-``register`` request (``registered``), by an ``admit`` for an unknown token,
-or by discovery: the reaper found its live control segment in /dev/shm, e.g.
-after a daemon restart or from a job running without ``SHMLOADER_DAEMON``.
-
-Job life cycle (zero is invalid)::
-
-                register / admit / discovered
-    INVALID ------------------------------------> KNOWN
-                                                    |  every known pid is dead,
-                                                    |  or its control segment was
-                                                    |  seen and is gone (ring closed),
-                                                    |  or unregister
-                                                    v
-                                                 DROPPED (segments of dead owners reaped)
-
-Memory a job holds (``usage``) is what the daemon *observes* (NOTE [honest
-bytes] in ``shmloader._node.inventory``: its segments named in /dev/shm and the
-writer's mappings of its ring in ``/proc/<pid>/maps``, unlinked slots
-included), plus *pending grants*: bytes ``admit`` granted that have not shown
-up yet. A grant stops counting once the job's observed bytes grew by it, or
-after ``GRANT_TTL_S``. Nothing a client declares (``register``'s or
-``segment``'s ``bytes``, a ring's own counters) counts: a client that claims
-a 2**62-byte segment holds nothing more for it.
-
-NOTE [budget]
-    ``admit`` refuses when the jobs' usage plus the warm segments plus the request
-    would exceed the budget (those are shrunk first to make room), or when
-    /dev/shm itself has not that much free. A refusal names the budget, the
-    bytes in use and the jobs (token, ranks, pids) that hold them. A request
-    is refused without being recorded, so asking for too much costs nothing
-    to the other jobs. In node mode (NOTE [tenants] in ``tenants``) each job
-    belongs to a uid, and a uid with a budget (``--uid-budget``,
-    ``--default-uid-budget``) is refused once all its jobs together would
-    exceed it, whatever other uids hold; the node budget still caps the sum.
-    A refusal shown to a user details only that user's jobs: the rest of the
-    node is a count and a total.
-
-NOTE [whose job]
-    A job is keyed by (uid, token), never by its token alone. Tokens are
-    names, and names in /dev/shm are world-listable (a ring's probe segment
-    shows its token during discovery), so a token cannot say whose a job is.
-    Whose it is comes from two things nobody can forge for another user,
-    checked together: the ``SO_PEERCRED`` uid of the client that registers or
-    admits it (NOTE [tenants] in ``tenants``), and the owner of each segment
-    (the file's uid, which its header must repeat). A request acts on the job
-    of its token *of the peer's uid* (root may name any uid's); a job counts
-    only the segments of its own uid, and only processes running as that uid
-    (``admin.job_pids``, ``_same_user``) for mappings and liveness; a job
-    discovered by its control segment is that file owner's. Another user's
-    control segment planted under our token, or an ``admit`` naming our
-    token, therefore makes a job of *theirs* that holds their own files, and
-    takes nothing of ours: before, the registry gave a token nobody had
-    registered to the first uid owning a control segment of it and kept it
-    there, and the real writer's ``register``/``admit`` were refused.
-
-NOTE [watched ring directories]
-    In node mode ``admit`` refuses a job with no control segment of its uid
-    in the ring directories the daemon watches (``--shm-dir``, /dev/shm):
-    such a ring (``SHMLOADER_SHM_DIR`` a sub-directory of /dev/shm, or any
-    other directory) would count 0 bytes against its budgets and never be
-    reaped after a crash. The writer creates its control segment before it
-    asks for its first slot, so a ring in a watched directory is always seen
-    by then. The refusal names the directories and the fix. The daemon does
-    not follow a directory a job names: reaping as root inside a directory a
-    user controls is open to that user swapping the path under the unlink.
-
-NOTE [pid namespaces]
-    Clients name their processes by (pid, start time) as they see them. The
-    daemon can judge such a pid only when the process lives in the daemon's
-    own pid namespace (containers that share ``/dev/shm`` and the daemon's
-    socket but not pids: the default between containers of one Kubernetes
-    pod). Clients send the inode of their pid namespace with every pid
-    (``register``'s ``pids``, ``admit``'s and ``adopt``'s ``pidns``); a job
-    whose control segment was seen also carries its writer's namespace in
-    that header (the hint for pids sent without one, by older clients or in
-    a control description). A pid of another namespace is never called dead:
-    a job whose pids are all foreign ends when its ring is closed (its
-    control segment gone) or nothing of it is left, never because ``kill 0``
-    found no such pid here. Comparing raw pids dropped such a job at the
-    first reaper pass: its bytes stopped counting against the budget and its
-    reports were lost. The namespaces are kept per known pid only, so they
-    are bounded with the pids (NOTE [bounded state]).
-
-NOTE [dead jobs stay visible]
-    A job whose processes died (SIGKILL, OOM) is reaped within a reaper pass;
-    dropping it at once made it vanish from ``stat`` within a second, so an
-    operator never saw that it died or what was freed. Its record moves to
-    ``ended`` (token -> ``Ended``: when, why, what the reaper freed, with its
-    name, group and pids) and ``stat`` shows it as ``dead`` for
-    ``ENDED_KEEP_S``. Rings closed in order leave no record. At most
-    ``MAX_ENDED`` are kept, the oldest dropped first.
-
-NOTE [bounded state]
-    Whatever clients send, the daemon's memory stays bounded: at most
-    ``MAX_JOBS`` jobs (in node mode at most ``MAX_UID_JOBS`` of one uid but
-    root's, so that one user cannot fill it for the others) and ``MAX_ENDED``
-    ended ones; per job, ``report`` rows only for ranks of its
-    registered group (or, for a job not registered, of the group its control
-    segment describes), at most ``MAX_OWNERS`` owner pids, ``MAX_GRANTS``
-    pending grants and ``MAX_SEGMENTS`` declared segment names.
+It owns the registry of jobs, each keyed by uid and token (NOTE [whose job]),
+entered by ``register``, by an ``admit`` for an unknown token or by the reaper's
+discovery of a live control segment, and dropped when its processes are dead,
+its ring closed or it unregistered (its states in
+docs/internals/state-machines.md); admission against the node and per-uid
+budgets by observed bytes only (NOTE [budget]), the ended jobs ``stat`` still
+shows (NOTE [dead jobs stay visible]) and the bounds on all of it (NOTE [bounded
+state]). It reads the node inventory and ``/proc``; it unlinks nothing itself.
 """
 
 from __future__ import annotations
@@ -130,6 +37,14 @@ from .tenants import user_name
 log = logging.getLogger("shmloaderd")
 
 GRANT_TTL_S = 30.0
+# NOTE [bounded state]
+#     Whatever clients send, the daemon's memory stays bounded: at most
+#     ``MAX_JOBS`` jobs (in node mode at most ``MAX_UID_JOBS`` of one uid but
+#     root's, so that one user cannot fill it for the others) and ``MAX_ENDED``
+#     ended ones; per job, ``report`` rows only for ranks of its
+#     registered group (or, for a job not registered, of the group its control
+#     segment describes), at most ``MAX_OWNERS`` owner pids, ``MAX_GRANTS``
+#     pending grants and ``MAX_SEGMENTS`` declared segment names.
 #: Jobs the registry tracks at most: a runaway client cannot grow it without bound.
 MAX_JOBS = 4096
 #: Jobs one uid other than root may have tracked at once in node mode: one user's
@@ -199,6 +114,22 @@ class Job:
     def all_pids(self) -> set[tuple[int, int]]:
         return set(self.pids.values()) | self.owners
 
+    # NOTE [pid namespaces]
+    #     Clients name their processes by (pid, start time) as they see them. The
+    #     daemon can judge such a pid only when the process lives in the daemon's
+    #     own pid namespace (containers that share ``/dev/shm`` and the daemon's
+    #     socket but not pids: the default between containers of one Kubernetes
+    #     pod). Clients send the inode of their pid namespace with every pid
+    #     (``register``'s ``pids``, ``admit``'s and ``adopt``'s ``pidns``); a job
+    #     whose control segment was seen also carries its writer's namespace in
+    #     that header (the hint for pids sent without one, by older clients or in
+    #     a control description). A pid of another namespace is never called dead:
+    #     a job whose pids are all foreign ends when its ring is closed (its
+    #     control segment gone) or nothing of it is left, never because ``kill 0``
+    #     found no such pid here. Comparing raw pids dropped such a job at the
+    #     first reaper pass: its bytes stopped counting against the budget and its
+    #     reports were lost. The namespaces are kept per known pid only, so they
+    #     are bounded with the pids (NOTE [bounded state]).
     def note_namespace(self, pid: int, start: int, pidns: int | None) -> None:
         """Record the pid namespace of a known process (NOTE [pid namespaces])."""
         if pidns:
@@ -232,6 +163,14 @@ class Job:
         grown = max(0, self.observed - self.grants[0].baseline)
         return max(0, sum(g.nbytes for g in self.grants) - grown)
 
+    # Memory a job holds is what the daemon *observes* (NOTE [honest bytes] in
+    # ``shmloader._node.inventory``: its segments named in /dev/shm and the writer's
+    # mappings of its ring in ``/proc/<pid>/maps``, unlinked slots included), plus
+    # *pending grants*: bytes ``admit`` granted that have not shown up yet. A grant
+    # stops counting once the job's observed bytes grew by it, or after
+    # ``GRANT_TTL_S``. Nothing a client declares (``register``'s or ``segment``'s
+    # ``bytes``, a ring's own counters) counts: a client that claims a
+    # 2**62-byte segment holds nothing more for it.
     def usage(self, now: float) -> int:
         """Observed bytes plus pending grants; declared bytes never count (NOTE [budget])."""
         return self.observed + self.pending(now)
@@ -249,6 +188,14 @@ class Job:
         return f"job {self.token} (ranks {ranks}, pids {pids})"
 
 
+# NOTE [dead jobs stay visible]
+#     A job whose processes died (SIGKILL, OOM) is reaped within a reaper pass;
+#     dropping it at once made it vanish from ``stat`` within a second, so an
+#     operator never saw that it died or what was freed. Its record moves to
+#     ``ended`` (token -> ``Ended``: when, why, what the reaper freed, with its
+#     name, group and pids) and ``stat`` shows it as ``dead`` for
+#     ``ENDED_KEEP_S``. Rings closed in order leave no record. At most
+#     ``MAX_ENDED`` are kept, the oldest dropped first.
 @dataclass
 class Ended:
     """A dead job's record (NOTE [dead jobs stay visible])."""
@@ -287,6 +234,23 @@ class Registry:
 
     # ------------------------------------------------------------- requests
 
+    # NOTE [whose job]
+    #     A job is keyed by (uid, token), never by its token alone. Tokens are
+    #     names, and names in /dev/shm are world-listable (a ring's probe segment
+    #     shows its token during discovery), so a token cannot say whose a job is.
+    #     Whose it is comes from two things nobody can forge for another user,
+    #     checked together: the ``SO_PEERCRED`` uid of the client that registers or
+    #     admits it (NOTE [tenants] in ``tenants``), and the owner of each segment
+    #     (the file's uid, which its header must repeat). A request acts on the job
+    #     of its token *of the peer's uid* (root may name any uid's); a job counts
+    #     only the segments of its own uid, and only processes running as that uid
+    #     (``inventory.job_pids``, ``_same_user``) for mappings and liveness; a job
+    #     discovered by its control segment is that file owner's. Another user's
+    #     control segment planted under our token, or an ``admit`` naming our
+    #     token, therefore makes a job of *theirs* that holds their own files, and
+    #     takes nothing of ours: before, the registry gave a token nobody had
+    #     registered to the first uid owning a control segment of it and kept it
+    #     there, and the real writer's ``register``/``admit`` were refused.
     def find(self, token: str, uid: int | None = None, *, any_uid: bool = False) -> Job | None:
         """The job ``token`` of ``uid`` (NOTE [whose job]); ``any_uid`` (root in node
         mode): else the job of that token of any uid, root's own first."""
@@ -385,6 +349,18 @@ class Registry:
             job.segments.pop(f["name"], None)
         return {"ok": True, "token": job.token, "segments": len(job.segments)}
 
+    # NOTE [budget]
+    #     ``admit`` refuses when the jobs' usage plus the warm pool plus the request
+    #     would exceed the budget (the pool is shrunk first to make room), or when
+    #     /dev/shm itself has not that much free. A refusal names the budget, the
+    #     bytes in use and the jobs (token, ranks, pids) that hold them. A request
+    #     is refused without being recorded, so asking for too much costs nothing
+    #     to the other jobs. In node mode (NOTE [tenants] in ``tenants``) each job
+    #     belongs to a uid, and a uid with a budget (``--uid-budget``,
+    #     ``--default-uid-budget``) is refused once all its jobs together would
+    #     exceed it, whatever other uids hold; the node budget still caps the sum.
+    #     A refusal shown to a user details only that user's jobs: the rest of the
+    #     node is a count and a total.
     def admit(
         self, f: dict[str, Any], uid: int | None = None, *, any_uid: bool = False
     ) -> dict[str, Any]:
@@ -459,6 +435,16 @@ class Registry:
             job.grants.append(Grant(nbytes, now + GRANT_TTL_S, job.observed))
         return reply
 
+    # NOTE [watched ring directories]
+    #     In node mode ``admit`` refuses a job with no control segment of its uid
+    #     in the ring directories the daemon watches (``--shm-dir``, /dev/shm):
+    #     such a ring (``SHMLOADER_SHM_DIR`` a sub-directory of /dev/shm, or any
+    #     other directory) would count 0 bytes against its budgets and never be
+    #     reaped after a crash. The writer creates its control segment before it
+    #     asks for its first slot, so a ring in a watched directory is always seen
+    #     by then. The refusal names the directories and the fix. The daemon does
+    #     not follow a directory a job names: reaping as root inside a directory a
+    #     user controls is open to that user swapping the path under the unlink.
     def _unwatched(self, job: Job, where: Any) -> str:
         """Why ``job`` is refused when no control segment of its uid is in a
         ring directory of ours (NOTE [watched ring directories])."""

@@ -1,33 +1,13 @@
 """The daemon proper: one thread, one loop, one ROUTER socket.
 
-Main loop (every step bounded; ``stop`` ends it within ``SLICE_S``)::
-
-    bind ─> READY=1 ─> ┌──────────────────────────────────────────────────┐
-                       │ reap pass due?     scan /dev/shm, unlink segments │
-                       │                    of dead owners and sockets of │
-                       │                    dead writers, update jobs,    │
-                       │                    ask the warm filler for more  │
-                       │ watchdog due?      WATCHDOG=1                     │
-                       │ poll the socket    <= SLICE_S; answer every       │
-                       │                    request waiting (protocol.py)  │
-                       └─────────────── until stop is set ─────────────────┘
-                       STOPPING=1 ─> unlink warm segments and the socket, exit
-
-The reaper follows NOTE [reaping rule] in ``shmloader._node.inventory``: a segment goes
-only when its header validates and its owner (pid, start time) is dead; a
-socket ``<token>-<pid>.sock`` in one of our uid's runtime directories goes
-when its pid is gone (``admin.stale_sockets``, the rule ``shmloader gc``
-uses). In node mode (NOTE [tenants] in ``tenants``) the same rule covers
-every uid's segments and private runtime directories, each reap logged with
-its uid, job and bytes; every request is checked against its peer's
-credentials first, and ``stats`` answers with the asker's view (``view``).
-Warm segments are made on their own thread (NOTE [pool off the loop] in ``warm``):
-nothing on the loop waits for page faults. On SIGTERM nothing of a live job
-is unlinked; on the next start the jobs are re-discovered from their
-control segments. Nothing a client sends can stop the loop: a malformed
-request gets ``{"ok": false, "error": ...}`` and a log line (rate-limited),
-an exception while serving one is logged with its traceback and answered the
-same way.
+It owns ``Daemon``: binding the control socket, the loop (reap passes, watchdog,
+requests; every step bounded, ``stop`` ends it within ``SLICE_S``: drawn in
+docs/internals/flow.md), serving each request after its peer's credentials are
+checked, and the stats document with each asker's view (``view``). Nothing a
+client sends can stop the loop: a malformed request, or an exception while
+serving one, is answered ``ok: false`` and logged. It unlinks only what the
+reaping rule allows (through ``shmloader._node.reaping``), its own warm pool and
+its socket.
 """
 
 from __future__ import annotations
@@ -372,9 +352,18 @@ class Daemon:
 
     # ---------------------------------------------------------------- reaper
 
+    # The reaper follows the reaping rule (NOTE [reaping rule]): a segment goes only
+    # when its header validates and its owner (pid, start time) is dead; a socket
+    # ``<token>-<pid>.sock`` in one of our uid's runtime directories goes when its pid
+    # is gone (the rule ``shmloader gc`` uses). In node mode (NOTE [tenants] in
+    # ``tenants``) the same rule covers every uid's segments and private runtime
+    # directories, each reap logged with its uid, job and bytes. Warm-segment work runs on
+    # its own thread (NOTE [pool off the loop] in ``warm``): nothing on the loop
+    # waits for page faults. On SIGTERM nothing of a live job is unlinked; on the
+    # next start the jobs are re-discovered from their control segments.
     def reap_pass(self) -> None:
         """Unlink what dead owners left, update the registry, refill the warm segments."""
-        every_uid = self.tenancy.enabled  # NOTE [reaping rule] in shmloader._node.inventory
+        every_uid = self.tenancy.enabled  # NOTE [reaping rule] in shmloader._node.reaping
         try:
             entries = scan_entries(every_uid=every_uid, dirs=self.shm_dirs)
             names = self._job_names(entries)

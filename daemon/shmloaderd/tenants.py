@@ -1,33 +1,11 @@
 """Node mode: one daemon for every user of the node.
 
-Started as root (or with ``--tenants``) shmloaderd serves every uid; started
-as an ordinary user it serves that user only, exactly as before (its socket
-0600 in a 0700 directory). In node mode::
-
-    socket directory 0755, socket 0666       every local user can connect
-    peer = SO_PEERCRED of the connection     (uid, gid, pid); never a message field
-    request ─> ``Tenancy.check`` ─> refused and logged, or served as that peer
-
-NOTE [tenants]
-    Who asks is the kernel's answer, not the client's: ZeroMQ reports each
-    ipc connection's ``SO_PEERCRED`` as the message property ``Peer-Address``
-    (``...:<uid>:<gid>:<pid>``), read for every request (``peer_of``). A
-    request of a non-root peer is refused (and logged) when it names
-
-    - a pid of another uid (``register``'s ``pids``, ``admit``'s and
-      ``adopt``'s ``pid``) that runs in our pid namespace: its effective uid
-      is read from ``/proc/<pid>/status``. A pid of another namespace cannot
-      be checked here and is never judged by the daemon either (NOTE [pid
-      namespaces] in ``registry``), so it can affect nothing.
-
-    A token cannot name another uid's job at all: every request acts on the
-    job of that token *of the peer's uid* (NOTE [whose job] in ``registry``),
-    so naming another user's token reaches only a job of one's own. Root
-    peers may name anything. What a peer sees (``stat``) is cut to its
-    uid by ``server.Daemon.view``; what it may take (``admit``, ``adopt``) is
-    bounded by its uid's budget (``UidBudgets``, NOTE [budget] in
-    ``registry``), and a warm segment it adopts is handed over with
-    ``fchown`` to it and mode 0600 before its name is linked (``warm``).
+Started as root (or with ``--tenants``) shmloaderd serves every uid, its socket
+0666 in a 0755 directory; started as an ordinary user it serves that user only
+(0600 in 0700). It owns who asks (``peer_of``: the ``SO_PEERCRED`` of the
+connection, never a message field), the check of every request against that peer
+(``Tenancy.check``: NOTE [tenants]) and the per-uid budgets (``UidBudgets``). It
+reads ``/proc/<pid>/status`` and touches nothing else.
 """
 
 from __future__ import annotations
@@ -61,6 +39,26 @@ class Peer:
         return f"uid {self.uid} ({user_name(self.uid)}) pid {self.pid}"
 
 
+# NOTE [tenants]
+#     Who asks is the kernel's answer, not the client's: ZeroMQ reports each
+#     ipc connection's ``SO_PEERCRED`` as the message property ``Peer-Address``
+#     (``...:<uid>:<gid>:<pid>``), read for every request (``peer_of``). A
+#     request of a non-root peer is refused (and logged) when it names
+#
+#     - a pid of another uid (``register``'s ``pids``, ``admit``'s and
+#       ``adopt``'s ``pid``) that runs in our pid namespace: its effective uid
+#       is read from ``/proc/<pid>/status``. A pid of another namespace cannot
+#       be checked here and is never judged by the daemon either (NOTE [pid
+#       namespaces] in ``registry``), so it can affect nothing.
+#
+#     A token cannot name another uid's job at all: every request acts on the
+#     job of that token *of the peer's uid* (NOTE [whose job] in ``registry``),
+#     so naming another user's token reaches only a job of one's own. Root
+#     peers may name anything. What a peer sees (``stat``) is cut to its
+#     uid by ``server.Daemon.view``; what it may take (``admit``, ``adopt``) is
+#     bounded by its uid's budget (``UidBudgets``, NOTE [budget] in
+#     ``registry``), and a pooled segment it adopts is handed over with
+#     ``fchown`` to it and mode 0600 before its name is linked (``pool``).
 def peer_of(frame: Any) -> Peer | None:
     """The peer of a received ZeroMQ frame (``Peer-Address`` of an ipc connection).
 

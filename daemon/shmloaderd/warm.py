@@ -150,7 +150,7 @@ class WarmSegments:
         """Create one segment if there are fewer than ``target`` bytes and ``room`` (budget
         left) allows.
 
-        NOTE [pool names]
+        NOTE [warm segment names]
             The warm segments' token is visible to every local user as soon as the
             first one is in ``/dev/shm``, and so would be every later name if it
             were ``<token>-<n>``: a FIFO or a file planted at the next one made
@@ -175,7 +175,7 @@ class WarmSegments:
         with self.lock:
             self.filling = need
         try:
-            try:  # NOTE [pool names]
+            try:  # NOTE [warm segment names]
                 segment = Segment.create_unique(stem, KIND_DATA, self.token, self.segment_bytes)
             except (ShmCapacityError, ProtocolError, OSError) as exc:
                 log.warning("warm segments: could not create %s.*: %s", stem, exc)

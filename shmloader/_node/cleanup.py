@@ -1,72 +1,33 @@
 """What this process made, removed on SIGTERM: the bottom layer of the package.
 
-``own``/``disown`` keep a registry of the names this process created (shm
-segments, private runtime directories) and of the ring tokens it writes.
-A SIGTERM handler removes them before the process dies, so torchrun's stop
-signal leaves nothing in ``/dev/shm`` or the runtime directory (NOTE
-[SIGTERM]). Reaping what dead processes left (``reap``, with ``admin``'s
-``gc`` rule) is a layer above.
-
-NOTE [layers]
-    A module imports only modules of its own layer or of layers below it, and
-    never in a circle: imports inside a function count too (one there must not
-    hide a circle). The packages keep this order, from the ground up:
-    ``errors``; ``_node``, ``_proto`` (neither imports the other) and
-    ``mesh``; ``config``, ``samplers``; ``_transport``; ``_workers``,
-    ``device`` (neither imports the other); ``_roles``; ``_setup``;
-    ``loader``, ``checkpoint``; the package's ``__init__``,
-    ``integrations``; ``tools``; ``__main__``, the only importer of
-    ``tools``. ``tests/unit/test_layers.py`` checks the whole graph against it
-    (``LAYERS``; the few imports that go up, each with its reason, in
-    ``UPWARD``), what the daemon and the benchmarks import, and what
-    importing a low layer loads. Module by module, in the lower layers:
-
-    1. ``errors`` and this module: the registry imports nothing of shmloader.
-       Removing a registered segment needs its header, which only
-       ``segment`` reads, so ``segment`` hands that function down when it
-       loads (``removes_segments``).
-    2. ``segment``, then ``channel`` and ``ring`` (with the pure ``wire`` and
-       ``codec``): shared memory and signalling. Nothing here imports
-       ``inventory`` or ``daemon_client``: a ring writer is given what it
-       asks of the daemon (``ring.NodeDaemon``, a ``DaemonClient`` in
-       practice), a DataLoader worker its ``PoolSpec.admit`` (NOTE [pool
-       admission]).
-    3. ``daemon_client``; ``inventory`` (``stat``, ``gc``); ``reap`` (reaping
-       at start, with ``gc``'s rule): above the transport, though in
-       ``_node``. ``import shmloader`` loads only ``config`` and ``errors``;
-       the rest comes on first use (PEP 562).
-
-NOTE [SIGTERM]
-    A process killed by SIGTERM with the default disposition runs no atexit
-    handler and no finalizer. When the first name is registered (from the
-    main thread) we look at the current disposition of SIGTERM:
-
-    - ``SIG_DFL``: we install a handler that removes the registered names,
-      restores ``SIG_DFL`` and sends SIGTERM to ourselves again: the process
-      dies of the signal as it would have (exit status -15, 143 in a shell).
-    - a Python handler of the application: we install a wrapper that calls it
-      first. If it returns, the application chose to go on and nothing is
-      removed (its normal exit runs our finalizers later); if it raises (for
-      example ``SystemExit``), the names are removed and the exception goes on.
-    - ``SIG_IGN`` or a handler installed outside Python: left alone.
-
-    Segments made on our behalf by a forked child (a DataLoader worker that
-    grows a pool slot writes our pid and start time into its header) are not
-    in this process's list of names: for each registered ring token the
-    handler also removes every ``/shml-<token>-*`` segment whose header names
-    this very process (pid and start time) as its owner. Conversely, a name
-    this process made but handed over (its header now names another owner:
-    that worker's grown slot belongs to the leader, whose later workers open
-    it by name) is left alone: a worker stopped by SIGTERM (the DataLoader's
-    own shutdown does that to a worker slow to exit) must not unlink a slot
-    of the live leader's ring. Only names whose header names us are removed
-    (``segment.remove_own_segments``).
-
-    An application that installs its own handler later replaces ours; that is
-    its right, and its normal exit path still runs our finalizers. In a forked
-    child the registry is emptied (``os.register_at_fork``): a child never
-    removes its parent's names (NOTE [creator-only cleanup] in ``segment``).
+It owns the registry of the names this process created (shm segments, private
+runtime directories) and of the ring tokens it writes (``own``, ``disown``,
+``owned``), and the SIGTERM handler that removes them before the process dies
+(NOTE [SIGTERM]). It imports nothing of shmloader, touches only what it
+registered, and reads no segment header itself: ``segment`` hands it that
+removal when it loads (``removes_segments``; NOTE [layers]); reaping what dead
+processes left is ``reaping``'s.
 """
+
+# NOTE [layers]
+#     A module imports only modules of its own layer or of layers below it, and
+#     never in a circle: imports inside a function count too (one there must not
+#     hide a circle). ``tests/unit/test_layers.py`` checks the whole graph and what
+#     importing a low layer loads.
+#
+#     1. ``errors`` and this module: the registry imports nothing of shmloader.
+#        Removing a registered segment needs its header, which only
+#        ``segment`` reads, so ``segment`` hands that function down when it
+#        loads (``removes_segments``).
+#     2. ``segment``, then ``channel`` and ``ring`` (with the pure ``wire`` and
+#        ``codec``): shared memory and signalling. Nothing here imports
+#        ``inventory`` or ``daemon_client``: a ring writer is given what it asks of
+#        the daemon (``ring.NodeDaemon``, a ``DaemonClient`` in practice), a
+#        DataLoader worker its ``PoolSpec.admit`` (NOTE [pool admission]).
+#     3. ``daemon_client``; ``inventory`` (``stat``); ``reaping`` (``gc``, reaping at
+#        start, with ``gc``'s rule); then ``topology``, the roles and
+#        ``loader`` at the top. ``import shmloader`` loads only ``config`` and
+#        ``errors``; the rest comes on first use (PEP 562).
 
 from __future__ import annotations
 
@@ -173,6 +134,36 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+# NOTE [SIGTERM]
+#     A process killed by SIGTERM with the default disposition runs no atexit
+#     handler and no finalizer. When the first name is registered (from the
+#     main thread) we look at the current disposition of SIGTERM:
+#
+#     - ``SIG_DFL``: we install a handler that removes the registered names,
+#       restores ``SIG_DFL`` and sends SIGTERM to ourselves again: the process
+#       dies of the signal as it would have (exit status -15, 143 in a shell).
+#     - a Python handler of the application: we install a wrapper that calls it
+#       first. If it returns, the application chose to go on and nothing is
+#       removed (its normal exit runs our finalizers later); if it raises (for
+#       example ``SystemExit``), the names are removed and the exception goes on.
+#     - ``SIG_IGN`` or a handler installed outside Python: left alone.
+#
+#     Segments made on our behalf by a forked child (a DataLoader worker that
+#     grows a pool slot writes our pid and start time into its header) are not
+#     in this process's list of names: for each registered ring token the
+#     handler also removes every ``/shml-<token>-*`` segment whose header names
+#     this very process (pid and start time) as its owner. Conversely, a name
+#     this process made but handed over (its header now names another owner:
+#     that worker's grown slot belongs to the leader, whose later workers open
+#     it by name) is left alone: a worker stopped by SIGTERM (the DataLoader's
+#     own shutdown does that to a worker slow to exit) must not unlink a slot
+#     of the live leader's ring. Only names whose header names us are removed
+#     (``segment.remove_own_segments``).
+#
+#     An application that installs its own handler later replaces ours; that is
+#     its right, and its normal exit path still runs our finalizers. In a forked
+#     child the registry is emptied (``os.register_at_fork``): a child never
+#     removes its parent's names (NOTE [creator-only cleanup] in ``segment``).
 def _install() -> None:
     """Install the SIGTERM handler once (NOTE [SIGTERM]); only from the main thread."""
     global _installed

@@ -1,63 +1,11 @@
 """Release words: who still holds a pool slot, readable without the leader's main process.
 
-A pool slot (``pool``) carries one batch to every rank of the node: the
-writer's own view (the leader's main process) and each reader's. Each of
-them says it is done with the batch by storing the batch's *ticket* (the
-pool's per-slot claim counter) into its own word of the slot, in the pool's
-control segment. A DataLoader worker claiming a slot reads those words
-itself: a slot whose every holder released the current ticket is free at
-once, without waiting for the leader's main process to handle RELEASE
-messages at its next ``next()`` (they still arrive, and keep the writer's
-bookkeeping of who holds what, NOTE [ring growth] in ``writer``).
-
-NOTE [release words]
-    Layout, in 8-byte words of the pool control segment's payload (the
-    pool's words 4 and 5 say where the area starts and how many holders
-    ``R`` it has; ``T`` is the pool's slot count)::
-
-        area + 0             GONE: bit j set once holder j's holds ended
-                             (the writer dropped it: BYE, or lost)
-        area + 1 .. 7        reserved
-        area + 8 + 4j        holder j: rank, pid, start time, pid namespace
-                             (j = 0: the writer itself; 1 .. R-1: its readers)
-        area + 8 + 4R        slot 0: HOLDERS (bit j: j holds the current batch),
-          + (R + 1) i              then R words: the ticket holder j released last
-                                   (0: none)
-
-    Who writes what (every store one aligned 8-byte word):
-
-    - the writer's main process: the holder table once, at creation; a
-      slot's HOLDERS when it accepts the slot's batch, *before* the pool
-      state says PUBLISHED (so a claimer never pairs it with an older mask);
-      GONE when a reader said BYE or was found lost; its own word when its
-      view of the batch dies.
-    - each reader: its own word of a slot, with the ticket the BATCH
-      announcement carried, when its view of that batch dies;
-    - nobody else. A worker only reads.
-
-    The rule a claimer applies (under its partition's lock, ``pool``): a
-    PUBLISHED slot with ticket ``t`` is free when every holder j in its
-    HOLDERS mask has word ``t``, or its GONE bit, or is a process the
-    claimer saw dead (pid and start time, same pid namespace only).
-
-    Why reuse is then safe: a reader maps its batch MAP_PRIVATE, and such a
-    mapping shows the file's *later* writes on every page it has not
-    copied. So a word is written only once the mapping is gone: from a
-    finalizer of the mmap object, which CPython runs after ``munmap``
-    (``ring.private_view``; never at interpreter exit, when the mapping is
-    still there). A reader that closes first makes every page it still
-    holds its own (NOTE [held past close] in ``ring``) and only then says
-    BYE, which is what sets GONE; a dead reader has no mappings left. A
-    batch a rank still references therefore never changes, and the device
-    stage's copy (NOTE [device reads]) completes before the view it holds
-    dies.
-
-    Forgery: tickets only grow (each claim of a slot takes the next one), a
-    word counts only for a holder in the slot's HOLDERS mask and only when
-    it equals the slot's current ticket. A word for another ticket, or in a
-    column nobody holds, changes nothing; a process of the job's uid that
-    writes the right ticket into a holder's column could as well write the
-    slot's payload (mode 0600: nothing outside the uid can write either).
+It owns the release area of the pool's control segment (the holder table, each
+slot's HOLDERS mask, GONE bits and each holder's last released ticket: NOTE
+[release words]): the writer's side (``ReleaseWords``, which a claiming
+DataLoader worker reads) and a reader's (``ReaderWords``, its own column only).
+It touches nothing but those words of a segment it is given, and imports only
+``segment`` and ``errors``.
 """
 
 from __future__ import annotations
@@ -71,6 +19,54 @@ import numpy as np
 from ..errors import ProtocolError
 from .segment import HEADER_SIZE, KIND_DATA, MY_PIDNS, Segment, process_alive
 
+# NOTE [release words]
+#     Layout, in 8-byte words of the pool control segment's payload (the
+#     pool's words 4 and 5 say where the area starts and how many holders
+#     ``R`` it has; ``T`` is the pool's slot count)::
+#
+#         area + 0             GONE: bit j set once holder j's holds ended
+#                              (the writer dropped it: BYE, or lost)
+#         area + 1 .. 7        reserved
+#         area + 8 + 4j        holder j: rank, pid, start time, pid namespace
+#                              (j = 0: the writer itself; 1 .. R-1: its readers)
+#         area + 8 + 4R        slot 0: HOLDERS (bit j: j holds the current batch),
+#           + (R + 1) i              then R words: the ticket holder j released last
+#                                    (0: none)
+#
+#     Who writes what (every store one aligned 8-byte word):
+#
+#     - the writer's main process: the holder table once, at creation; a
+#       slot's HOLDERS when it adopts the slot's batch, *before* the pool
+#       state says HELD (so a claimer never pairs HELD with an older mask);
+#       GONE when a reader said BYE or was found lost; its own word when its
+#       view of the batch dies.
+#     - each reader: its own word of a slot, with the ticket the BATCH
+#       announcement carried, when its view of that batch dies;
+#     - nobody else. A worker only reads.
+#
+#     The rule a claimer applies (under its partition's lock, ``pool``): a
+#     HELD slot with ticket ``t`` is free when every holder j in its
+#     HOLDERS mask has word ``t``, or its GONE bit, or is a process the
+#     claimer saw dead (pid and start time, same pid namespace only).
+#
+#     Why reuse is then safe: a reader maps its batch MAP_PRIVATE, and such a
+#     mapping shows the file's *later* writes on every page it has not
+#     copied. So a word is written only once the mapping is gone: from a
+#     finalizer of the mmap object, which CPython runs after ``munmap``
+#     (``ring.private_view``; never at interpreter exit, when the mapping is
+#     still there). A reader that closes first makes every page it still
+#     holds its own (NOTE [held past close] in ``ring``) and only then says
+#     BYE, which is what sets GONE; a dead reader has no mappings left. A
+#     batch a rank still references therefore never changes, and the device
+#     stage's copy (NOTE [device reads]) completes before the view it holds
+#     dies.
+#
+#     Forgery: tickets only grow (each claim of a slot takes the next one), a
+#     word counts only for a holder in the slot's HOLDERS mask and only when
+#     it equals the slot's current ticket. A word for another ticket, or in a
+#     column nobody holds, changes nothing; a process of the job's uid that
+#     writes the right ticket into a holder's column could as well write the
+#     slot's payload (mode 0600: nothing outside the uid can write either).
 #: The most holders (writer + readers of one node) a HOLDERS mask can name.
 MAX_HOLDERS = 64
 #: Words of the pool control segment that locate the area (0 when there is none).

@@ -1,85 +1,13 @@
 """The shared-memory ring of one SP group on one node.
 
-The node's writer (the group leader, or on another node that node's leader)
-owns a ``RingWriter``: a control segment plus a growing list of slots, each
-slot its own data segment, touched once at creation and rewritten for every
-batch after that. Readers (the node's other ranks of the group) own a
-``RingReader``: open descriptors of the slot segments and one fresh
-copy-on-write mapping per delivered batch.
-
-Slot state machine (zero is invalid)::
-
-        create                 publish(seq)             last holder released
-    INVALID ----> FREE ------------------------> HELD ----------------------+
-                   ^  \\                                                    |
-                   |   \\ too small for the next batch: retire, recreate     |
-                   |    +--------------------------> RETIRED (unlinked)     |
-                   +--------------------------------------------------------+
-
-    FREE -> HELD      the writer copied a batch in and announced it
-    HELD -> FREE      every local holder sent RELEASE for (slot, gen)
-    FREE -> RETIRED   replaced by a bigger segment with gen + 1, or oversized
-                      for the batches since (NOTE [ring shrink]); its index
-                      is reused with gen + 1 when the ring next needs a slot
-    any  -> RETIRED   close()
-    (every retirement but close()'s is announced to readers: NOTE [retired slots])
-
-    Pooled slots (``Slot.pooled``, made by ``pool.WorkerPool``) are written
-    by the leader's DataLoader workers, not by ``acquire`` (which skips them);
-    their FREE -> HELD -> FREE cycle here runs beside the pool's own
-    EMPTY -> WRITING -> FILLED -> PUBLISHED words (``pool.PoolState``), a
-    worker grows them (``replace_pooled`` installs the new generation), and
-    their names stay linked for the pool's life (NOTE [pool names]).
-
-NOTE [slot lifetime]
-    A reader maps the slot MAP_PRIVATE for each batch and drops the mapping
-    with the batch: its in-place writes stay its own, and it never sees a
-    later batch through an old private page. The slot is RELEASEd when the
-    mapping dies (``weakref.finalize`` on the mmap, i.e. when the last tensor
-    of that batch is garbage), so a batch never changes under a reader that
-    still holds any part of it. The writer therefore never rewrites a HELD
-    slot: it takes a FREE one or grows the ring by one slot. Growth is
-    bounded by the window rule in ``writer`` (a writer runs at most
-    ``slots`` batches ahead of its slowest reader) plus what readers
-    deliberately keep alive.
-
-NOTE [ring shrink]
-    A slot grows for the largest batch it had to hold and would keep that
-    size until ``close()``: one 512 MiB batch among 8 MiB ones would pin
-    1 GiB of a 2-slot ring for the rest of the job. So ``acquire`` retires
-    every FREE slot (never a HELD one) more than ``SHRINK_RATIO`` times the
-    capacity that the largest of the last ``SHRINK_WINDOW`` batches needs;
-    the ring then grows again, right-sized, as batches need slots. Batches
-    that vary within that ratio never cause a retire, and a run of fewer
-    than ``SHRINK_WINDOW`` small batches after a large one keeps it (a
-    large batch every few steps is not worth re-touching pages for). Pooled
-    slots (written by DataLoader workers) are sized by their pool.
-
-NOTE [retired slots]
-    A reader keeps a descriptor of every slot segment it opened (it maps
-    the slot afresh for each batch), and a descriptor keeps the segment's
-    memory alive after its name is gone; on a CUDA reader the device stage
-    also keeps a registered (page-locked) mapping of it while the
-    descriptor is open (NOTE [registration] in ``device``). So a reader must
-    learn when the writer retires a slot, whether it was grown (gen + 1),
-    shrunk away (NOTE [ring shrink]) or replaced by a worker (``pool``):
-    ``_retire`` queues the name of every retired segment a batch was
-    announced in, and the writer announces the queue (``take_retired``) as
-    RETIRE messages before its next message (``NodeWriter.tell_readers``), so
-    they reach every reader before anything that follows the retirement.
-    The reader then closes that descriptor (``RingReader.retire``). Only a
-    FREE slot is ever retired (every holder released its batch) and a
-    retired name is never announced again, so nothing a reader still
-    needs is lost; a batch the user still holds keeps its own private
-    mapping, which needs no descriptor, until it dies.
-
-NOTE [names in /dev/shm]
-    Data segments are unlinked as soon as every local reader has opened them
-    (ATTACHED), so a crash of anyone leaves no data segment named in
-    /dev/shm: the kernel frees the memory with the last descriptor. Only the
-    small control segment stays named for the life of the ring, so that
-    ``shmloader stat`` and ``gc`` can find the job; its header carries the
-    owner (pid, start time) for reaping.
+It owns the writer's side (``RingWriter``: the control segment and its counters,
+the slots, each its own data segment touched once and rewritten after, the slot
+state machine, growth and shrinking, retirement: NOTE [ring shrink], NOTE
+[retired slots]) and the reader's (``RingReader``: a descriptor per slot, one
+copy-on-write mapping per delivered batch: NOTE [slot lifetime]), and the
+private views both hand out. It touches only its own segments (through
+``segment``) and their release words; what it asks of the daemon comes from
+above as a ``NodeDaemon`` (NOTE [layers]).
 """
 
 from __future__ import annotations
@@ -159,6 +87,8 @@ class NodeDaemon(Protocol):
     def remove_segment(self, token: str, name: str) -> None: ...
 
 
+# The slot state machine (zero is invalid), and how a pooled slot's runs beside the
+# pool's: docs/internals/state-machines.md.
 class SlotState(enum.IntEnum):
     INVALID = 0
     FREE = 1
@@ -323,6 +253,17 @@ class RingWriter:
         self.slots.append(slot)
         return slot
 
+    # NOTE [ring shrink]
+    #     A slot grows for the largest batch it had to hold and would keep that
+    #     size until ``close()``: one 512 MiB batch among 8 MiB ones would pin
+    #     1 GiB of a 2-slot ring for the rest of the job. So ``acquire`` retires
+    #     every FREE slot (never a HELD one) more than ``SHRINK_RATIO`` times the
+    #     capacity that the largest of the last ``SHRINK_WINDOW`` batches needs;
+    #     the ring then grows again, right-sized, as batches need slots. Batches
+    #     that vary within that ratio never cause a retire, and a run of fewer
+    #     than ``SHRINK_WINDOW`` small batches after a large one keeps it (a
+    #     large batch every few steps is not worth re-touching pages for). Pooled
+    #     slots (written by DataLoader workers) are sized by their pool.
     def _shrink(self) -> None:
         """NOTE [ring shrink]: retire FREE slots far larger than the recent batches need."""
         if len(self._recent) < SHRINK_WINDOW:
@@ -394,7 +335,7 @@ class RingWriter:
     def add_pooled(self, segment: Segment) -> Slot:
         """Append a slot that DataLoader workers write (``pool``): touched here, never acquired.
 
-        Its name stays linked for the pool's life (NOTE [pool names] in ``pool``).
+        Its name stays linked for the pool's life (NOTE [pool names] in ``shmloader._workers.pool``).
         """
         slot = self._pooled_slot(len(self.slots), 0, segment, populate=True)
         self.slots.append(slot)
@@ -486,6 +427,13 @@ class RingWriter:
         """Call ``callback(rank)`` whenever a reader is dropped (the pool's GONE bits)."""
         self._on_drop.append(callback)
 
+    # NOTE [names in /dev/shm]
+    #     Data segments are unlinked as soon as every local reader has opened them
+    #     (ATTACHED), so a crash of anyone leaves no data segment named in
+    #     /dev/shm: the kernel frees the memory with the last descriptor. Only the
+    #     small control segment stays named for the life of the ring, so that
+    #     ``shmloader stat`` and ``gc`` can find the job; its header carries the
+    #     owner (pid, start time) for reaping.
     def attached(self, rank: int, name: str) -> None:
         """``rank`` opened segment ``name``; unlink it once every reader has."""
         for slot in self.slots:
@@ -524,6 +472,23 @@ class RingWriter:
             return self.slots[index]
         return None
 
+    # NOTE [retired slots]
+    #     A reader keeps a descriptor of every slot segment it opened (it maps
+    #     the slot afresh for each batch), and a descriptor keeps the segment's
+    #     memory alive after its name is gone; on a CUDA reader the device stage
+    #     also keeps a registered (page-locked) mapping of it while the
+    #     descriptor is open (NOTE [registration] in ``registrar``). So a reader must
+    #     learn when the writer retires a slot, whether it was grown (gen + 1),
+    #     shrunk away (NOTE [ring shrink]) or replaced by a worker (``pool``):
+    #     ``_retire`` queues the name of every retired segment a batch was
+    #     announced in, and the writer announces the queue (``take_retired``) as
+    #     RETIRE messages before its next message (``Writer.tell_readers``), so
+    #     they reach every reader before anything that follows the retirement.
+    #     The reader then closes that descriptor (``RingReader.retire``). Only a
+    #     FREE slot is ever retired (every holder released its batch) and a
+    #     retired name is never announced again, so nothing a reader still
+    #     needs is lost; a batch the user still holds keeps its own private
+    #     mapping, which needs no descriptor, until it dies.
     def take_retired(self) -> list[str]:
         """Names retired since the last call that readers may hold open (NOTE [retired slots])."""
         names, self._unannounced = self._unannounced, []
@@ -588,6 +553,17 @@ def _in_creator(creator: int, fn: Callable[[], None]) -> None:
         fn()
 
 
+# NOTE [slot lifetime]
+#     A reader maps the slot MAP_PRIVATE for each batch and drops the mapping
+#     with the batch: its in-place writes stay its own, and it never sees a
+#     later batch through an old private page. The slot is RELEASEd when the
+#     mapping dies (``weakref.finalize`` on the mmap, i.e. when the last tensor
+#     of that batch is garbage), so a batch never changes under a reader that
+#     still holds any part of it. The writer therefore never rewrites a HELD
+#     slot: it takes a FREE one or grows the ring by one slot. Growth is
+#     bounded by the window rule in ``node_writer`` (a writer runs at most
+#     ``slots`` batches ahead of its slowest reader) plus what readers
+#     deliberately keep alive.
 def private_view(
     segment: Segment,
     nbytes: int,

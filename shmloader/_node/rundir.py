@@ -1,24 +1,8 @@
 """Private runtime directories: where a writer's ZeroMQ sockets live, and who owns each.
 
-Owns the directory's name, mode and life (make, check, list for reaping,
-remove); may touch the runtime base directory and the cleanup registry. No
-torch, no ZeroMQ.
-
-NOTE [private runtime directory]
-    Every rank makes its own directory with ``mkdtemp`` under the runtime base
-    (``$SHMLOADER_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR``, else ``/tmp``)
-    before the set-up exchange, and the exchange carries its path
-    (``RankFacts.rundir``); the ranks that do not become a writer remove
-    theirs at once. ``mkdtemp`` creates a new directory of a random name with
-    mode 0700 (``O_EXCL`` semantics), so nobody can squat it in advance (a
-    fixed ``shmloader-<uid>`` under ``/tmp`` could be) and no other user can
-    connect to its socket. A reader checks the directory it was given is a
-    real directory of our uid with mode 0700 before it connects. The name is
-    ``shml-<pid>.<start>.<pidns>-<random>`` (hex): the owner for reaping
-    (``private_dirs``; a directory of another pid namespace is never judged by pid),
-    short enough that the socket path fits ``sun_path`` under long bases.
-    Sockets and directories are removed only by the process that made them
-    (NOTE [creator-only cleanup] in ``segment``).
+Owns the directory's name, mode and life (make, check, list for reaping, remove:
+NOTE [private runtime directory]); may touch the runtime base directory and the
+cleanup registry. No torch, no ZeroMQ.
 """
 
 from __future__ import annotations
@@ -101,6 +85,21 @@ def private_dirs(
     return out
 
 
+# NOTE [private runtime directory]
+#     Every rank makes its own directory with ``mkdtemp`` under the runtime base
+#     (``$SHMLOADER_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR``, else ``/tmp``)
+#     before the set-up exchange, and the exchange carries its path
+#     (``RankFacts.rundir``); the ranks that do not become a writer remove
+#     theirs at once. ``mkdtemp`` creates a new directory of a random name with
+#     mode 0700 (``O_EXCL`` semantics), so nobody can squat it in advance (a
+#     fixed ``shmloader-<uid>`` under ``/tmp`` could be) and no other user can
+#     connect to its socket. A reader checks the directory it was given is a
+#     real directory of our uid with mode 0700 before it connects. The name is
+#     ``shml-<pid>.<start>.<pidns>-<random>`` (hex): the owner for reaping
+#     (``private_dirs``; a directory of another pid namespace is never judged by pid),
+#     short enough that the socket path fits ``sun_path`` under long bases.
+#     Sockets and directories are removed only by the process that made them
+#     (NOTE [creator-only cleanup] in ``segment``).
 def make_private_dir(parent: str | None) -> str:
     """A new 0700 directory of a random name for this process (NOTE [private runtime directory])."""
     base = runtime_base(parent)

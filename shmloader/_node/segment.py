@@ -1,113 +1,13 @@
-"""One POSIX shared-memory segment with a validated header.
+"""One POSIX shared-memory segment with a validated header, in this process's ring directory.
 
-Every segment shmloader creates starts with a header of ``HEADER_SIZE``
-bytes, one allocation granule (NOTE [header granule]); the payload starts
-right after it, so it can be mapped on its own at a valid mmap offset::
-
-    offset  size  field
-    0       8     magic     b"SHMLDR\\x00\\x01"
-    8       2     version   HEADER_VERSION
-    10      2     kind      1 control, 2 data, 3 probe
-    12      4     uid       creator's effective uid
-    16      16    token     per-ring random token (ASCII hex)
-    32      8     pid       owner (creator) pid
-    40      8     start     owner start time, clock ticks since boot
-    48      8     capacity  payload bytes after the header page
-    56      8     created   unix time in ns
-    64      64    kind-specific (control: counters)
-    128     8     pidns     inode of the owner's pid namespace (0: unknown)
-    136     8     payload   offset of the payload = HEADER_SIZE of the creator
-    144     ...   unused (zero)
-    HEADER_SIZE   capacity bytes of payload
-
-Names are ``/shml-<token>-<what>.<random>`` (NOTE [unpredictable names]);
-every attach re-checks magic, version, token, kind and owner uid before a byte
-of payload is mapped (NOTE [segment trust]).
-
-NOTE [unpredictable names]
-    The ring token is visible to every local user in ``/dev/shm``, so a name
-    derived from it alone could be planted in advance (a FIFO there hangs an
-    ``open``, a file there fails a create). Every segment name therefore ends
-    in its own random part (64 bits from ``secrets``) that travels only in
-    our messages (BATCH carries ``seg``; the set-up exchange carries the probe
-    name). ``Segment.create_unique`` creates with ``O_CREAT | O_EXCL |
-    O_NOFOLLOW``; an object already at the name (planted, or a 2^-64
-    collision) means another random name, never a failure. Every open is
-    ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO or a device cannot block us) and is
-    ``fstat``-checked to be a regular file of our uid with mode 0600 before
-    a byte is read or mapped.
-
-NOTE [segment trust]
-    A segment is only ever read after ``attach`` validated its header against
-    what the reader expects (kind, token) and checked that it belongs to our
-    own uid and is mode 0600. Segments are created with ``O_EXCL``: a stale
-    segment with the same name is an error, never silently reused. Liveness of
-    an owner is (pid, start time): a recycled pid has a different start time.
-    The header records the owner's pid namespace: an owner in another pid
-    namespace (containers that share ``/dev/shm`` but not pids) cannot be
-    judged by its pid, so ``owner_alive`` calls it alive (never reaped by pid).
-
-NOTE [header granule]
-    Every mapping of a payload (a reader's private view, a CUDA consumer's
-    registered one) starts at offset ``HEADER_SIZE``, and ``mmap`` takes only
-    offsets that are multiples of ``mmap.ALLOCATIONGRANULARITY``: 4 KiB on
-    x86, 64 KiB on aarch64 kernels built with 64 KiB pages (GH200 nodes). So
-    the header is one granule long, at least 4 KiB, and the header records
-    the payload offset its creator used; ``validate`` refuses a segment whose
-    offset is not this process's (a build or kernel that lays segments out
-    differently) with a ``ProtocolError`` naming both, before anything is
-    mapped. Version 2 of the header added that field; versions 1 and 2 refuse
-    each other by version. ``SHMLOADER_HEADER_SIZE`` (a multiple of the
-    granule) sets another length, so that the 64 KiB layout is tested on x86
-    too, where a 64 KiB offset is just as valid.
-
-NOTE [no inherited descriptors]
-    A forked child (a DataLoader worker made after the ring started, an eval
-    loader's persistent workers) inherits every descriptor of its parent;
-    a descriptor of a segment keeps the segment's memory alive after the
-    parent retired and unlinked it, for as long as the child lives. Two
-    kinds are held: each ``Segment``'s own descriptor, and the duplicate
-    that Python's ``mmap.mmap`` keeps of the descriptor it maps. So every
-    ``Segment`` closes its descriptor in a forked child (``os.register_at_fork``:
-    a child opens what it needs by name, as ``ring.open_slot_for_worker``
-    does), so does any other descriptor of a ``/dev/shm/shml-*`` file there
-    (one left open by an object dropped unclosed), and every mapping made
-    here gives up its duplicate at once (``_map``: the ``mmap`` object is
-    made anonymous, without a descriptor, and libc's ``mmap`` puts the
-    segment's pages over it at the same address).
-
-NOTE [creator-only cleanup]
-    A forked child (a DataLoader worker) inherits every object of its parent,
-    finalizers included: at its interpreter exit they would unlink the
-    parent's names. Every cleanup records the pid that created the resource
-    (``Segment.owner``, ``Hub``, the ring's finalizer) and is a no-op in any
-    other process. The writer's shared and read-only mappings of slots are
-    ``MADV_DONTFORK``: a child neither pins a retired slot nor inherits a
-    writable view of one; a worker that must write a slot opens it by name
-    itself (``ring.open_slot_for_worker``). A batch's private views are
-    inherited and made the child's own at once (NOTE [batches cross a fork]).
-
-NOTE [batches cross a fork]
-    A plain tensor survives a fork: the child reads its bytes (copy-on-write
-    pages). A delivered batch is a view of a private (copy-on-write) mapping
-    of a slot (``map_private``), and its unwritten pages show whatever the
-    slot holds now: what keeps them the batch's is the parent's hold on the
-    slot (NOTE [slot lifetime] in ``ring``), which a child has no part in. So
-    every live private view is inherited by a forked child (no
-    ``MADV_DONTFORK``) and, in a fork handler of the child, replaced by a
-    private anonymous copy of its bytes at the same address (``mremap`` of a
-    fresh copy over it, as ``pool`` does for kept collate outputs): the
-    child reads the batch as the parent had it at the fork, its writes stay
-    its own, and it holds no page and no descriptor of the slot afterwards,
-    so a retired slot is never pinned by a child. The parent's hold must
-    outlast the copy: the parent keeps every live view alive through the
-    fork and waits (``FORK_COPY_WAIT_S`` at most) until the child says its
-    copies are made, or is gone. The cost is one copy of the batches held at
-    the fork, in the child, in time and memory (``os.fork`` returns that much
-    later in the parent): fork DataLoader workers while a large batch is held
-    and each worker holds a copy; a forkserver or spawn context copies
-    nothing. Where the copy fails (no memory, no libc), the child keeps the
-    inherited view: right while the parent holds the batch.
+It owns the segment header (layout: docs/internals/wire.md), segment names
+(``/shml-<token>-<what>.<random>``: NOTE [unpredictable names]), the exclusive
+create and ``posix_fallocate``, checked opens and validated attach (NOTE
+[segment trust]), every mapping of a segment (shared, read-only and private
+views, none keeping a descriptor: NOTE [no inherited descriptors]; private views
+copied into a forked child: NOTE [batches cross a fork]), process liveness, and
+``touch`` off the GIL. It touches only files under the ring directory and
+imports only ``cleanup``, ``ringdir`` and ``errors``.
 """
 
 from __future__ import annotations
@@ -160,6 +60,19 @@ PAGE = mmap.PAGESIZE
 log = logging.getLogger(__name__)
 
 
+# NOTE [header granule]
+#     Every mapping of a payload (a reader's private view, a CUDA consumer's
+#     registered one) starts at offset ``HEADER_SIZE``, and ``mmap`` takes only
+#     offsets that are multiples of ``mmap.ALLOCATIONGRANULARITY``: 4 KiB on
+#     x86, 64 KiB on aarch64 kernels built with 64 KiB pages (GH200 nodes). So
+#     the header is one granule long, at least 4 KiB, and the header records
+#     the payload offset its creator used; ``validate`` refuses a segment whose
+#     offset is not this process's (a build or kernel that lays segments out
+#     differently) with a ``ProtocolError`` naming both, before anything is
+#     mapped. Version 2 of the header added that field; versions 1 and 2 refuse
+#     each other by version. ``SHMLOADER_HEADER_SIZE`` (a multiple of the
+#     granule) sets another length, so that the 64 KiB layout is tested on x86
+#     too, where a 64 KiB offset is just as valid.
 def header_size(env: str | None = None) -> int:
     """The header length of this process's segments (NOTE [header granule]).
 
@@ -426,6 +339,18 @@ class Segment:
             )
         return cls._initialise(name, fd, kind, token, capacity)
 
+    # NOTE [unpredictable names]
+    #     The ring token is visible to every local user in ``/dev/shm``, so a name
+    #     derived from it alone could be planted in advance (a FIFO there hangs an
+    #     ``open``, a file there fails a create). Every segment name therefore ends
+    #     in its own random part (64 bits from ``secrets``) that travels only in
+    #     our messages (BATCH carries ``seg``; the set-up exchange carries the probe
+    #     name). ``Segment.create_unique`` creates with ``O_CREAT | O_EXCL |
+    #     O_NOFOLLOW``; an object already at the name (planted, or a 2^-64
+    #     collision) means another random name, never a failure. Every open is
+    #     ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO or a device cannot block us) and is
+    #     ``fstat``-checked to be a regular file of our uid with mode 0600 before
+    #     a byte is read or mapped.
     @classmethod
     def create_unique(cls, stem: str, kind: int, token: str, capacity: int) -> Segment:
         """Create ``<stem>.<random>`` exclusively (NOTE [unpredictable names]).
@@ -546,6 +471,20 @@ class Segment:
         return f"Segment({self.name!r}, {self.header.kind_name}, {self.capacity} bytes)"
 
 
+# NOTE [no inherited descriptors]
+#     A forked child (a DataLoader worker made after the ring started, an eval
+#     loader's persistent workers) inherits every descriptor of its parent;
+#     a descriptor of a segment keeps the segment's memory alive after the
+#     parent retired and unlinked it, for as long as the child lives. Two
+#     kinds are held: each ``Segment``'s own descriptor, and the duplicate
+#     that Python's ``mmap.mmap`` keeps of the descriptor it maps. So every
+#     ``Segment`` closes its descriptor in a forked child (``os.register_at_fork``:
+#     a child opens what it needs by name, as ``ring.open_slot_for_worker``
+#     does), so does any other descriptor of a ``/dev/shm/shml-*`` file there
+#     (one left open by an object dropped unclosed), and every mapping made
+#     here gives up its duplicate at once (``_map``: the ``mmap`` object is
+#     made anonymous, without a descriptor, and libc's ``mmap`` puts the
+#     segment's pages over it at the same address).
 #: Every ``Segment`` of this process whose descriptor may be open.
 _OPEN: weakref.WeakSet[Segment] = weakref.WeakSet()
 
@@ -672,6 +611,15 @@ os.register_at_fork(after_in_child=_close_inherited)
 ANY_UID = -1
 
 
+# NOTE [segment trust]
+#     A segment is only ever read after ``attach`` validated its header against
+#     what the reader expects (kind, token) and checked that it belongs to our
+#     own uid and is mode 0600. Segments are created with ``O_EXCL``: a stale
+#     segment with the same name is an error, never silently reused. Liveness of
+#     an owner is (pid, start time): a recycled pid has a different start time.
+#     The header records the owner's pid namespace: an owner in another pid
+#     namespace (containers that share ``/dev/shm`` but not pids) cannot be
+#     judged by its pid, so ``owner_alive`` calls it alive (never reaped by pid).
 def validate(
     fd: int, name: str, *, kind: int | None, token: str | None, owner: int | None = None
 ) -> Header:
@@ -681,7 +629,7 @@ def validate(
     accepts any uid whose header names the file's own owner: only the node
     scan of root (``shmloader gc`` as root, ``shmloaderd`` in node mode) asks
     for it, and nothing it accepts is ever mapped (NOTE [reaping rule] in
-    ``shmloader._node.inventory``).
+    ``shmloader._node.reaping``).
     """
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
@@ -762,6 +710,16 @@ def list_segments() -> list[str]:
         return []
 
 
+# NOTE [creator-only cleanup]
+#     A forked child (a DataLoader worker) inherits every object of its parent,
+#     finalizers included: at its interpreter exit they would unlink the
+#     parent's names. Every cleanup records the pid that created the resource
+#     (``Segment.owner``, ``Hub``, the ring's finalizer) and is a no-op in any
+#     other process. The writer's shared and read-only mappings of slots are
+#     ``MADV_DONTFORK``: a child neither pins a retired slot nor inherits a
+#     writable view of one; a worker that must write a slot opens it by name
+#     itself (``ring.open_slot_for_worker``). A batch's private views are
+#     inherited and made the child's own at once (NOTE [batches cross a fork]).
 def dont_fork(mm: mmap.mmap) -> bool:
     """``MADV_DONTFORK`` on ``mm``: a forked child does not get this mapping.
 
@@ -825,6 +783,27 @@ os.register_at_fork(after_in_child=_reserve_in_child)
 
 # ------------------------------------------------- NOTE [batches cross a fork]
 
+# NOTE [batches cross a fork]
+#     A plain tensor survives a fork: the child reads its bytes (copy-on-write
+#     pages). A delivered batch is a view of a private (copy-on-write) mapping
+#     of a slot (``map_private``), and its unwritten pages show whatever the
+#     slot holds now: what keeps them the batch's is the parent's hold on the
+#     slot (NOTE [slot lifetime] in ``ring``), which a child has no part in. So
+#     every live private view is inherited by a forked child (no
+#     ``MADV_DONTFORK``) and, in a fork handler of the child, replaced by a
+#     private anonymous copy of its bytes at the same address (``mremap`` of a
+#     fresh copy over it, as ``pool`` does for kept collate outputs): the
+#     child reads the batch as the parent had it at the fork, its writes stay
+#     its own, and it holds no page and no descriptor of the slot afterwards,
+#     so a retired slot is never pinned by a child. The parent's hold must
+#     outlast the copy: the parent keeps every live view alive through the
+#     fork and waits (``FORK_COPY_WAIT_S`` at most) until the child says its
+#     copies are made, or is gone. The cost is one copy of the batches held at
+#     the fork, in the child, in time and memory (``os.fork`` returns that much
+#     later in the parent): fork DataLoader workers while a large batch is held
+#     and each worker holds a copy; a forkserver or spawn context copies
+#     nothing. Where the copy fails (no memory, no libc), the child keeps the
+#     inherited view: right while the parent holds the batch.
 #: Live private views (``map_private``): address -> (weak reference, length).
 _COPY_AT_FORK: dict[int, tuple[weakref.ref, int]] = {}
 #: Longest the parent's ``os.fork`` waits for a child to copy the views it inherited.

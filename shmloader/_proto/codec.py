@@ -1,87 +1,14 @@
-"""The codec: a batch <-> (small metadata, payload layout). Pure: no I/O.
+"""The codec: a batch <-> (small metadata, payload layout).
 
-``encode`` walks a collated batch once, refuses anything it cannot carry
-(before a byte is written anywhere), lays every array-like leaf out at an
-aligned offset of one flat payload and describes the rest as metadata.
-``write_payload`` copies the leaves into any writable byte buffer (a shared
-memory slot, a receive tensor); ``decode`` rebuilds the batch with every
-tensor a *view* into a given buffer. The same metadata and layout serve the
-shared-memory ring and the ``torch.distributed`` path, so the transports take
-the codec's output as a value and never look inside a batch.
-
-Metadata wire format (UTF-8 JSON, never pickle)::
-
-    {"v": 1,                        format version, checked first
-     "n": 4096,                     payload bytes (end of the last leaf)
-     "L": [[kind, dtype, shape, offset, nbytes], ...],   leaf table
-     "t": <node>}                   the batch tree
-
-    node := null | true | false | <int> | <float> | "<str>"   python leaves
-          | ["L", [node...]]                list
-          | ["T", [node...]]                tuple
-          | ["D", [[node, node]...]]        dict (insertion order kept)
-          | ["N", "mod:Qual", [node...]]    namedtuple
-          | ["C", "mod:Qual", [[field, node]...]]   dataclass
-          | ["M", "mod:Qual", [[node, node]...]]    other mapping (NOTE [mappings])
-          | ["M", "collections:defaultdict", [[node, node]...], factory]
-          | ["@", leaf_index]               array-like leaf (aliases share an index)
-          | ["F", "inf" | "-inf" | "nan"]   a non-finite float (JSON has none)
-          | ["I", "<hex>"]                  an int too long for a JSON number
-
-    leaf kinds: "t" torch tensor, "a" numpy array, "s" numpy scalar,
-                "b" bytes, "p" pickled object (only with allow_pickle)
-
-Payload layout: leaves in first-seen order, each at an offset aligned to
-``ALIGN`` bytes, contiguous, native byte order. Offsets are what the ring and
-the broadcast share::
-
-    0        64                 4160          4224
-    |leaf 0  |pad|leaf 1 ........|pad|leaf 2 ..|
-
-NOTE [placed leaves]
-    A writer that made some leaves directly inside the destination buffer (a
-    DataLoader worker whose collate stacked into its ring slot, see
-    ``worker``) passes ``placed=``: a leaf whose bytes already lie there,
-    contiguous and ``ALIGN``-aligned, keeps that offset and is not copied
-    again (its source in ``Encoded`` is ``None``); the other leaves follow
-    from ``start`` on, in first-seen order. Placed leaves never overlap one
-    another (a second view of the same bytes is copied like any other leaf),
-    so readers see the same independent leaves either way; the gaps between
-    leaves are never read. Decoders need nothing new: every leaf carries its
-    offset.
-
-NOTE [mappings]
-    A ``Mapping`` that is not a plain ``dict`` (``OrderedDict``, ``Counter``,
-    a ``UserDict`` subclass such as transformers' ``BatchEncoding``, any
-    importable mapping type) travels as its type's name and its items, and is
-    rebuilt as ``type(m)(items)``, the way ``default_collate`` rebuilds an
-    immutable mapping (a ``defaultdict`` as ``defaultdict(factory, items)``,
-    its factory ``None`` or a builtin type named in ``_FACTORIES``). A
-    mutable mapping's extra state (``default_collate`` keeps it with
-    ``copy.copy``) cannot travel without pickle, so the leader checks that the
-    rebuild loses none: the first time it meets a type, that ``type(m)(items)``
-    holds the same keys in the same order with the very same values; for
-    every batch, that each instance attribute and slot equals a fresh
-    ``type(m)({})``'s, but the one that holds the items (a ``UserDict``'s
-    ``data``, else the first dict of the very same items).
-    A ``BatchEncoding`` from ``tokenizer.pad`` (every padding collator)
-    passes; one from calling a fast tokenizer holds ``_encodings`` and is
-    refused, naming the attribute, before anything is written (or pickled
-    whole with ``allow_pickle``). The follower looks the type up as it does a
-    namedtuple's (NOTE [no imports from metadata]) and constructs it only if
-    it is a ``Mapping`` class other than ``dict``. ``rebuild_mapping`` is the
-    one rebuild every stage that walks a batch uses.
-
-NOTE [platform-dependent numpy types]
-    ``np.longdouble`` / ``np.clongdouble`` (``float128``, ``complex256``) are
-    the x87 80-bit extended type in 12 or 16 bytes on x86, IEEE quad on
-    aarch64 and plain double elsewhere; the bytes past the 80 bits are
-    padding whose content is undefined. Arrays are copied bit for bit (a void
-    view, never numpy's value loops, which may skip the padding), so an array
-    arrives byte-identical. A *scalar* round-trips by value: numpy itself
-    builds a scalar from a value, so its padding bytes are whatever numpy
-    left there. Ranks must share the platform's long double format (the
-    dtype string, e.g. ``<f16``, is checked on decode).
+Pure: no I/O. It owns the metadata format (UTF-8 JSON, never pickle, versioned)
+and the payload layout (aligned offsets, one flat buffer:
+docs/internals/wire.md): ``encode`` walks a batch once and refuses what it
+cannot carry before a byte is written, ``write_payload`` copies leaves into any
+writable buffer (NOTE [placed leaves]), ``decode`` rebuilds the batch as views
+of a buffer, validating untrusted metadata, and ``rebuild_mapping`` is the one
+rebuild of a mapping (NOTE [mappings]). It touches only the buffers it is given
+and imports only ``errors``; the ring and the cross-node path take its output as
+a value.
 """
 
 from __future__ import annotations
@@ -125,6 +52,16 @@ _REQUIRES_GRAD = (
 #: to convert ints of more than ``sys.get_int_max_str_digits()`` (>= 640)
 #: decimal digits to or from text, which a plain JSON number would need.
 _MAX_JSON_INT_BITS = 2000
+# NOTE [platform-dependent numpy types]
+#     ``np.longdouble`` / ``np.clongdouble`` (``float128``, ``complex256``) are
+#     the x87 80-bit extended type in 12 or 16 bytes on x86, IEEE quad on
+#     aarch64 and plain double elsewhere; the bytes past the 80 bits are
+#     padding whose content is undefined. Arrays are copied bit for bit (a void
+#     view, never numpy's value loops, which may skip the padding), so an array
+#     arrives byte-identical. A *scalar* round-trips by value: numpy itself
+#     builds a scalar from a value, so its padding bytes are whatever numpy
+#     left there. Ranks must share the platform's long double format (the
+#     dtype string, e.g. ``<f16``, is checked on decode).
 #: Leaves of these item sizes are copied as raw integers of the same size:
 #: some dtypes (uint1..7, int1..7) have no copy kernel at all, and bytes are
 #: bytes whatever the dtype.
@@ -189,6 +126,17 @@ def align(n: int, to: int = ALIGN) -> int:
 # --------------------------------------------------------------------- encode
 
 
+# NOTE [placed leaves]
+#     A writer that made some leaves directly inside the destination buffer (a
+#     DataLoader worker whose collate stacked into its ring slot, see
+#     ``collate``) passes ``placed=``: a leaf whose bytes already lie there,
+#     contiguous and ``ALIGN``-aligned, keeps that offset and is not copied
+#     again (its source in ``Encoded`` is ``None``); the other leaves follow
+#     from ``start`` on, in first-seen order. Placed leaves never overlap one
+#     another (a second view of the same bytes is copied like any other leaf),
+#     so readers see the same independent leaves either way; the gaps between
+#     leaves are never read. Decoders need nothing new: every leaf carries its
+#     offset.
 #: ``placed(obj, nbytes)``: the offset at which ``obj``'s bytes already lie in
 #: the destination, or None (NOTE [placed leaves]).
 Placed = Callable[[Any, int], "int | None"]
@@ -381,6 +329,27 @@ class _Encoder:
         return self.leaf(a, kind, a.dtype.str, tuple(a.shape), a.nbytes)
 
 
+# NOTE [mappings]
+#     A ``Mapping`` that is not a plain ``dict`` (``OrderedDict``, ``Counter``,
+#     a ``UserDict`` subclass such as transformers' ``BatchEncoding``, any
+#     importable mapping type) travels as its type's name and its items, and is
+#     rebuilt as ``type(m)(items)``, the way ``default_collate`` rebuilds an
+#     immutable mapping (a ``defaultdict`` as ``defaultdict(factory, items)``,
+#     its factory ``None`` or a builtin type named in ``_FACTORIES``). A
+#     mutable mapping's extra state (``default_collate`` keeps it with
+#     ``copy.copy``) cannot travel without pickle, so the leader checks that the
+#     rebuild loses none: the first time it meets a type, that ``type(m)(items)``
+#     holds the same keys in the same order with the very same values; for
+#     every batch, that each instance attribute and slot equals a fresh
+#     ``type(m)({})``'s, but the one that holds the items (a ``UserDict``'s
+#     ``data``, else the first dict of the very same items).
+#     A ``BatchEncoding`` from ``tokenizer.pad`` (every padding collator)
+#     passes; one from calling a fast tokenizer holds ``_encodings`` and is
+#     refused, naming the attribute, before anything is written (or pickled
+#     whole with ``allow_pickle``). The follower looks the type up as it does a
+#     namedtuple's (NOTE [no imports from metadata]) and constructs it only if
+#     it is a ``Mapping`` class other than ``dict``. ``rebuild_mapping`` is the
+#     one rebuild every stage that walks a batch uses.
 #: The ``default_factory`` values a ``defaultdict`` may carry (NOTE [mappings]):
 #: builtin types only, so a peer never names a callable to run here.
 _FACTORIES: dict[str, type] = {

@@ -1,25 +1,26 @@
 """A rank's waits for its batches: a fixed-bucket histogram, O(1) per batch.
 
-Every batch a rank takes adds its wait (milliseconds) to one bucket; nothing
-grows with the number of batches. Bucket ``i`` counts waits in
-``(BOUNDS_MS[i-1], BOUNDS_MS[i]]`` (bucket 0 everything up to the first
-bound, the last one everything above the last bound). Bounds are
-``2 ** (k / 4)`` ms for ``k`` in -28 .. 68, about 7.8 us to 131 s in steps of
-19%: a percentile read from the buckets is within that step of the exact one.
-
-Two views, both from the same ``add``:
-
-- since the first batch (``counts``, ``sum_ms``): what the daemon exports as a
-  Prometheus histogram, which must only grow;
-- recent batches (the current window of ``WINDOW`` and the previous one):
-  what ``p50``/``p95``/``p99`` in ``shmloader stat`` describe, so a rank that
-  stalls now shows it now, not diluted by an hour of good batches.
+It owns ``WaitHistogram`` (every wait since the first batch, for the daemon's
+Prometheus histogram, and the recent windows behind ``stat``'s p50/p95/p99) and
+the bucket bounds both sides share (``BOUNDS_MS``, ``valid_counts``). Pure
+arithmetic: it imports nothing and touches nothing outside its own counters.
 """
 
 from __future__ import annotations
 
 import math
 
+# Every batch a rank takes adds its wait (milliseconds) to one bucket; nothing
+# grows with the number of batches. Bucket ``i`` counts waits in
+# ``(BOUNDS_MS[i-1], BOUNDS_MS[i]]`` (bucket 0 everything up to the first
+# bound, the last one everything above the last bound). Bounds are
+# ``2 ** (k / 4)`` ms for ``k`` in -28 .. 68, about 7.8 us to 131 s in steps of
+# 19%: a percentile read from the buckets is within that step of the exact one.
+# Two views come from the same ``add``: since the first batch (``counts``,
+# ``sum_ms``), what the daemon exports as a Prometheus histogram, which must only
+# grow; and recent batches (the current window of ``WINDOW`` and the previous
+# one), what ``p50``/``p95``/``p99`` in ``shmloader stat`` describe, so a rank
+# that stalls now shows it now, not diluted by an hour of good batches.
 #: Upper bounds of the buckets, milliseconds (the last bucket is unbounded).
 BOUNDS_MS: tuple[float, ...] = tuple(2 ** (k / 4) for k in range(-28, 69))
 _FIRST_K = -28
@@ -63,7 +64,7 @@ def quantile(counts: list[int], q: float) -> float | None:
 
 
 class WaitHistogram:
-    """Waits of one rank (see the module docstring)."""
+    """Waits of one rank (the buckets and the two views: at ``BOUNDS_MS``)."""
 
     def __init__(self) -> None:
         self.counts = [0] * NBUCKETS

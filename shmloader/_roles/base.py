@@ -1,48 +1,12 @@
-"""The roles behind ``ShmLoader``: their contract, what they share, and the map.
+"""The roles behind ``ShmLoader``: their contract, what they share, and what several of them use.
 
-``ShmLoader`` (``loader``) is the public façade; ``startup.build`` makes
-one role object from the topology, and the façade holds it by composition::
-
-    role          object      module     holds (by composition)
-    ----          ------      ------     ----------------------
-    local         Local       local      Source (the user's loader)
-    leader        Leader      leader     Source, NodeWriter, WorkerPool?
-    node leader   Relay       relay      Receiver, NodeWriter, CrossNode
-    follower      Follower    follower   Receiver, RingReader, Spoke (_Releaser)
-
-    NodeWriter (node_writer): what the leader and a node leader do as their node's writer
-    Receiver (receiver): what a node leader and a follower do with what they receive
-
-Every role has the same small contract (``Role``): ``iterate(it, cursor,
-skip)`` returns the iterator of one ``iter()`` (``ready()`` first says
-whether one can start); ``set_epoch(epoch)`` passes
-the epoch on (to the loader, to the writer's stamps); ``close()`` is the orderly
-part of closing (a follower's BYE, a writer's STOP); ``closers()`` the
-resources to free, in order (also run by the finalizer at exit);
-``stats()`` what the role adds to ``ShmLoader.stats()``. What several
-roles share is one ``Context`` passed in: the config, the ``Cursor`` and
-``Boundary`` (``cursor``), the ``RankStats`` and the report hook
-(``report``); each of its fields has one writer (``cursor`` draws the table).
-
-This module also holds what several roles use: the error bodies carried by
-ERROR messages, the payload CRC (``SHMLOADER_VERIFY``) and owned copies
-(``SHMLOADER_COPY``). Role modules never import ``loader`` nor each other's
-roles (``leader`` builds on ``local``'s ``Source``, the writer and reader on
-nothing of a role).
-
-NOTE [no batch in the frame]
-    A generator keeps its locals alive while it is suspended at ``yield``. A
-    batch stored in a local would stay referenced one step after the user
-    dropped it: its slot would not be released and the ring would grow by one
-    slot. The loops therefore yield straight from an expression (``box.pop()``,
-    a call) and keep no batch, payload or view in a local across a ``yield``.
-
-NOTE [small leaves]
-    Tensors and arrays of at most ``Config.small_copy_bytes`` (64 KiB) are
-    decoded as owned copies, not views of the slot, on every rank: keeping
-    ``batch["labels"]`` for an epoch-level metric then keeps nothing of the
-    slot, which is released as soon as the large leaves die. A batch made
-    only of small leaves is released right at delivery.
+It owns ``Role`` (``ready``, ``iterate``, ``set_epoch``, ``close``, ``closers``,
+``stats``), the ``Context`` every role of one loader shares (config, cursor and
+boundary, counters, the report hook: each field with one owner), the ``Gate``
+that lets one thread at a time into a role's code (NOTE [close from any
+thread]), ERROR bodies, the payload CRC and owned copies. It imports ``codec``,
+``cursor``, ``stats``, ``config`` and ``errors``, never ``loader`` nor a role;
+the map of roles is in docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -233,6 +197,12 @@ class Role(Protocol):
         """Raise if no iteration can start (a follower whose writer closed)."""
         ...
 
+    # NOTE [no batch in the frame]
+    #     A generator keeps its locals alive while it is suspended at ``yield``. A
+    #     batch stored in a local would stay referenced one step after the user
+    #     dropped it: its slot would not be released and the ring would grow by one
+    #     slot. The loops therefore yield straight from an expression (``box.pop()``,
+    #     a call) and keep no batch, payload or view in a local across a ``yield``.
     def iterate(self, it: int, cursor: int, skip: bool) -> Iterator[Any]:
         """The batches of iteration ``it``, starting at position ``cursor`` of the epoch.
 
@@ -258,6 +228,12 @@ class Role(Protocol):
         ...
 
 
+# NOTE [small leaves]
+#     Tensors and arrays of at most ``Config.small_copy_bytes`` (64 KiB) are
+#     decoded as owned copies, not views of the slot, on every rank: keeping
+#     ``batch["labels"]`` for an epoch-level metric then keeps nothing of the
+#     slot, which is released as soon as the large leaves die. A batch made
+#     only of small leaves is released right at delivery.
 def _owned_copy(batch: Any) -> Any:
     """Replace shared views by owned copies (``SHMLOADER_COPY=1``).
 

@@ -1,51 +1,10 @@
 """Where a rank is: its iterations and epoch (``Cursor``), its step boundary (``Boundary``).
 
-Every role reads and moves the same two objects, which ``ShmLoader`` makes
-once and passes to the role it builds; each field has one writer::
-
-    Cursor field    written by                       read by
-    ------------    ----------                       -------
-    epoch           set_epoch (ShmLoader)            every role (stamps, checks)
-    it, iter_epoch  begin (ShmLoader.__iter__)       every role
-    delivered       begin; count (the role's loop)   roles, checkpoints
-    exhausted       begin; finish (the role's loop)  checkpoints
-    sampler_base    begin, set_epoch                 checkpoints
-    resume          checkpoint.load, begin takes it  checkpoints
-    left, noted     note_left                        reader (a writer still in a left iteration)
-
-    Boundary field  written by                       read by
-    --------------  ----------                       -------
-    rng             capture (a step's first request) checkpoints
-    pending, undo   checkpoint.load, begin            begin, the leader's Source
-    opened          the leader's Source (open)        checkpoints
-    resume_open     checkpoint.load                   the leader's Source, checkpoints
-    loader_state    the leader's Source (boundary)    checkpoints
-    just_opened     the leader's Source               the leader's Source
-
-NOTE [iteration numbers]
-    Every rank counts its own ``iter()`` calls; the writer stamps each message
-    with (``it``: its count, ``epoch``: its ``set_epoch``, ``pos``: the
-    batch's index in the epoch, resumed cursor included). All ranks of a group
-    must iterate in the same pattern (same epochs, same early ``break``s, same
-    resume), so equal counts mean the same iteration. A reader asking for
-    batch ``p`` of iteration ``it`` at epoch ``e``:
-
-    - BATCH/END of ``it`` stamped ``(e, p)``: the batch, or the normal end;
-    - any other ``(epoch, pos)`` in ``it``, or a message of a *later*
-      iteration (the writer broke out of ``it`` while this rank did not):
-      ``DivergenceError`` naming both positions, never a silent short epoch
-      (the later message is kept for this rank's next iteration);
-    - STOP (``KeyboardInterrupt``/``SystemExit`` in the leader's loader):
-      ``LeaderStoppedError``, not a normal end; ERROR: ``LeaderError``;
-    - a message of an *earlier* iteration: this rank broke out of that one
-      before the writer did. Its batches are ACKed and released inside the
-      receive path (the writer may be waiting for exactly those ACKs), a
-      warning names both positions once, and the wait goes on: the current
-      iteration is received whole.
-
-    An early ``break`` on every rank at the same point sends nothing extra
-    (the leader publishes only what its user takes) and needs no message.
-    A node leader applies the same rules to the leader's cross-node stamps.
+``ShmLoader`` makes both once and passes them to the role it builds; every role
+reads them, and each field has one writer (drawn above each class). It owns the
+stamps a writer puts on every message and a reader checks (NOTE [iteration
+numbers]) and where this rank left an unfinished iteration. It imports only
+``rng``.
 """
 
 from __future__ import annotations
@@ -59,6 +18,42 @@ from . import rng
 LEFT_KEPT = 5
 
 
+# NOTE [iteration numbers]
+#     Every rank counts its own ``iter()`` calls; the writer stamps each message
+#     with (``it``: its count, ``epoch``: its ``set_epoch``, ``pos``: the
+#     batch's index in the epoch, resumed cursor included). All ranks of a group
+#     must iterate in the same pattern (same epochs, same early ``break``s, same
+#     resume), so equal counts mean the same iteration. A reader asking for
+#     batch ``p`` of iteration ``it`` at epoch ``e``:
+#
+#     - BATCH/END of ``it`` stamped ``(e, p)``: the batch, or the normal end;
+#     - any other ``(epoch, pos)`` in ``it``, or a message of a *later*
+#       iteration (the writer broke out of ``it`` while this rank did not):
+#       ``DivergenceError`` naming both positions, never a silent short epoch
+#       (the later message is kept for this rank's next iteration);
+#     - STOP (``KeyboardInterrupt``/``SystemExit`` in the leader's loader):
+#       ``LeaderStoppedError``, not a normal end; ERROR: ``LeaderError``;
+#     - a message of an *earlier* iteration: this rank broke out of that one
+#       before the writer did. Its batches are ACKed and released inside the
+#       receive path (the writer may be waiting for exactly those ACKs), a
+#       warning names both positions once, and the wait goes on: the current
+#       iteration is received whole.
+#
+#     An early ``break`` on every rank at the same point sends nothing extra
+#     (the leader publishes only what its user takes) and needs no message.
+#     A node leader applies the same rules to the leader's cross-node stamps.
+#
+# Each field has one writer:
+#
+#     Cursor field    written by                       read by
+#     ------------    ----------                       -------
+#     epoch           set_epoch (ShmLoader)            every role (stamps, checks)
+#     it, iter_epoch  begin (ShmLoader.__iter__)       every role
+#     delivered       begin; count (the role's loop)   roles, checkpoints
+#     exhausted       begin; finish (the role's loop)  checkpoints
+#     sampler_base    begin, set_epoch                 checkpoints
+#     resume          checkpoint.load, begin takes it  checkpoints
+#     left, noted     note_left                        reader (a writer still in a left iteration)
 @dataclasses.dataclass
 class Cursor:
     """This rank's iteration count, epoch and position in it."""
@@ -137,6 +132,16 @@ class Cursor:
         return self.left.pop(it, None)
 
 
+# Each field has one writer:
+#
+#     Boundary field  written by                       read by
+#     --------------  ----------                       -------
+#     rng             capture (a step's first request) checkpoints
+#     pending, undo   checkpoint.load, begin            begin, the leader's Source
+#     opened          the leader's Source (open)        checkpoints
+#     resume_open     checkpoint.load                   the leader's Source, checkpoints
+#     loader_state    the leader's Source (boundary)    checkpoints
+#     just_opened     the leader's Source               the leader's Source
 class Boundary:
     """This rank's RNG and loader state at the optimizer-step boundary and the epoch's start.
 
@@ -173,7 +178,7 @@ class Boundary:
     def user_request(self, delivered: int) -> None:
         """``capture`` at the user's ``next()`` under device prefetch.
 
-        NOTE [checkpoints under prefetch] (``device``): the loop pulls up to
+        NOTE [checkpoints under prefetch] (``shmloader.device.stage``): the loop pulls up to
         ``prefetch`` batches before the user asks for them, so the step
         boundary is counted in batches handed to the user, and the capture is
         made before the stage pulls anything for this request.

@@ -1,23 +1,12 @@
 """A follower: maps what its node's writer published.
 
-One batch, on a follower (``Follower.iterate``)::
-
-    writer                          follower
-    ------                          --------
-    hub.publish(BATCH) --ZeroMQ---> _next_event: spoke receives BATCH
-                                    (stamp checked: NOTE [iteration numbers] in cursor)
-                    <----ACK------- took batch seq
-                    <--ATTACHED---- _attach: first map of the segment
-                                    mmap slot MAP_PRIVATE (_map)
-                                    yield codec.decode(view)
-                                    ... batch garbage ->
-    ring.release  <--RELEASE------- weakref.finalize (_Releaser, NOTE [prompt release])
-    a slot retired --RETIRE-------> its descriptor closed (NOTE [retired slots] in ring)
-
-A follower holds a ``Receiver`` (stamp checks and delivery), its node's
-``RingReader`` (mappings), its ``Spoke`` and the ``_Releaser`` that owns the
-spoke's outgoing side. It owns ``stash`` (a message of the writer's next
-iteration) and ``writer_closed``.
+It owns ``Follower`` (the loop over its ``Spoke``: BATCH mapped copy-on-write
+and delivered through its ``Reader``, RETIRE, END, ERROR, STOP; HELLO and BYE;
+``stash``, a message of the writer's next iteration, and ``writer_closed``) and
+``_Releaser``, the owner of the spoke's outgoing side and of the RELEASEs sent
+the moment a batch dies (NOTE [prompt release], NOTE [one thread per socket]).
+It touches its node's ring only through a ``RingReader`` and the release words;
+its way through one batch is in docs/internals/flow.md.
 """
 
 from __future__ import annotations
@@ -69,7 +58,7 @@ class _Releaser:
           a wait flushes it once per slice: releases queued by other threads
           leave with the owner's next call or within one slice of a wait;
         - ``close()`` on another thread first waits for the iterating thread
-          to leave (NOTE [close from any thread] in ``roles``), and closes
+          to leave (NOTE [close from any thread] in ``base``), and closes
           the socket under ``lock``.
     """
 
@@ -261,7 +250,7 @@ class Follower:
             self.ring.retire(msg["seg"])
             return False
         terminal = msg.kind in (Kind.ERROR, Kind.STOP)
-        if terminal:  # the writer waits (bounded) until it knows we have it: _tell_last
+        if terminal:  # the writer waits (bounded) until it knows we have it: Writer.tell_last
             self.out.send(wire.frames(Kind.ACK, msg.seq, rank=self.topo.me))
         msg_it = msg.body.get("it", it)
         if msg_it == it:

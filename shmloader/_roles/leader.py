@@ -34,7 +34,7 @@ def worker_pool(
     daemon: DaemonClient | None,
     peers: dict[int, tuple[int, int, int]],
 ) -> WorkerPool | None:
-    """A slot pool written by the leader's DataLoader workers (``worker``), or None.
+    """A slot pool written by the leader's DataLoader workers (``collate``), or None.
 
     Only for a ``torch.utils.data.DataLoader`` with ``num_workers > 0``;
     any other loader is written by the leader's main process. ``peers``:
@@ -113,11 +113,11 @@ class Leader:
                 source.boundary_reached()
                 writer.free_released()  # before we block on the workers
                 before = rng.snapshot()
-                box = []  # NOTE [no batch in the frame] (roles)
+                box = []  # NOTE [no batch in the frame] (base)
                 t_wait = time.perf_counter()
                 try:
                     # the user's code: close() from another thread need not wait for
-                    # it (NOTE [close from any thread] in roles)
+                    # it (NOTE [close from any thread] in base)
                     with ctx.check_open.outside():
                         box.append(next(batches))
                 except StopIteration:

@@ -1,31 +1,11 @@
 """The rank that runs the user's loader: its ``Source``, and the ``Local`` role (sharing off).
 
-With sharing off every rank is *local*: it iterates its own loader exactly
-as without shmloader, and runs its batches through the codec's checks until
-one would be refused with sharing on, which it names in one warning
-(NOTE [sharing off is plain torch])::
-
-    local (Local.iterate)
-    -----
-    source = Source.open(skip)     (iter(loader), then skip a resumed cursor)
-    Source.boundary()              (optimizer-step boundary: loader state, RNG)
-    batch = next(source)
-    codec.encode(batch)            (metadata only: warns once what sharing would refuse)
-    yield batch
-
-The leader (``leader``) opens and steps its loader through the same ``Source``.
-
-NOTE [sharing off is plain torch]
-    With sharing off every rank delivers exactly what its loader yields, as
-    without shmloader: a batch that plain torch accepts (a ``pathlib.Path``,
-    a tensor that requires grad, any object) is never refused. Each batch
-    still runs through the codec's checks (``codec.encode``: metadata only,
-    no payload copy) until the first one sharing would refuse, which is
-    named in one warning carrying the ``UnsupportedBatchError`` that
-    ``SHMLOADER=1`` would raise; later batches are not checked. With sharing
-    on such a batch is refused before anything is written. ``len()`` and
-    ``next()`` after ``close()`` raise the same ``ShmLoaderError`` in both
-    modes.
+``Source`` opens the user's loader, fast-forwards it on a resume, steps it,
+records the step boundary and counts its RNG draws (the leader uses it too; NOTE
+[limits of exact resume]); ``Local`` iterates it exactly as without shmloader,
+warning once about what sharing would refuse (NOTE [sharing off is plain
+torch]). It touches the user's loader and sampler and nothing shared; it imports
+``codec``, ``base``, ``cursor``, ``rng``, ``arrival`` and ``errors``.
 """
 
 from __future__ import annotations
@@ -170,6 +150,17 @@ class Source:
         return self.loader.state_dict() if stateful(self.loader) else None  # type: ignore[union-attr]
 
 
+# NOTE [sharing off is plain torch]
+#     With sharing off every rank delivers exactly what its loader yields, as
+#     without shmloader: a batch that plain torch accepts (a ``pathlib.Path``,
+#     a tensor that requires grad, any object) is never refused. Each batch
+#     still runs through the codec's checks (``codec.encode``: metadata only,
+#     no payload copy) until the first one sharing would refuse, which is
+#     named in one warning carrying the ``UnsupportedBatchError`` that
+#     ``SHMLOADER=1`` would raise; later batches are not checked. With sharing
+#     on such a batch is refused before anything is written. ``len()`` and
+#     ``next()`` after ``close()`` raise the same ``ShmLoaderError`` in both
+#     modes.
 class Local:
     """The local role's loop: the user's loader as it is (sharing off)."""
 
@@ -199,9 +190,9 @@ class Local:
         while True:
             ctx.check_open()
             source.boundary_reached()
-            box = []  # NOTE [no batch in the frame] (roles)
+            box = []  # NOTE [no batch in the frame] (base)
             try:
-                with ctx.check_open.outside():  # NOTE [close from any thread] (roles)
+                with ctx.check_open.outside():  # NOTE [close from any thread] (base)
                     box.append(next(batches))
             except StopIteration:
                 ctx.cursor.finish()

@@ -76,7 +76,7 @@ class NodeWriter:
             self.xnode.position = (self.ctx.cursor.epoch, self.pos)
 
     def describe(self, description: dict) -> None:
-        """Rewrite the ring's description for ``stat`` (``report.Reporter``)."""
+        """Rewrite the ring's description for ``stat`` (``stats.Reporter``)."""
         self.ring.describe(description)
 
     def stats(self) -> dict[str, Any]:
@@ -451,7 +451,7 @@ class NodeWriter:
         t0 = time.perf_counter()
         peers = self.topo.peer
         # once a slice: close() from another thread ends the wait (NOTE [close from any
-        # thread] in roles); a test's bare context has no gate
+        # thread] in base); a test's bare context has no gate
         idle = getattr(self.ctx, "check_open", None)
         hub.wait(
             handle, lambda: [peers(r) for r in waiting()], timeout=timeout, doing=doing, idle=idle

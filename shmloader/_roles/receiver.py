@@ -101,7 +101,7 @@ class Receiver:
             own_below=self.config.small_copy_bytes,
         )
         nbytes = payload.nbytes
-        del payload  # NOTE [small leaves] (roles): a batch of small leaves only is released here
+        del payload  # NOTE [small leaves] (base): a batch of small leaves only is released here
         if self.config.copy:
             batch = _owned_copy(batch)
         cursor, counts = self.ctx.cursor, self.ctx.stats.counts

@@ -112,7 +112,7 @@ class Relay:
             t_wait = time.perf_counter()
             if self.stash is None:
                 # gloo only: close() need not wait for the leader's next header
-                # (NOTE [close from any thread] in roles)
+                # (NOTE [close from any thread] in base)
                 with ctx.check_open.outside():
                     self.stash = xnode.receive_header()
             event, self.stash = self.stash, None

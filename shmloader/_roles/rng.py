@@ -1,34 +1,11 @@
 """Keeping every rank's default CPU generator where sharing-off would leave it.
 
-NOTE [RNG mirroring]
-    Without shmloader every SP rank runs its own DataLoader, and PyTorch draws
-    from the rank's *default* CPU generator while doing so: one int64 base seed
-    each time an underlying iterator is created (first ``iter()``; again every
-    epoch unless workers are persistent), plus, with a ``RandomSampler`` that
-    has no generator of its own, one int64 seed per epoch for the shuffle.
-    With sharing on, followers create no iterator, so they must make the same
-    draws themselves (draw once, discard) and nothing else; otherwise every
-    later ``torch.rand`` in training (dropout, augmentation) shifts.
-
-    The leader does not guess how many draws happened: it snapshots the
-    default generator around each ``iter()`` and ``next()`` of its loader and
-    counts the int64 draws that turn the old state into the new one
-    (``count_draws``). The count travels with every BATCH and END message and
-    followers replay it (``mirror_draws``) before they hand the batch over.
-    ``will_consume_base_seed`` states PyTorch's rule for the base seed; its
-    truth-table test is what catches a PyTorch upgrade that changes the rule.
-
-    Counting is in units of one int64 draw, and what followers must match is
-    the generator's *state*: any draw that advances the state as far as n
-    int64 draws do is mirrored exactly by n int64 draws. Not covered:
-    randomness the leader's loader draws in the main process that advances
-    the state by no whole number of int64 draws (some ``torch.rand`` sizes in
-    a ``collate_fn`` run with ``num_workers=0``); the count then comes back
-    ``None``, the leader warns once, and followers cannot mirror it. That
-    randomness is the user's: move it into workers or give it its own
-    generator. Draws inside worker processes never touch the main process's
-    generator and need no mirroring. What ``make_loader`` itself draws on the
-    leader is mirrored once, at set-up (NOTE [factory draws]).
+It owns counting and mirroring draws (``count_draws``, ``mirror_draws``: NOTE
+[RNG mirroring]; the factory's words, NOTE [factory draws]) and the captures of
+the default generators at a step boundary and at the epoch's start that
+checkpoints carry (``capture``, ``check``, ``restore``: NOTE [RNG at the step
+boundary], NOTE [RNG at the epoch's start]). It touches only torch's, Python's
+and numpy's default generators and imports only ``errors``.
 """
 
 from __future__ import annotations
@@ -39,6 +16,35 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+# NOTE [RNG mirroring]
+#     Without shmloader every SP rank runs its own DataLoader, and PyTorch draws
+#     from the rank's *default* CPU generator while doing so: one int64 base seed
+#     each time an underlying iterator is created (first ``iter()``; again every
+#     epoch unless workers are persistent), plus, with a ``RandomSampler`` that
+#     has no generator of its own, one int64 seed per epoch for the shuffle.
+#     With sharing on, followers create no iterator, so they must make the same
+#     draws themselves (draw once, discard) and nothing else; otherwise every
+#     later ``torch.rand`` in training (dropout, augmentation) shifts.
+#
+#     The leader does not guess how many draws happened: it snapshots the
+#     default generator around each ``iter()`` and ``next()`` of its loader and
+#     counts the int64 draws that turn the old state into the new one
+#     (``count_draws``). The count travels with every BATCH and END message and
+#     followers replay it (``mirror_draws``) before they hand the batch over.
+#     ``will_consume_base_seed`` states PyTorch's rule for the base seed; its
+#     truth-table test is what catches a PyTorch upgrade that changes the rule.
+#
+#     Counting is in units of one int64 draw, and what followers must match is
+#     the generator's *state*: any draw that advances the state as far as n
+#     int64 draws do is mirrored exactly by n int64 draws. Not covered:
+#     randomness the leader's loader draws in the main process that advances
+#     the state by no whole number of int64 draws (some ``torch.rand`` sizes in
+#     a ``collate_fn`` run with ``num_workers=0``); the count then comes back
+#     ``None``, the leader warns once, and followers cannot mirror it. That
+#     randomness is the user's: move it into workers or give it its own
+#     generator. Draws inside worker processes never touch the main process's
+#     generator and need no mirroring. What ``make_loader`` itself draws on the
+#     leader is mirrored once, at set-up (NOTE [factory draws]).
 #: Give up counting after this many draws between two snapshots.
 MAX_COUNTED_DRAWS = 64
 #: Most draws one message can carry: an ``iter()`` and a ``next()``, each counted.
@@ -140,7 +146,7 @@ def mirror_draws(n: int) -> None:
 # -------------------------------------------------------------- the factory
 #
 # NOTE [factory draws]
-#     ``make_loader`` runs on the leader only (``startup._agree_on_loader``),
+#     ``make_loader`` runs on the leader only (``build._agree_on_loader``),
 #     and a factory may draw from the default generators while it builds:
 #     torchdata's ``StatefulDataLoader(shuffle=True)`` seeds its sampler from
 #     torch's generator in the constructor, a ``random_split`` or a

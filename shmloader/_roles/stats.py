@@ -1,18 +1,11 @@
 """What a rank counts and reports: its counters (``RankStats``) and ``shmloader stat``'s rows.
 
-Every role counts into one ``RankStats`` (each counter has one writer: the
-role that does the counted work). A ``Reporter`` turns them into what
-``shmloader stat`` shows, at most once a second::
-
-    writer (leader, node leader)               reader (follower)
-    ----------------------------               -----------------
-    ring.describe(rows of every rank)          (nothing in /dev/shm)
-      found by a scan of /dev/shm, no daemon
-    daemon.report(own row; each reader's       daemon.report(own row)
-      consumed and lag, from its ACKs)
-
-The daemon is optional: without one (embedded mode) ``connect_daemon``
-returns None and the writer's description is all ``stat`` reads.
+Every role counts into one ``RankStats`` (each counter written by the role that
+does the counted work); a ``Reporter`` turns them, at most once a second, into
+the writer's ring description (what a scan of /dev/shm shows) and the daemon's
+per-rank reports (docs/internals/flow.md). It touches the ring's description and
+the daemon client it is given (``connect_daemon``: None in embedded mode),
+nothing else.
 """
 
 from __future__ import annotations
@@ -59,9 +52,9 @@ class RankStats:
         self.waits.add(ms)
 
     def wait_fields(self) -> dict[str, Any]:
-        """This rank's waits for ``stat``: ``wait_ms_p50``/``_p95``/``_p99`` over recent
-        batches and ``wait_share``, the share of wall time spent waiting; {} before
-        the first batch."""
+        """This rank's waits for ``stat``: ``wait_ms_p50``, ``wait_ms_p95``, ``wait_ms_p99``
+        over recent batches and ``wait_share``, the share of wall time spent waiting; {}
+        before the first batch."""
         if not len(self.waits) or self.wait_since is None:
             return {}
         wall_ms = (time.perf_counter() - self.wait_since) * 1e3
@@ -105,8 +98,8 @@ def describe(topo: GroupTopology, job: str | None) -> dict:
 def device_fields(stage: DeviceStage | None) -> dict[str, Any]:
     """This rank's device-delivery counters for ``shmloader stat``; empty without a device.
 
-    The raw counters (``admin.DEVICE_REPORTED``); ``stat`` derives the
-    bandwidth from them (``admin.device_fields``).
+    The raw counters (``inventory.DEVICE_REPORTED``); ``stat`` derives the
+    bandwidth from them (``inventory.device_fields``).
     """
     if stage is None or not stage.on_device:
         return {}

@@ -1,34 +1,12 @@
 """Who is where: node identity, roles in an SP group, and the set-up exchange.
 
-Ranks share a node exactly when they can map the same ``/dev/shm``. Host
-names lie (two containers on one host with separate ``/dev/shm`` are two
-nodes), so identity is decided from facts the ranks exchange and then
-verified:
-
-1. every rank *claims* a node key: ``SHMLOADER_NODE`` (when set), the kernel's
-   boot id and the device and inode of ``/dev/shm`` (the ring directory:
-   ``SHMLOADER_SHM_DIR``);
-2. every rank creates a small probe segment of a random name (carried in the
-   claim, NOTE [unpredictable names]) and holds a life lock on it
-   (NOTE [liveness across pid namespaces] in ``channel``);
-3. after one all-gather of the claims, each rank tries to open the probes of
-   the ranks that claim its key; a second all-gather shares what each saw;
-4. a node is a set of ranks with the same claim that *mutually* saw each
-   other's probe. Ranks that claim a node but cannot see each other are split
-   apart, never merged.
-
-Roles in one group (``GroupTopology``)::
-
-    node A (the leader's)              node B                      node C
-    +-----------------------+         +---------------------+     +-------------+
-    | leader   (rank 0)     |  bcast  | node leader (rank 4)|     | node leader |
-    |   loads, writes ring  |========>|   receives into ring|====>|   (rank 8)  |
-    | followers (1, 2, 3)   |         | followers (5, 6, 7) |     | (no others) |
-    |   map slots over ZMQ  |         |   map slots         |     |             |
-    +-----------------------+         +---------------------+     +-------------+
-
-The leader is the group's lowest global rank; each other node's writer is its
-lowest rank. The payload crosses the network once per node.
+It owns the facts each rank shares (``RankFacts``), the node claim and the probe
+segments with their life locks that decide which ranks share a ``/dev/shm``
+(host names lie), ``GroupTopology`` (the leader, each node's writer and readers)
+and the all-gathers of bytes (no pickle) of the set-up; how nodes are decided is
+in docs/internals/flow.md. It touches only its own probe segment and runtime
+directory, and imports only the node layer, ``channel``'s ``Peer`` and
+``errors``.
 """
 
 from __future__ import annotations
@@ -206,7 +184,7 @@ class GroupTopology:
 
 
 def node_claim(override: str | None) -> str:
-    """This rank's claimed node key (see the module docstring)."""
+    """This rank's claimed node key (how nodes are decided: docs/internals/flow.md)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()

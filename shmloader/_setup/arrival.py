@@ -1,42 +1,11 @@
 """Set-up arrival: each rank's mark in the process group's store, read before any collective.
 
-NOTE [set-up marks]
-    Every rank that constructs a ``ShmLoader`` over a group of more than one
-    rank leaves a *mark* in the default store of ``torch.distributed`` (the
-    key-value store every rank already reaches; no collective), whether
-    sharing is on or off::
-
-        shmloader/setup/<ranks, '-'-joined>/<n>/<rank>   -> JSON mark
-        shmloader/setup/<ranks, '-'-joined>/<n>/on       -> a rank with sharing on
-        shmloader/setup/<ranks, '-'-joined>/<n>/hb/<rank> -> heartbeat counter
-
-    ``n`` counts this process's ShmLoaders over the same ranks (train and eval
-    loaders, a second construction after a failed one): every rank of a
-    group constructs its loaders over that group in the same order, so equal
-    ``n`` means the same construction. A mark holds the rank's pid, start
-    time, boot id, pid namespace, host, node claim, whether sharing is on and
-    the settings every rank must agree on (``AGREED``).
-
-    - Sharing off costs one ``set`` and one ``check`` of the ``on`` key, no
-      wait: a rank with sharing off whose peers have it on says so once in a
-      warning, and loads its own batches as without shmloader.
-    - Sharing on: the rank waits until every rank of the group has marked,
-      reading each mark once as it appears (every ``POLL_S``, after
-      ``POLL_FAST_S`` every ``POLL_SLOW_S``). A peer with
-      sharing off, or with other ``AGREED`` settings, is a ``ConfigError``
-      naming the rank, the setting and the values (every rank with sharing on
-      sees every mark, so each of them raises); other ``NOTED`` settings
-      (the device kind: a group may mix host and GPU delivery) are named in
-      a warning. A peer that marked and died
-      is a ``PeerLostError`` within about a second: by pid and start time on
-      the same host and pid namespace, else by its heartbeat counter standing
-      still for ``HEARTBEAT_STALE_S``. Ranks still missing are named in a
-      warning every ``WAIT_LOG_EVERY_S`` and, at the timeout, in a
-      ``PeerLostError``.
-
-    A rank leaves the wait only once every mark is present; so while some
-    rank is missing no peer has left (and stopped its heartbeat) for a
-    reason other than death.
+It owns the marks (``Mark``: pid, node, sharing on or off, the settings every
+rank must agree on, ``AGREED``, and those only noted, ``NOTED``), the wait for
+every rank's mark with heartbeats and liveness checks, and the errors that name
+a peer with other settings, a dead one or a missing one (NOTE [set-up marks]).
+It touches only its keys in the default store of ``torch.distributed`` and
+imports only ``segment`` (process liveness) and ``errors``.
 """
 
 from __future__ import annotations
@@ -164,6 +133,43 @@ class Mark:
         return bool(self.boot) and self.boot == _boot_id() and self.pidns == segment.MY_PIDNS
 
 
+# NOTE [set-up marks]
+#     Every rank that constructs a ``ShmLoader`` over a group of more than one
+#     rank leaves a *mark* in the default store of ``torch.distributed`` (the
+#     key-value store every rank already reaches; no collective), whether
+#     sharing is on or off::
+#
+#         shmloader/setup/<ranks, '-'-joined>/<n>/<rank>   -> JSON mark
+#         shmloader/setup/<ranks, '-'-joined>/<n>/on       -> a rank with sharing on
+#         shmloader/setup/<ranks, '-'-joined>/<n>/hb/<rank> -> heartbeat counter
+#
+#     ``n`` counts this process's ShmLoaders over the same ranks (train and eval
+#     loaders, a second construction after a failed one): every rank of a
+#     group constructs its loaders over that group in the same order, so equal
+#     ``n`` means the same construction. A mark holds the rank's pid, start
+#     time, boot id, pid namespace, host, node claim, whether sharing is on and
+#     the settings every rank must agree on (``AGREED``).
+#
+#     - Sharing off costs one ``set`` and one ``check`` of the ``on`` key, no
+#       wait: a rank with sharing off whose peers have it on says so once in a
+#       warning, and loads its own batches as without shmloader.
+#     - Sharing on: the rank waits until every rank of the group has marked,
+#       reading each mark once as it appears (every ``POLL_S``, after
+#       ``POLL_FAST_S`` every ``POLL_SLOW_S``). A peer with
+#       sharing off, or with other ``AGREED`` settings, is a ``ConfigError``
+#       naming the rank, the setting and the values (every rank with sharing on
+#       sees every mark, so each of them raises); other ``NOTED`` settings
+#       (the device kind: a group may mix host and GPU delivery) are named in
+#       a warning. A peer that marked and died
+#       is a ``PeerLostError`` within about a second: by pid and start time on
+#       the same host and pid namespace, else by its heartbeat counter standing
+#       still for ``HEARTBEAT_STALE_S``. Ranks still missing are named in a
+#       warning every ``WAIT_LOG_EVERY_S`` and, at the timeout, in a
+#       ``PeerLostError``.
+#
+#     A rank leaves the wait only once every mark is present; so while some
+#     rank is missing no peer has left (and stopped its heartbeat) for a
+#     reason other than death.
 class Arrival:
     """One construction's marks over ``ranks`` (NOTE [set-up marks])."""
 

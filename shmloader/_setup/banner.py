@@ -1,16 +1,10 @@
 """The sharing line: one line at a loader's first ``iter()`` saying how batches travel.
 
-NOTE [the sharing line]
-    Runs with sharing on and off must not look the same. At the first
-    ``iter()`` of a ``ShmLoader`` one line says whether sharing is on, the
-    SP group and its nodes, the ring directory and its pages, and whether
-    a node daemon or the embedded mode owns the shared memory. It is said
-    by global rank 0 and, with sharing on, by each SP group's leader (the
-    rank that speaks for its group), once per ``ShmLoader``; set-up errors
-    are raised as before. Python's default logging shows no INFO record,
-    so the line is an INFO record of ``shmloader.loader`` only where the
-    application's logging shows one (a handler and INFO enabled), else
-    printed to stderr. ``SHMLOADER_QUIET=1`` (``Config.quiet``) silences it.
+It owns the line's text (``line``: sharing on or off, the SP group and its
+nodes, the ring directory and its pages, daemon or embedded) and where it goes
+(``show``: an INFO record where the application's logging shows one, else
+stderr; NOTE [the sharing line]). It reads the topology and the ring directory's
+facts and touches nothing else.
 """
 
 from __future__ import annotations
@@ -63,6 +57,17 @@ def line(
     )
 
 
+# NOTE [the sharing line]
+#     Runs with sharing on and off must not look the same. At the first
+#     ``iter()`` of a ``ShmLoader`` one line says whether sharing is on, the
+#     SP group and its nodes, the ring directory and its pages, and whether
+#     a node daemon or the embedded mode owns the shared memory. It is said
+#     by global rank 0 and, with sharing on, by each SP group's leader (the
+#     rank that speaks for its group), once per ``ShmLoader``; set-up errors
+#     are raised as before. Python's default logging shows no INFO record,
+#     so the line is an INFO record of ``shmloader.loader`` only where the
+#     application's logging shows one (a handler and INFO enabled), else
+#     printed to stderr. ``SHMLOADER_QUIET=1`` (``Config.quiet``) silences it.
 def show(text: str) -> None:
     """Say ``text`` where the user sees it (NOTE [the sharing line])."""
     if log.isEnabledFor(logging.INFO) and log.hasHandlers():

@@ -1,31 +1,12 @@
 """Set-up: from a process group to this rank's role object (collective over the SP group).
 
-``build`` runs once per ``ShmLoader`` on every rank of the group::
-
-    arrival.arrive         every rank's mark in the store (NOTE [set-up marks])
-    exchange_group         a gloo group with the SP group's ranks
-    topology.discover      nodes, roles, tokens, runtime directories
-    _agree_on_loader       the leader builds its loader; everyone learns its
-                           len(), or the error it raised (never a hang)
-    connect_daemon         the node daemon, or embedded mode
-    writer: RingWriter + Hub (+ WorkerPool on the leader)
-    reader: RingReader + Spoke (HELLO)
-    node leaders: CrossNode over the exchange group
-    -> Leader | Relay | Follower, holding what it uses (``roles``)
-
-``build_local`` is sharing off: one mark, the user's loader, ``Local``.
-Whatever ``build`` made is closed again if a later step raises.
-
-NOTE [set-up is bounded]
-    ``timeout=None`` (``SHMLOADER_TIMEOUT`` unset) follows the process
-    group's own timeout, else torch's default (30 min): a leader busy
-    alone (evaluation, a checkpoint) is tolerated as long as the job's
-    collectives would tolerate it. Set-up starts with every rank's mark in
-    the default store, waited for within that timeout (NOTE [set-up
-    marks] in ``arrival``): a rank that never constructs its ShmLoader is
-    named in a warning every 30 s and in a ``PeerLostError`` at the
-    timeout, one that marked and died within about a second, one with
-    sharing off or other settings in a ``ConfigError`` at once.
+It owns ``build`` (sharing on: marks, the gloo exchange group, discovery,
+agreement on the leader's loader and length, the daemon, ring and sockets, then
+one ``Leader``, ``Relay`` or ``Follower``) and ``build_local`` (sharing off: one
+mark, the user's loader, ``Local``), the checks on what the leader's loader may
+be (NOTE [samplers over SP groups]) and the timeouts (NOTE [set-up is bounded]);
+whatever it made is closed if a later step raises. It is the one module that
+imports every role; the steps are in docs/internals/flow.md.
 """
 
 from __future__ import annotations
@@ -286,7 +267,7 @@ def _agree_on_loader(
             before = rng.snapshot_all()
             loader = make_loader()
             draws = rng.count_words(before)
-            check_installable(loader)  # one DataLoader, one open ShmLoader (worker.py)
+            check_installable(loader)  # one DataLoader, one open ShmLoader (_workers/collate.py)
             if ranks is not None:
                 check_samplers(loader, ranks, dist.get_world_size())
             with contextlib.suppress(TypeError):
@@ -414,6 +395,16 @@ def close_quietly(closers: Iterable[Callable[[], None]]) -> None:
             close()
 
 
+# NOTE [set-up is bounded]
+#     ``timeout=None`` (``SHMLOADER_TIMEOUT`` unset) follows the process
+#     group's own timeout, else torch's default (30 min): a leader busy
+#     alone (evaluation, a checkpoint) is tolerated as long as the job's
+#     collectives would tolerate it. Set-up starts with every rank's mark in
+#     the default store, waited for within that timeout (NOTE [set-up
+#     marks] in ``arrival``): a rank that never constructs its ShmLoader is
+#     named in a warning every 30 s and in a ``PeerLostError`` at the
+#     timeout, one that marked and died within about a second, one with
+#     sharing off or other settings in a ``ConfigError`` at once.
 def group_timeout(group: dist.ProcessGroup | None) -> float | None:
     """Seconds of ``group``'s own collective timeout, or None when it cannot be read.
 

@@ -1,20 +1,10 @@
 """``len(loader)`` on every rank: the leader's loader's length for the current epoch.
 
-NOTE [length per epoch]
-    ``len(loader)`` is what ``len()`` of the leader's loader says now,
-    exactly what sharing off gives on every rank: a
-    ``BalancedBatchSampler``'s length changes with the epoch, and after
-    a resume a fast-forwarded loader's length is still the whole epoch
-    (the batches a resume skips count, as ``len(DataLoader)`` counts
-    them), while a ``ShardedSampler`` re-split under another DP size
-    says what is left. The leader broadcasts its length at set-up; it
-    can change only where every rank of the group calls the same
-    thing: ``set_epoch`` to another epoch and ``load_state_dict``. Each
-    rank counts those changes; after change ``n`` the leader writes its
-    length under key ``n`` of the loader in the process group's
-    key-value store (no collective), and another rank's ``len()``
-    reads key ``n``, waiting at most ``SHMLOADER_TIMEOUT`` for a
-    leader that has not made that change yet.
+It owns ``GroupLength``: the length broadcast at set-up, and after each change
+every rank makes (``set_epoch`` to another epoch, ``load_state_dict``) the
+leader's new length under that change's key in the process group's key-value
+store, which the other ranks read (NOTE [length per epoch]). It touches only
+those keys; no collective runs in ``len()``.
 """
 
 from __future__ import annotations
@@ -30,6 +20,21 @@ from .._roles.topology import GroupTopology
 from ..errors import PeerLostError
 
 
+# NOTE [length per epoch]
+#     ``len(loader)`` is what ``len()`` of the leader's loader says now,
+#     exactly what sharing off gives on every rank: a
+#     ``BalancedBatchSampler``'s length changes with the epoch, and after
+#     a resume a fast-forwarded loader's length is still the whole epoch
+#     (the batches a resume skips count, as ``len(DataLoader)`` counts
+#     them), while a ``ShardedSampler`` re-split under another DP size
+#     says what is left. The leader broadcasts its length at set-up; it
+#     can change only where every rank of the group calls the same
+#     thing: ``set_epoch`` to another epoch and ``load_state_dict``. Each
+#     rank counts those changes; after change ``n`` the leader writes its
+#     length under key ``n`` of the loader in the process group's
+#     key-value store (no collective), and another rank's ``len()``
+#     reads key ``n``, waiting at most ``SHMLOADER_TIMEOUT`` for a
+#     leader that has not made that change yet.
 class GroupLength:
     """The leader's length as every rank of the group sees it (NOTE [length per epoch])."""
 

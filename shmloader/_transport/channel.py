@@ -1,46 +1,12 @@
 """ZeroMQ signalling inside one node: the writer's ``Hub``, each reader's ``Spoke``.
 
-The writer binds a ROUTER socket at ``ipc://<private dir>/s`` and an XPUB
-socket at ``ipc://<private dir>/p``; each reader connects a DEALER whose
-routing id is ``r<rank>`` and a SUB. Messages are the ``wire`` module's
-frames; payload never travels here::
-
-    writer (Hub)                               reader (Spoke)
-    ------------                               --------------
-    XPUB  ----BATCH/END/ERROR/STOP, once------>  SUB   (every reader of the node)
-          <---subscribe "" and "\xffr<rank>"--        (at connect; unsubscribe at close)
-    ROUTER <--HELLO/ACK/RELEASE/ATTACHED/BYE--  DEALER (routing id r<rank>)
-
-NOTE [one announcement]
-    A writer's messages are the same for every reader, so they are published
-    once on the XPUB instead of sent once per reader: the writer's cost per
-    batch does not grow with the group. What is per reader (its HELLO, ACKs,
-    releases, BYE) stays on the ROUTER. Two rules keep the guarantees a
-    per-reader send gave:
-
-    - *Nobody misses a message.* A publication reaches only subscriptions
-      the XPUB has already processed. Each reader subscribes to everything
-      and to its own marker topic ``\xffr<rank>`` (no message starts with
-      ``\xff``); the XPUB hands each marker up when it took it, and the
-      writer counts a reader as arrived only once it has both the reader's
-      HELLO and its marker (``Hub.subscribed``). The writer publishes only
-      after every live reader arrived (``_await_readers``).
-    - *A reader that went away is noticed at once.* A reader's socket closing
-      unsubscribes its marker (``Hub.left``); the writer checks after every
-      publication, and a reader gone without BYE is lost (PeerLostError),
-      as a failed send to it was (its BYE may trail on the other socket: the
-      writer waits ``BYE_GRACE_S`` for it first).
-
-NOTE [bounded waits]
-    No wait in shmloader is unbounded. Every blocking receive polls in slices
-    of ``SLICE_S``; between slices it checks that the peers it waits for are
-    alive (pid plus start time, see ``segment.process_alive``) and raises
-    :class:`~shmloader.errors.PeerLostError` as soon as one is dead, or once
-    the configured timeout has passed without an answer. A dead peer is thus
-    detected within about ``SLICE_S`` whatever the timeout is. Before it
-    concludes that a peer died, a wait drains what is already queued (for up
-    to ``DRAIN_S``): a peer's last word (the leader's ERROR) is handled, not
-    lost to the race between its send and its exit.
+It owns the node's sockets (the writer's ROUTER and XPUB in its private 0700
+runtime directory, each reader's DEALER and SUB; drawn in
+docs/internals/wire.md), announcing once to every reader (NOTE [one
+announcement]), peer liveness (pid and start time, or a life lock across pid
+namespaces) and bounded waits (NOTE [bounded waits]). It carries ``wire`` frames
+only, never payload; it touches only its own sockets, in the directory
+``rundir`` made.
 """
 
 from __future__ import annotations
@@ -141,6 +107,16 @@ def life_lock_held(fd: int) -> bool:
     return False
 
 
+# NOTE [bounded waits]
+#     No wait in shmloader is unbounded. Every blocking receive polls in slices
+#     of ``SLICE_S``; between slices it checks that the peers it waits for are
+#     alive (pid plus start time, see ``segment.process_alive``) and raises
+#     :class:`~shmloader.errors.PeerLostError` as soon as one is dead, or once
+#     the configured timeout has passed without an answer. A dead peer is thus
+#     detected within about ``SLICE_S`` whatever the timeout is. Before it
+#     concludes that a peer died, a wait drains what is already queued (for up
+#     to ``DRAIN_S``): a peer's last word (the leader's ERROR) is handled, not
+#     lost to the race between its send and its exit.
 class _Endpoint:
     sock: zmq.Socket
 
@@ -198,6 +174,25 @@ class _Endpoint:
         raise NotImplementedError
 
 
+# NOTE [one announcement]
+#     A writer's messages are the same for every reader, so they are published
+#     once on the XPUB instead of sent once per reader: the writer's cost per
+#     batch does not grow with the group. What is per reader (its HELLO, ACKs,
+#     releases, BYE) stays on the ROUTER. Two rules keep the guarantees a
+#     per-reader send gave:
+#
+#     - *Nobody misses a message.* A publication reaches only subscriptions
+#       the XPUB has already processed. Each reader subscribes to everything
+#       and to its own marker topic ``\xffr<rank>`` (no message starts with
+#       ``\xff``); the XPUB hands each marker up when it took it, and the
+#       writer counts a reader as arrived only once it has both the reader's
+#       HELLO and its marker (``Hub.subscribed``). The writer publishes only
+#       after every live reader arrived (``Writer.await_readers``).
+#     - *A reader that went away is noticed at once.* A reader's socket closing
+#       unsubscribes its marker (``Hub.left``); the writer checks after every
+#       publication, and a reader gone without BYE is lost (PeerLostError),
+#       as a failed send to it was (its BYE may trail on the other socket: the
+#       writer waits ``BYE_GRACE_S`` for it first).
 class Hub(_Endpoint):
     """The writer's sockets: the ROUTER readers talk to, the XPUB it announces on."""
 

@@ -1,55 +1,13 @@
-"""The library's side of the ``shmloaderd`` control socket. Optional by design.
+"""The library's side of the ``shmloaderd`` control socket.
 
-When ``SHMLOADER_DAEMON`` names the daemon's control socket, the writer of
-each ring tells the daemon what it creates so that the node's shared-memory
-budget is enforced and a crashed job's leftovers are reaped. Without a
-daemon, or when it is unreachable, everything runs embedded: ``connect()``
-returns False (logged once per process) and every other call is a no-op.
-
-Wire format (protocol version 1; the daemon's ``shmloaderd.protocol`` has the
-full table of ops and fields)::
-
-    client (REQ)                          shmloaderd (ROUTER)
-    one frame: UTF-8 JSON object   --->   {"v": 1, "op": "<op>", ...fields}
-    one frame: UTF-8 JSON object   <---   {"v": 1, "ok": true, ...results}
-                                          {"v": 1, "ok": false, "error": "..."}
-
-No pickle, ever; a request is at most ``MAX_REQUEST`` bytes.
-
-Client state machine (zero is invalid)::
-
-              connect(): hello answered
-    NEW ----------------------------------> UP <----------------------------+
-     |                                      |                               |
-     | connect(): no answer                 | a call timed out /            | hello answered:
-     v                                      v socket error                  | re-register the
-    DOWN <----------------------------------+                               | ring, then go on
-     |  every call is a no-op until the retry time (backoff 1 s .. 30 s);   |
-     |  then a cheap probe (connect(2) on the socket file: refused at once  |
-     +-- when nobody listens) and, if someone does, a hello ----------------+
-
-NOTE [daemon restarts]
-    A daemon that restarts (or whose loop was blocked past ``timeout``) must
-    not leave its clients unchecked for the rest of the job. A DOWN client
-    retries on its next call after the backoff, and every reply carries the
-    daemon's ``daemon_id`` (random per daemon process): a new id, or a reply
-    saying the daemon does not know our ring, makes the client re-register
-    the ring (description and segments as last told) before it goes on. A
-    call made while the daemon is away returns quietly (``admit`` grants,
-    logged once per outage): the job never fails because the daemon did.
-
-NOTE [a refusal is a refusal]
-    An ``admit`` the daemon answers with ``ok: false`` (a request it refused:
-    a pid not the caller's, too many jobs, a request it could not read) is a
-    refusal like ``admitted: false``: :class:`ShmCapacityError` naming the
-    daemon's reason, and the segment is not created. Read as a grant (as
-    before), a refused job went on past its budget, unaccounted. Only a
-    daemon that does not answer at all grants blindly (above).
-
-A SIGKILLed daemon therefore costs one bounded wait (``timeout``), then one
-refused ``connect(2)`` per retry, never an exception. The only exception a
-call raises on purpose is :class:`~shmloader.errors.ShmCapacityError`, from
-``admit`` when the daemon refuses an allocation over the node budget.
+Optional by design. It owns ``DaemonClient`` (register, admit, adopt, report,
+stats: one JSON frame each way, protocol version 1; its states, up, down and
+retrying, are in docs/internals/state-machines.md) and the picklable
+``Admitter`` a DataLoader worker asks with. Without a daemon, or while it is
+away, every call is a no-op (NOTE [daemon restarts]); the only exception raised
+on purpose is the ``ShmCapacityError`` of a refused ``admit`` (NOTE [a refusal
+is a refusal]). It touches only the daemon's socket and imports only ``segment``
+and ``errors``.
 """
 
 from __future__ import annotations
@@ -196,6 +154,15 @@ class DaemonClient:
             )
         return reply
 
+    # NOTE [daemon restarts]
+    #     A daemon that restarts (or whose loop was blocked past ``timeout``) must
+    #     not leave its clients unchecked for the rest of the job. A DOWN client
+    #     retries on its next call after the backoff, and every reply carries the
+    #     daemon's ``daemon_id`` (random per daemon process): a new id, or a reply
+    #     saying the daemon does not know our ring, makes the client re-register
+    #     the ring (description and segments as last told) before it goes on. A
+    #     call made while the daemon is away returns quietly (``admit`` grants,
+    #     logged once per outage): the job never fails because the daemon did.
     def _restarted(self, reply: dict[str, Any]) -> bool:
         """Whether ``reply`` comes from another daemon process than our hello did."""
         got = reply.get("daemon_id")
@@ -321,6 +288,13 @@ class DaemonClient:
             self._segments.pop(name, None)
             self.request("segment", token=token, action="remove", name=name)
 
+    # NOTE [a refusal is a refusal]
+    #     An ``admit`` the daemon answers with ``ok: false`` (a request it refused:
+    #     a pid not the caller's, too many jobs, a request it could not read) is a
+    #     refusal like ``admitted: false``: :class:`ShmCapacityError` naming the
+    #     daemon's reason, and the segment is not created. Read as a grant (as
+    #     before), a refused job went on past its budget, unaccounted. Only a
+    #     daemon that does not answer at all grants blindly (above).
     def admit(self, token: str, nbytes: int) -> None:
         """Ask for ``nbytes`` of shared memory for ring ``token``.
 
@@ -428,8 +402,8 @@ class DaemonClient:
         (recent batches); ``wait_share``: the fraction of its wall time since
         its first batch spent waiting; ``nbytes``: payload bytes it received
         or published so far (traffic, not memory held); ``device``: its
-        device-delivery counters (``admin.DEVICE_REPORTED``), None or empty on
-        host delivery; ``waits``: any of ``wait_ms_p50``/``_p95``/``_p99``,
+        device-delivery counters (``inventory.DEVICE_REPORTED``), None or empty on
+        host delivery; ``waits``: any of ``wait_ms_p50``, ``wait_ms_p95``, ``wait_ms_p99``,
         ``wait_share``, and the histogram since the first batch
         (``wait_hist``: ``waits.NBUCKETS`` counts, ``wait_ms_sum``).
         """

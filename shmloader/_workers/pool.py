@@ -625,7 +625,7 @@ class WorkerPool:
             self._finalizer()
 
     def on_close(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` when the pool closes (``worker.uninstall`` of its DataLoader)."""
+        """Call ``callback`` when the pool closes (``collate.uninstall`` of its DataLoader)."""
         self._on_close.append(callback)
 
 

@@ -1,31 +1,11 @@
 """The device seam: :class:`DeviceOps`, and :class:`CudaOps`, its CUDA implementation.
 
-The device stage (``device``) does every device operation through one
-``DeviceOps``: byte copies on a side stream, events, page-locked host memory
-and ``cudaHostRegister``. ``CudaOps`` is the real one; ``tests.support.fake_device``
-implements the same contract on the host, so the stage's rules are tested
-without a GPU, and ``benchmarks.gpu`` has a host stand-in for its smoke run.
-
-NOTE [libcudart]
-    ``cudaHostRegister`` and ``cudaHostUnregister`` are called through
-    ``ctypes`` on the ``libcudart`` that torch itself loaded (found in
-    ``/proc/self/maps``), so they run in torch's CUDA runtime instance; of
-    several mapped copies (another extension may bring a newer runtime, whose
-    registrations an older driver refuses) the one whose major version is
-    ``torch.version.cuda``'s (``pick_cudart``). Chosen over
-    ``torch.cuda.cudart()`` because that binding has no ``cudaGetLastError``:
-    a refused ``cudaHostRegister`` leaves the error pending in the runtime,
-    and torch's next kernel-launch check would raise it from an unrelated
-    operation; here it is cleared at once. Chosen over ``cuda-bindings``
-    because it needs no new dependency and no second runtime.
-
-    Where no such library can be bound, nothing is registered and the stage
-    stages every leaf through torch's pinned memory (NOTE [pinned staging] in
-    ``hostmem``), saying why once: no matching ``libcudart`` mapped (a static
-    build); the mapped file was replaced or removed on disk after it was
-    loaded (``/proc/self/maps`` shows its path with `` (deleted)``: the path
-    now names another file or none); or ``ctypes.CDLL`` of the path failed
-    for any other reason.
+It owns the one contract every device operation of the stage goes through
+(copies on a side stream, events, page-locked host memory, ``cudaHostRegister``)
+and its CUDA implementation, with the ``ctypes`` binding of torch's own
+``libcudart`` (NOTE [libcudart]); ``tests.support.fake_device`` implements the
+same contract on the host. It imports nothing of shmloader and touches only the
+CUDA runtime and the memory it is handed.
 """
 
 from __future__ import annotations
@@ -57,7 +37,7 @@ class DeviceOps(Protocol):
     issued inside ``side()`` so that they run on the side stream in order.
     ``pinned`` gives a page-locked host buffer of exactly ``nbytes`` that the
     stage owns until it passes it to ``unpin`` (NOTE [pinned staging] in
-    ``hostmem``); ``is_pinned`` says whether a host tensor is page-locked
+    ``registrar``); ``is_pinned`` says whether a host tensor is page-locked
     already (it is copied from as it is). ``registration`` says why ring
     slots cannot be registered at all (None: they can);
     ``register``/``unregister`` return an error text or None.
@@ -176,7 +156,7 @@ class CudaOps:
 
 #: ``cudaDevAttrHostRegisterReadOnlySupported``
 _ATTR_READ_ONLY = 113
-#: What a refusal's error code usually means (NOTE [registration] in ``hostmem``).
+#: What a refusal's error code usually means (NOTE [registration] in ``registrar``).
 _CAUSES = {
     1: "invalid value: the address, length or flags were refused",
     2: "the driver could not page-lock this much host memory (locked-memory limits such as "
@@ -186,6 +166,26 @@ _CAUSES = {
 }
 
 
+# NOTE [libcudart]
+#     ``cudaHostRegister`` and ``cudaHostUnregister`` are called through
+#     ``ctypes`` on the ``libcudart`` that torch itself loaded (found in
+#     ``/proc/self/maps``), so they run in torch's CUDA runtime instance; of
+#     several mapped copies (another extension may bring a newer runtime, whose
+#     registrations an older driver refuses) the one whose major version is
+#     ``torch.version.cuda``'s (``pick_cudart``). Chosen over
+#     ``torch.cuda.cudart()`` because that binding has no ``cudaGetLastError``:
+#     a refused ``cudaHostRegister`` leaves the error pending in the runtime,
+#     and torch's next kernel-launch check would raise it from an unrelated
+#     operation; here it is cleared at once. Chosen over ``cuda-bindings``
+#     because it needs no new dependency and no second runtime.
+#
+#     Where no such library can be bound, nothing is registered and the stage
+#     stages every leaf through torch's pinned memory (NOTE [pinned staging] in
+#     ``registrar``), saying why once: no matching ``libcudart`` mapped (a static
+#     build); the mapped file was replaced or removed on disk after it was
+#     loaded (``/proc/self/maps`` shows its path with `` (deleted)``: the path
+#     now names another file or none); or ``ctypes.CDLL`` of the path failed
+#     for any other reason.
 class _Cudart:
     """``cudaHostRegister`` / ``cudaHostUnregister`` in torch's runtime (NOTE [libcudart])."""
 

@@ -1,64 +1,11 @@
 """Page-locked host memory the device copies read: registered slots and staging buffers.
 
-Every host-to-device copy of the device stage (``device``) reads page-locked
-memory, of one of two kinds: a ring slot's read-only shared mapping,
-registered with CUDA once (:class:`Registrar`), or one of a few reused
-staging buffers the stage copies a batch's other leaves into first
-(:class:`Staging`). Both go through the device seam (``cudaops.DeviceOps``).
-
-NOTE [registration]
-    Each rank maps each slot segment once, read-only and MAP_SHARED
-    (``ring.map_shared_readonly``), and registers that mapping once with
-    ``cudaHostRegisterReadOnly | cudaHostRegisterPortable`` (measured on an
-    H200: 51-108 ms per GiB, once; copies at 53 GB/s, like a pinned tensor;
-    default flags on a read-only mapping are refused; registering the
-    private copy-on-write view instead breaks copy-on-write or costs 5-10x).
-    Whether the GPU can register read-only memory at all is asked once
-    (``cudaDevAttrHostRegisterReadOnlySupported``); where it cannot, or no
-    ``libcudart`` can be bound (NOTE [libcudart] in ``cudaops``), nothing is
-    registered and every leaf is staged (NOTE [no pageable copies]). The
-    mapping lives while its segment does: when the slot is retired (grown;
-    the segment's descriptor is closed) and no copy uses it, or on close, it
-    is unregistered first and unmapped after. A refusal costs its slot
-    only: that segment is never asked again and its batches are staged,
-    while slots registered before or after keep their DMA (ordinary causes:
-    the driver cannot page-lock one more large slot, a range still
-    registered; ``ulimit -l`` does not apply to ``cudaHostRegister``). An
-    unregister that fails leaves its mapping mapped for the process's life
-    (``Registrar.stuck``): unmapping a range the driver still holds would
-    let the address come back in a later mapping, which CUDA then refuses
-    as registered already.
-
-NOTE [no pageable copies]
-    A host-to-device copy from pageable memory is staged by the driver and
-    may synchronise with the stream: ``next()`` would wait for the whole
-    batch's DMA. So the stage never issues one. A leaf is copied from where
-    it is when that is page-locked: a registered slot, or a tensor pinned
-    already (``DataLoader(pin_memory=True)`` with sharing off, say;
-    ``DeviceOps.is_pinned``). Every other leaf (leaves of at most
-    ``SHMLOADER_SMALL_COPY`` bytes, which readers decode as owned copies,
-    e.g. ``cu_seqlens``; lazily conjugated or negated views, resolved first;
-    leaves of a refused slot; sharing off or ``SHMLOADER_COPY=1``) is copied
-    on the host into one staging buffer per batch (NOTE [pinned staging])
-    and DMA'd from there.
-
-NOTE [pinned staging]
-    Staging buffers are the stage's own, bounded and reused, never one
-    allocation per batch (torch's caching host allocator rounds each up to a
-    power of two and keeps what it locked for the process's life: a 300 MiB
-    batch per step kept about 1.5 GiB page-locked per rank). At most
-    ``STAGING_BUFFERS`` exist; a batch takes the smallest free one that holds
-    its staged bytes, and gives it back when its copies completed. With none
-    free and the limit reached, the stage waits (host) for the oldest copy
-    that holds one: the DMA is then two batches behind the host, and waiting
-    is the bound. A new buffer is sized from the batches seen: the largest
-    of the last ``STAGING_WINDOW`` plus an eighth, rounded up to 64 KiB (2 MiB
-    above 8 MiB). A free buffer more than ``STAGING_SHRINK`` times what the
-    last ``STAGING_WINDOW`` batches needed is released (unregistered and
-    unmapped: the memory goes back to the system), so one large batch does
-    not keep its staging for the rest of the job. ``stats()`` counts the
-    bytes locked now (``device_staging_bytes``, with the registered slots'
-    ``device_registered_bytes``: ``device_locked_bytes``) and its peak.
+It owns each slot's read-only shared mapping, registered with CUDA once
+(:class:`Registrar`; NOTE [registration]), and the few reused pinned staging
+buffers every other leaf is copied into first (:class:`Staging`; NOTE [pinned
+staging]), with the locked bytes counted, so that no copy reads pageable memory
+(NOTE [no pageable copies]). It maps slots through ``ring`` and ``segment`` and
+does every device call through ``DeviceOps``.
 """
 
 from __future__ import annotations
@@ -80,6 +27,18 @@ from .cuda import DeviceOps
 
 log = logging.getLogger("shmloader.device")
 
+# NOTE [no pageable copies]
+#     A host-to-device copy from pageable memory is staged by the driver and
+#     may synchronise with the stream: ``next()`` would wait for the whole
+#     batch's DMA. So the stage never issues one. A leaf is copied from where
+#     it is when that is page-locked: a registered slot, or a tensor pinned
+#     already (``DataLoader(pin_memory=True)`` with sharing off, say;
+#     ``DeviceOps.is_pinned``). Every other leaf (leaves of at most
+#     ``SHMLOADER_SMALL_COPY`` bytes, which readers decode as owned copies,
+#     e.g. ``cu_seqlens``; lazily conjugated or negated views, resolved first;
+#     leaves of a refused slot; sharing off or ``SHMLOADER_COPY=1``) is copied
+#     on the host into one staging buffer per batch (NOTE [pinned staging])
+#     and DMA'd from there.
 #: Staging buffers at most (NOTE [pinned staging]).
 STAGING_BUFFERS = 2
 #: Staged batches whose sizes decide a new buffer's size and when a free one goes.
@@ -91,6 +50,28 @@ STAGING_SHRINK = 2
 # ------------------------------------------------------------- registration
 
 
+# NOTE [registration]
+#     Each rank maps each slot segment once, read-only and MAP_SHARED
+#     (``ring.map_shared_readonly``), and registers that mapping once with
+#     ``cudaHostRegisterReadOnly | cudaHostRegisterPortable`` (measured on an
+#     H200: 51-108 ms per GiB, once; copies at 53 GB/s, like a pinned tensor;
+#     default flags on a read-only mapping are refused; registering the
+#     private copy-on-write view instead breaks copy-on-write or costs 5-10x).
+#     Whether the GPU can register read-only memory at all is asked once
+#     (``cudaDevAttrHostRegisterReadOnlySupported``); where it cannot, or no
+#     ``libcudart`` can be bound (NOTE [libcudart] in ``cuda``), nothing is
+#     registered and every leaf is staged (NOTE [no pageable copies]). The
+#     mapping lives while its segment does: when the slot is retired (grown;
+#     the segment's descriptor is closed) and no copy uses it, or on close, it
+#     is unregistered first and unmapped after. A refusal costs its slot
+#     only: that segment is never asked again and its batches are staged,
+#     while slots registered before or after keep their DMA (ordinary causes:
+#     the driver cannot page-lock one more large slot, a range still
+#     registered; ``ulimit -l`` does not apply to ``cudaHostRegister``). An
+#     unregister that fails leaves its mapping mapped for the process's life
+#     (``Registrar.stuck``): unmapping a range the driver still holds would
+#     let the address come back in a later mapping, which CUDA then refuses
+#     as registered already.
 @dataclass(eq=False)
 class HostMapping:
     """One rank's registered, read-only MAP_SHARED mapping of one slot segment."""
@@ -224,6 +205,23 @@ class Registrar:
 # ------------------------------------------------------------------ staging
 
 
+# NOTE [pinned staging]
+#     Staging buffers are the stage's own, bounded and reused, never one
+#     allocation per batch (torch's caching host allocator rounds each up to a
+#     power of two and keeps what it locked for the process's life: a 300 MiB
+#     batch per step kept about 1.5 GiB page-locked per rank). At most
+#     ``STAGING_BUFFERS`` exist; a batch takes the smallest free one that holds
+#     its staged bytes, and gives it back when its copies completed. With none
+#     free and the limit reached, the stage waits (host) for the oldest copy
+#     that holds one: the DMA is then two batches behind the host, and waiting
+#     is the bound. A new buffer is sized from the batches seen: the largest
+#     of the last ``STAGING_WINDOW`` plus an eighth, rounded up to 64 KiB (2 MiB
+#     above 8 MiB). A free buffer more than ``STAGING_SHRINK`` times what the
+#     last ``STAGING_WINDOW`` batches needed is released (unregistered and
+#     unmapped: the memory goes back to the system), so one large batch does
+#     not keep its staging for the rest of the job. ``stats()`` counts the
+#     bytes locked now (``device_staging_bytes``, with the registered slots'
+#     ``device_registered_bytes``: ``device_locked_bytes``) and its peak.
 def staging_capacity(nbytes: int) -> int:
     """A new staging buffer's size for batches staging up to ``nbytes`` (NOTE [pinned staging])."""
     want = nbytes + nbytes // 8

@@ -1,86 +1,14 @@
 """Device delivery: every tensor of a delivered batch arrives on the GPU.
 
-``ShmLoader(..., device="cuda", select=...)`` wraps the delivered-batch
-iterator of every role (local, leader, node leader, follower) in one
-:class:`DeviceStage`; the roles' loops do not change. The stage runs in the
-consuming thread (no background thread: a follower's ZeroMQ socket belongs to
-the thread that iterates, and releases are sent from it, NOTE [prompt release]
-in ``follower``). Three modules: this one (which GPU, the stage, the walk over
-a batch's containers), ``cudaops`` (the ``DeviceOps`` seam and its CUDA
-implementation) and ``hostmem`` (the page-locked host memory copies read:
-registered slots, staging buffers).
-
-One ``next()`` on a CUDA rank::
-
-    reap      poll the end event of every copy whose CPU leaves still hold a slot;
-              completed: drop the leaves -> weakref.finalize -> RELEASE (slot FREE),
-              give its staging buffer back
-    pull      while fewer than 1 + prefetch batches are queued:
-                bound: at most 1 + prefetch copies in flight (NOTE [copies in flight])
-                cpu = select(next(inner)[, step=k])  shared CPU views, HOLDING their slots
-                on the side stream:
-                  per tensor leaf: slot = ring.view_source(ptr)
-                                   mapping = registered read-only MAP_SHARED map of slot
-                                             (made and cudaHostRegister'ed once per slot)
-                                   or the leaf itself, when it is pinned already,
-                                   or, else: into a reused pinned staging buffer
-                  start event (NOTE [copy timing])
-                  per leaf:        device bytes <- mapping, leaf or staging  (async DMA)
-                end event; keep the CPU leaves until the end event completes
-    reap      again (copies issued a step ago have usually completed)
-    hand over the oldest: current stream waits for its end event (no host sync),
-              record_stream(current) on its tensors; return it
-
-Life of one batch in the stage (zero is invalid, as for slots)::
-
-        pull + issue copies          end event completed (polled)
-    PULLED ------------------> COPYING -----------------------------> COPIED
-                                  |      CPU leaves dropped: the slot is RELEASEd
-                                  |
-                                  +-- hand-over may happen in COPYING or COPIED:
-                                      the consumer stream waits on the event
-
-So a GPU consumer holds ring memory for one copy's duration (plus at most one
-step until the next poll), not for as long as it keeps the batch: the device
-tensors own their memory.
-
-NOTE [checkpoints under prefetch]
-    The stage pulls up to ``prefetch`` batches before the user asks for them,
-    and pulling runs the role's loop: the loader steps, the loop counts, a
-    follower mirrors the leader's RNG draws. ``ShmLoader.state_dict()`` must
-    still describe the last batch *handed over*, so that a resume delivers
-    the pulled-but-undelivered batches again:
-
-    - position: ``position()`` is snapshotted right after each pull (cursor,
-      end of epoch, a stateful loader's state and its state at the step
-      boundary) and travels with the batch; handing the batch over makes its
-      snapshot ``self.position``, what ``state_dict()`` reads;
-    - RNG: the capture at a step's first micro-batch (NOTE [RNG at the step
-      boundary] in ``rng``) happens in ``request()``, at the user's
-      ``next()``, not where the loop pulls (that is up to ``prefetch``
-      batches earlier, before the user's own draws for the batches between).
-
-    A resumed stage pulls the batches after the cursor back to back, without
-    the user's draws in between: the loader's draws from the default
-    generators must not depend on that order. They do not for a DataLoader
-    (draws at ``iter()`` only, before the first pull) nor with workers; they
-    do for randomness drawn per batch in the main process (``num_workers=0``
-    with random augmentation in the dataset or ``collate_fn``), which a
-    resume under prefetch cannot replay exactly: give it its own generator.
-
-NOTE [device memory reuse]
-    Device memory of each batch is allocated on the side stream (where the
-    copy writes it) and, when the batch is handed over, ``record_stream``-ed
-    on the consumer's current stream: when the user drops the batch, the
-    caching allocator reuses the block only after the consumer-stream work
-    queued until then has finished, so no later copy overwrites memory a
-    kernel still reads. Chosen over a ring of device buffers because batch
-    shapes vary (packed sequences, ``select``) and the allocator already
-    recycles blocks by size; a buffer ring would need sizing and a second
-    hand-back protocol. Chosen by reasoning, not by measurement (no GPU
-    here): ``python -m benchmarks.gpu`` watches device memory for growth,
-    and ``tests/gpu`` checks that a batch dropped under a queued kernel
-    keeps its bytes.
+It owns which GPU ``cuda`` is (NOTE [which GPU]) and :class:`DeviceStage`, which
+wraps the delivered-batch iterator of every role in the consuming thread (no
+thread of its own: NOTE [prompt release] in ``shmloader._roles.follower``):
+``select``, side-stream prefetch with a bounded number of copies in flight, the
+walk over a batch's containers, slot release on copy completion and the
+hand-over position checkpoints read (NOTE [checkpoints under prefetch]). It
+copies through ``shmloader.device.cuda`` and reads page-locked memory from
+``shmloader.device.registrar``; one ``next()`` and a batch's states in the stage
+are in docs/internals/flow.md and docs/internals/state-machines.md.
 """
 
 from __future__ import annotations
@@ -364,7 +292,7 @@ class DeviceStage:
     def _host(self, inner: Iterator[Any], start: int) -> Iterator[Any]:
         step = start
         while True:
-            box = []  # NOTE [no batch in the frame] (roles)
+            box = []  # NOTE [no batch in the frame] (_roles.base)
             try:
                 box.append(next(inner))
             except StopIteration:
@@ -372,6 +300,29 @@ class DeviceStage:
             step += 1
             yield self._select(box.pop(), step - 1)
 
+    # NOTE [checkpoints under prefetch]
+    #     The stage pulls up to ``prefetch`` batches before the user asks for them,
+    #     and pulling runs the role's loop: the loader steps, the loop counts, a
+    #     follower mirrors the leader's RNG draws. ``ShmLoader.state_dict()`` must
+    #     still describe the last batch *handed over*, so that a resume delivers
+    #     the pulled-but-undelivered batches again:
+    #
+    #     - position: ``position()`` is snapshotted right after each pull (cursor,
+    #       end of epoch, a stateful loader's state and its state at the step
+    #       boundary) and travels with the batch; handing the batch over makes its
+    #       snapshot ``self.position``, what ``state_dict()`` reads;
+    #     - RNG: the capture at a step's first micro-batch (NOTE [RNG at the step
+    #       boundary] in ``rng``) happens in ``request()``, at the user's
+    #       ``next()``, not where the loop pulls (that is up to ``prefetch``
+    #       batches earlier, before the user's own draws for the batches between).
+    #
+    #     A resumed stage pulls the batches after the cursor back to back, without
+    #     the user's draws in between: the loader's draws from the default
+    #     generators must not depend on that order. They do not for a DataLoader
+    #     (draws at ``iter()`` only, before the first pull) nor with workers; they
+    #     do for randomness drawn per batch in the main process (``num_workers=0``
+    #     with random augmentation in the dataset or ``collate_fn``), which a
+    #     resume under prefetch cannot replay exactly: give it its own generator.
     def _prefetching(
         self,
         inner: Iterator[Any],
@@ -435,7 +386,7 @@ class DeviceStage:
             back-pressure. What it bounds: ring slots held for copies (at
             most ``prefetch`` while the writer fills the next, so a ring of
             ``prefetch + 1`` slots serves a GPU rank alone) and, with
-            ``hostmem.STAGING_BUFFERS``, page-locked staging memory.
+            ``registrar.STAGING_BUFFERS``, page-locked staging memory.
         """
         while len(self._inflight) > self.prefetch:
             self._wait_oldest(lambda copy: True)
@@ -553,7 +504,7 @@ class DeviceStage:
     def _stage(self, plans: list[_Plan], copy: _Copy) -> None:
         """Copy the leaves no page-locked memory holds into one staging buffer.
 
-        NOTE [no pageable copies], NOTE [pinned staging] (``hostmem``).
+        NOTE [no pageable copies], NOTE [pinned staging] (``registrar``).
         """
         staging = self._staging
         assert staging is not None
@@ -604,6 +555,19 @@ class DeviceStage:
         offsets, inner = blocks
         return [mapping.base[at + off * size : at + (off + inner) * size] for off in offsets]
 
+    # NOTE [device memory reuse]
+    #     Device memory of each batch is allocated on the side stream (where the
+    #     copy writes it) and, when the batch is handed over, ``record_stream``-ed
+    #     on the consumer's current stream: when the user drops the batch, the
+    #     caching allocator reuses the block only after the consumer-stream work
+    #     queued until then has finished, so no later copy overwrites memory a
+    #     kernel still reads. Chosen over a ring of device buffers because batch
+    #     shapes vary (packed sequences, ``select``) and the allocator already
+    #     recycles blocks by size; a buffer ring would need sizing and a second
+    #     hand-back protocol. Chosen by reasoning, not by measurement (no GPU
+    #     here): ``python -m benchmarks.gpu`` watches device memory for growth,
+    #     and ``tests/gpu`` checks that a batch dropped under a queued kernel
+    #     keeps its bytes.
     def _hand_over(self, ready: _Ready) -> Any:
         ops = self._ops
         assert ops is not None

@@ -1,21 +1,13 @@
 """accelerate: a checkpointed object that holds every rank's loader state.
 
 ``accelerator.save_state`` writes a registered object's ``state_dict()`` from
-the main process only (and ``load_state`` hands that one file to every rank),
-so registering a ``ShmLoader`` itself restores rank 0's state everywhere and
-ends in ``TopologyMismatchError`` on the other ranks. ``AllRanksState``'s
-``state_dict()`` gathers every rank's own state, keyed by global rank
-(NOTE [per-rank state in frameworks] in ``dcp``), and ``load_state_dict``
-restores each rank's own::
-
-    loader = ShmLoader(make_loader, sp_group)
-    accelerator.register_for_checkpointing(AllRanksState(loader))
-    accelerator.save_state(path)            # on every rank, as accelerate wants
-    accelerator.load_state(path)            # in the resumed job, before iterating
-
-Resumed at another world size (the SP size kept: a DP resize), every rank
-loads the state rank 0 saved, which the leader's ``ShardedSampler``
-re-splits (NOTE [checkpoints]). accelerate itself is never imported here.
+the main process only, so registering a ``ShmLoader`` itself would restore rank
+0's state everywhere. It owns ``AllRanksState``: ``state_dict()`` gathers every
+rank's own state keyed by global rank (NOTE [per-rank state in frameworks] in
+``shmloader.integrations.dcp``), ``load_state_dict`` restores each rank's own
+(rank 0's under a DP resize, NOTE [checkpoints]); usage in docs/integrations.md.
+It never imports accelerate and touches only the loader it wraps and one
+all-gather.
 """
 
 from __future__ import annotations

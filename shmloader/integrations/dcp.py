@@ -1,21 +1,8 @@
 """``torch.distributed.checkpoint`` (DCP): a ``Stateful`` keyed by global rank.
 
-NOTE [per-rank state in frameworks]
-    A loader's state is per rank (NOTE [checkpoints] in ``checkpoint``:
-    each rank's RNG at the step boundary, each leader's data position), but
-    the frameworks keep one copy per key: DCP deduplicates a key every rank
-    saves (``dcp.save({"data": loader})`` keeps one rank's state, and every
-    other rank's resume ends in ``TopologyMismatchError``), accelerate's
-    ``save_state`` writes a registered object's state from rank 0 only. So
-    the state a framework sees is keyed by the global rank,
-    ``{"rank<r>": <bytes of loader.state_dict()>}``, one key per rank, and
-    each rank restores only its own key. The value is the ``torch.save``
-    bytes of the state (opaque to DCP, which would otherwise flatten the
-    state's nested keys and demand on load the very keys the fresh
-    loader's state happens to have); it is read back with
-    ``weights_only=True``. Resuming needs the world size the checkpoint was
-    taken at (a rank with no key of its own is told so); for a DP resize
-    save and load ``loader.state_dict()`` per rank as docs/user-guide.md says.
+It owns ``PerRankState`` and the per-rank keys and bytes both adapters use
+(``rank_key``, ``dumps``, ``loads``: NOTE [per-rank state in frameworks]). It
+touches only the loader it wraps.
 """
 
 from __future__ import annotations
@@ -32,6 +19,22 @@ if TYPE_CHECKING:
     from ..loader import ShmLoader
 
 
+# NOTE [per-rank state in frameworks]
+#     A loader's state is per rank (NOTE [checkpoints] in ``checkpoint``:
+#     each rank's RNG at the step boundary, each leader's data position), but
+#     the frameworks keep one copy per key: DCP deduplicates a key every rank
+#     saves (``dcp.save({"data": loader})`` keeps one rank's state, and every
+#     other rank's resume ends in ``TopologyMismatchError``), accelerate's
+#     ``save_state`` writes a registered object's state from rank 0 only. So
+#     the state a framework sees is keyed by the global rank,
+#     ``{"rank<r>": <bytes of loader.state_dict()>}``, one key per rank, and
+#     each rank restores only its own key. The value is the ``torch.save``
+#     bytes of the state (opaque to DCP, which would otherwise flatten the
+#     state's nested keys and demand on load the very keys the fresh
+#     loader's state happens to have); it is read back with
+#     ``weights_only=True``. Resuming needs the world size the checkpoint was
+#     taken at (a rank with no key of its own is told so); for a DP resize
+#     save and load ``loader.state_dict()`` per rank as docs/user-guide.md says.
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 

@@ -1,114 +1,14 @@
 """Balanced packing across data-parallel replicas: :class:`BalancedBatchSampler`.
 
-With long-context data the cost of a packed micro-batch varies wildly, and in synchronous
-data-parallel (DP) training the slowest replica sets every step. This sampler plans each
-*window* of ``window`` steps for *all* replicas at once, so that in every step each replica
-gets exactly one micro-batch (a list of dataset indices whose lengths sum to at most
-``max_tokens``) and the micro-batches of one step cost about the same. Like
-:class:`shmloader.ShardedSampler` it is keyed on the DP size and DP rank (see
-:func:`shmloader.dp_topology_from_group`), so SP peers get identical lists, and it never
-communicates: every rank computes the same plan locally.
-
-Rules
-=====
-
-Order
-    The order of epoch ``e`` is a permutation of ``range(len(lengths))`` drawn from a private
-    generator seeded from ``(seed, e)`` (``torch.randperm``; the default RNG is never touched).
-    A *segment* is the part of the order a topology plays: the whole order, or after an
-    elastic resume the samples earlier topologies did not consume (see Resume).
-
-Windows (how samples are grouped)
-    The segment is walked once with *sequential greedy packing* (next fit: a sample joins the
-    current bin if it fits in ``max_tokens``, else it opens a new bin): exactly what packing
-    every replica's stream greedily would do. Every ``window * num_replicas`` bins close a
-    window; the window's samples are the samples of those bins. So a full window can always be
-    packed into ``window * num_replicas`` bins (that packing is a witness), and the epoch has
-    as many steps as plain greedy packing of the same order would::
-
-        segment order   s0 s1 s2 s3 s4 s5 s6 s7 s8 s9 ...
-        greedy bins     [s0 s1][s2][s3 s4 s5][s6 s7] | [s8 ...   (num_replicas=2, window=2)
-                        `------ window 0: 4 bins ---' `- window 1 ...
-
-    The last window has ``b <= window * num_replicas`` bins: it gets ``ceil(b / n)`` steps
-    (``drop_last``: ``b // n`` steps, keeping only the samples of its first ``steps * n``
-    greedy bins; the rest of the epoch is dropped). A last window shorter than ``window``
-    steps joins the window before it (planned together, up to ``2 * window - 1`` steps), so
-    the epoch's thin tail is balanced against a full window's samples.
-
-Plan of one window (:func:`plan_window`; pure, deterministic, no RNG but the permutations)
-    1. *Pack*, two ways, both taking the window's samples by decreasing cost:
-
-       * *LPT*: each sample goes to the bin of lowest ``(cost, tokens, samples)`` among the
-         ``steps * n`` bins where it fits in ``max_tokens``: evens out all bins;
-       * *levels*: bins ``s*n .. s*n+n-1`` form step ``s``; a sample goes to the fitting bin
-         furthest below its step's most expensive bin if it fits under that top, otherwise it
-         opens the next unused step (or, all in use, goes to that bin anyway); the last
-         samples go one per still-empty bin. This builds steps of even bins even when bins
-         cannot all be even (``"attention"`` costs with a few very long samples).
-
-       A way in which some sample fits nowhere is dropped; if both are, the window's greedy
-       bins are used (always feasible), split until there are ``steps * n`` non-empty bins.
-    2. *Group*: bins sorted by decreasing cost are cut into steps of ``n`` consecutive bins,
-       so every step holds bins of similar cost (the larger the window, the closer).
-    3. *Refine*: in each step, while it lowers the step's most expensive bin, move one
-       sample from it to one of the step's cheapest bins, or swap a pair between them
-       (the cheapest bin that allows an improvement, of the 4 cheapest; within
-       ``max_tokens``, never emptying a bin).
-    4. *Choose*: of the (up to) two plans, the one with the lower sum over steps of the
-       max/mean cost ratio (the LPT plan on a tie).
-    5. *Shuffle*: the steps of the window and the bins of every step are permuted by a
-       generator seeded from ``(seed, epoch, segment, window index)``; replica ``r`` takes bin
-       ``r`` of each step.
-
-    Costs are per sample: ``"tokens"`` (its length), ``"attention"`` (length squared) or a
-    callable ``length -> cost`` (evaluated once per distinct length); a bin costs the sum.
-
-Padding
-    Unless ``drop_last``, a last window with fewer samples than bins (``steps * n``) is
-    completed with the segment's first samples, cyclically (``s0, s1, ...`` and round again
-    if needed, as :class:`ShardedSampler` pads), one per bin, so repeats are spread and no
-    list is ever empty. Otherwise every sample of the segment is delivered exactly once.
-
-Resume and the cursor
-    ``state_dict()`` records the *cursor*: global steps of the current segment consumed, i.e.
-    the lists this rank yielded, counted on yield (one per step). Every rank holds the same
-    state but for the informational ``rank``, so rank 0's state resumes every rank. After
-    :meth:`BalancedBatchSampler.load_state_dict` the next pass continues at the next step,
-    also in the middle of a window (the window's plan is recomputed, it is a pure function).
-    A ``DataLoader`` pulls lists ahead of training: pass ``state_dict(consumed=k)`` with the
-    number of lists of this pass training really consumed.
-
-Elastic resume (another ``num_replicas``)
-    The state keeps ``history``: ``[num_replicas, steps]`` of every earlier topology of this
-    epoch. Loading a state under another ``num_replicas`` appends ``[old n, cursor]`` and
-    restarts the cursor at 0: the new segment is the previous segment's order without the
-    samples that its first ``cursor`` steps delivered (whole windows plus the consumed steps
-    of a partly consumed window, found by re-planning it), re-windowed and re-planned for the
-    new ``num_replicas``. No sample is lost or delivered twice (padding aside).
-
-State machine of a sampler (``set_epoch(e)`` with the current epoch keeps everything)::
-
-    fresh epoch e (history [], cursor 0) --yield--> cursor k --load(same n)--> cursor k'
-          ^                                                 --load(other n)--> history+[n,k], 0
-          `---- set_epoch(other epoch) from anywhere: history [], cursor 0
-
-Balance log
-    Whenever a pass plans a window (rank 0 of the DP group only, to avoid n copies), the logger
-    ``shmloader.balance`` gets one INFO line: window, steps, the per-step max/mean cost ratio
-    over replicas (mean and worst), tokens and padding (``max_tokens - tokens``) per replica.
-    :meth:`BalancedBatchSampler.balance_stats` returns the same figures on every rank, per step,
-    for the last window planned (a prefetching ``DataLoader`` plans slightly ahead of training)
-    and summed over the epoch so far.
-
-NOTE [plan determinism]
-    Every rank must compute the same plan with no communication. The plan is built with
-    Python ints (``tokens``, ``attention``) or Python floats added in one fixed order (a
-    callable cost), never with numpy reductions (their summation order depends on the CPU's
-    SIMD width), and ties are broken by position; the only randomness is ``torch.randperm``
-    with a private generator (so a resume across torch versions whose ``randperm`` differs
-    would see another order, as for :class:`ShardedSampler`). Float costs assume the same
-    Python on every rank (``sum`` of floats is compensated from Python 3.12 on).
+With long-context data the cost of a packed micro-batch varies wildly, and the
+slowest DP replica sets every step. It owns the sampler and :func:`plan_window`:
+each window of ``window`` steps is planned for all replicas at once, so that in
+every step each replica gets one micro-batch within ``max_tokens`` and the
+micro-batches of one step cost about the same; keyed on the DP size and rank
+like :class:`shmloader.ShardedSampler`, so SP peers get identical lists with no
+communication (NOTE [plan determinism]; the rules: docs/internals/samplers.md).
+It touches no default RNG; its balance log goes to the logger
+``"shmloader.balance"``.
 """
 
 from __future__ import annotations
@@ -416,6 +316,14 @@ def _group_and_refine(
     return plan, score
 
 
+# NOTE [plan determinism]
+#     Every rank must compute the same plan with no communication. The plan is built with
+#     Python ints (``tokens``, ``attention``) or Python floats added in one fixed order (a
+#     callable cost), never with numpy reductions (their summation order depends on the CPU's
+#     SIMD width), and ties are broken by position; the only randomness is ``torch.randperm``
+#     with a private generator (so a resume across torch versions whose ``randperm`` differs
+#     would see another order, as for :class:`ShardedSampler`). Float costs assume the same
+#     Python on every rank (``sum`` of floats is compensated from Python 3.12 on).
 def plan_window(
     lengths: Sequence[int],
     costs: Sequence[Cost],
@@ -430,7 +338,7 @@ def plan_window(
     Every position appears exactly once, every list is non-empty and within ``max_tokens``.
     Needs ``len(lengths) >= steps * num_replicas`` and that sequential greedy packing of the
     positions in order fits in ``steps * num_replicas`` bins (as it does for the windows the
-    sampler makes). ``generator``: permute steps and bins (see the module docstring, step 5);
+    sampler makes). ``generator``: permute steps and bins (docs/internals/samplers.md, step 5);
     ``None`` keeps steps by decreasing cost and bins by decreasing cost.
     """
     nbins = steps * num_replicas
@@ -582,7 +490,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
     DP replicas: in every step each replica gets one list, and the lists of a step cost
     about the same. Use it as ``DataLoader(dataset, batch_sampler=...)``.
 
-    See the module docstring for the window, plan, padding, resume and log rules.
+    The window, plan, padding, resume and log rules: docs/internals/samplers.md.
 
     Args:
         lengths: tokens of every sample: a sequence (list, numpy or torch 1-d ints) or a
@@ -910,7 +818,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         ``ValueError`` naming it; a state whose plan this sampler cannot reproduce (other
         lengths or costs, ``max_tokens``, ``window``, ``drop_last``) is a
         :class:`TopologyMismatchError`. The state's ``seed`` is adopted. Under another
-        ``num_replicas`` the rest of the epoch is re-planned (module docstring).
+        ``num_replicas`` the rest of the epoch is re-planned (docs/internals/samplers.md).
         """
         epoch, seed, old_n = check_state_head(state, _STATE_KEYS, STATE_FORMAT, STATE_VERSION)
 

@@ -1,91 +1,12 @@
 """A sequence-parallel-aware drop-in for ``torch.utils.data.DistributedSampler``.
 
-With sequence parallelism (SP) the data-parallel (DP) size is ``world // sp_size`` and all SP
-peers of one DP replica must draw the *same* indices. :class:`ShardedSampler` is keyed on the
-DP size and DP rank (see :func:`dp_topology_from_group`) instead of the global rank, and it never
-uses rank-local randomness, so SP peers receive identical indices with no communication.
-
-Rules
-=====
-
-One order for all ranks
-    The order of epoch ``e`` is a permutation ``P`` of ``range(len(dataset))`` drawn from a
-    private ``torch.Generator`` seeded from ``(seed, e)`` only (``shuffle=False``: ``P`` is
-    ``0, 1, 2, ...``). Every rank computes the same ``P``; the global/default RNG is never
-    touched. ``seed=None`` takes one random seed from rank 0 by ``dist.broadcast``.
-
-Cyclic padding
-    Unless ``drop_last``, ``P`` is extended by repeating it from its start until its length is
-    a multiple of ``num_replicas`` (as many times as needed, so no rank is ever empty when the
-    dataset is not). ``drop_last=True`` truncates to a multiple instead.
-
-Strided partition
-    Rank ``r`` takes the positions ``r, r + n, r + 2n, ...`` of the padded order. After every
-    rank has taken ``k`` samples exactly the first ``k * n`` positions are consumed.
-
-Example: 10 samples, ``num_replicas=4``, ``P = [7 2 9 0 4 1 8 3 6 5]``::
-
-    position   0  1  2  3  4  5  6  7  8  9 10 11
-    padded     7  2  9  0  4  1  8  3  6  5 |7  2      <- 2 padding slots repeat P[0], P[1]
-    rank       0  1  2  3  0  1  2  3  0  1  2  3
-
-    rank 0: 7 4 6     rank 1: 2 1 5     rank 2: 9 8 7     rank 3: 0 3 2
-
-Resume and the cursor
-    ``state_dict()`` records the *cursor*: the number of positions of the current padded order
-    consumed by all ranks together, i.e. ``samples yielded by this rank * num_replicas``,
-    counted when a sample is yielded. Every rank of a lock-step job holds the same state (only
-    the informational ``rank`` differs), so saving rank 0's state and loading it on every rank
-    is correct. After :meth:`ShardedSampler.load_state_dict` the next ``__iter__`` continues
-    from the cursor in the same epoch (and every further ``__iter__`` of that epoch does too,
-    until ``set_epoch`` moves to another epoch, which starts a fresh full epoch).
-
-    A ``DataLoader`` with workers pulls indices from the sampler ahead of training (prefetch),
-    so the cursor runs ahead of what was really consumed. For exact resume under a prefetching
-    loader pass ``state_dict(consumed=k)`` where ``k`` is the number of samples of this rank
-    that training consumed in the current pass (e.g. ``batches_done * batch_size``).
-
-Elastic resume
-    The state keeps a list ``bases``: for every group of indices (the whole dataset, or every
-    bucket) how many positions of the epoch's *unpadded* order were consumed by earlier
-    topologies; the current *segment* is the remainder ``P[base:]``, padded cyclically from the
-    start of that remainder and split strided as above. Loading a state under the same
-    ``num_replicas`` (any rank) continues that segment exactly. Loading it under a different
-    ``num_replicas`` re-bases: ``base += min(consumed positions, len(remainder))`` (if the
-    cursor went into padding nothing remains), the cursor restarts at 0 and the new remainder is
-    padded to a multiple of the new ``num_replicas`` and split strided. Old and new runs
-    together therefore see every sample of the epoch, and none twice except padding. A state
-    saved after such a resume carries the new bases, so it can be resumed (elastically) again.
-
-Buckets
-    With ``buckets=[[...], [...], ...]`` (e.g. aspect-ratio buckets) and ``batch_size=b``,
-    each *global step* takes ``num_replicas * b`` consecutive positions of one bucket's padded
-    order, and rank ``r`` gets the strided share ``r, r + n, ...`` of them: its ``b``
-    consecutive samples form one batch, and all ranks draw that step from the same bucket.
-
-    * bucket ``j`` has its own order, a permutation of the bucket drawn from
-      ``(seed, epoch, j)`` (the bucket's own order when ``shuffle=False``), restricted to its
-      remainder ``order[bases[j]:]``;
-    * each non-empty remainder is padded cyclically (from its start) to a multiple of
-      ``num_replicas * batch_size``; with ``drop_last`` it is truncated instead, so a bucket
-      shorter than one full step is dropped; empty buckets are skipped;
-    * the *schedule* lists the bucket of every global step: bucket ``j`` appears
-      ``padded_len_j / (num_replicas * batch_size)`` times, in bucket order, and the list is
-      permuted by a generator seeded from ``(seed, epoch)`` (not permuted when
-      ``shuffle=False``). Occurrence ``t`` of bucket ``j`` in the schedule takes positions
-      ``[t * n * b, (t + 1) * n * b)`` of that bucket's padded remainder;
-    * the cursor counts positions of the concatenated schedule, so ``cursor // (n * b)`` global
-      steps are complete; mid-step saves resume exactly too;
-    * elastic resume re-bases every bucket by the positions of it consumed (whole steps plus the
-      consumed part of the current step, capped at the remainder length), then re-pads every
-      bucket and rebuilds the schedule for the remainder with the same rule.
-
-    Indices may appear in several buckets (they are then drawn once per bucket) and indices in
-    no bucket are never drawn. ``__iter__`` yields the flat stream of indices; ``batches()`` or
-    :class:`ShardedBatchSampler` yield the per-step lists for ``DataLoader(batch_sampler=...)``.
-
-Orders are produced by ``torch.randperm``; a resume across torch versions whose ``randperm``
-algorithm differs would see a different order.
+With sequence parallelism the DP size is ``world // sp_size`` and all SP peers
+of one DP replica must draw the same indices: it owns :class:`ShardedSampler`
+and :class:`ShardedBatchSampler`, keyed on the DP size and DP rank
+(:func:`dp_topology_from_group`) instead of the global rank, with one order for
+all ranks from a private generator, cyclic padding, a strided partition, buckets
+and exact and elastic resume (the rules: docs/internals/samplers.md). It never
+touches the default RNG and communicates only to draw a seed when ``seed=None``.
 """
 
 from __future__ import annotations
@@ -268,8 +189,8 @@ class ShardedSampler(Sampler[int]):
     """Sampler giving DP replica ``rank`` of ``num_replicas`` its share of one global order.
 
     A drop-in for ``DistributedSampler`` where ``num_replicas``/``rank`` are the DP size and DP
-    rank (see :func:`dp_topology_from_group`), so SP peers draw identical indices. See the
-    module docstring for the exact ordering, padding, partition, resume and bucket rules.
+    rank (see :func:`dp_topology_from_group`), so SP peers draw identical indices. The exact
+    ordering, padding, partition, resume and bucket rules: docs/internals/samplers.md.
 
     Args:
         dataset: anything with ``len()``; only its length is used.
@@ -547,7 +468,7 @@ class ShardedSampler(Sampler[int]):
         Everything is validated before anything changes; a refused state raises ``ValueError``
         naming the field and leaves the sampler as it was. The state's ``seed`` is adopted (it
         defines the order being resumed). Under a different ``num_replicas`` the remainder of
-        the epoch is re-split (see the module docstring); under the same ``num_replicas`` and
+        the epoch is re-split (docs/internals/samplers.md); under the same ``num_replicas`` and
         any rank the segment continues exactly.
         """
         epoch, seed, old_n = check_state_head(state, _STATE_KEYS, STATE_FORMAT, STATE_VERSION)

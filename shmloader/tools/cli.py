@@ -1,6 +1,9 @@
 """The ``shmloader`` command: ``demo``, ``stat``, ``gc`` and ``daemon``.
 
-Human output by default; ``stat --json`` for scripts.
+It owns the argument parser and hands each subcommand to its module (``stat``
+and ``gc`` to ``shmloader.tools.stat``, ``demo`` to ``shmloader.tools.demo``,
+``daemon`` to ``shmloaderd``); human output by default, ``stat --json`` for
+scripts. Training code never imports it.
 """
 
 from __future__ import annotations

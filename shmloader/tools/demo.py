@@ -1,22 +1,12 @@
 """``shmloader demo``: the main job, end to end on one machine.
 
-Starts ``--ranks`` local processes (gloo on loopback) split into SP groups of
-``--sp``; each group's leader runs a real ``DataLoader`` with workers over a
-synthetic long-context multimodal dataset (token ids, labels, position ids,
-image tensors in bfloat16, per-sample metadata), and ``ShmLoader`` shares its
-batches. Then the same ranks run the same job with every rank loading its
-own batches. Each rank fingerprints every batch; the parent checks that all
-SP peers received identical batches in both runs and prints a report.
-Embedded mode: no daemon needed, nothing left in ``/dev/shm``.
-
-What the report sets side by side, measured in the same run for both modes:
-DataLoaders running and worker processes started (each rank's live
-children), CPU seconds of every process (each rank's own, plus its workers'
-user and system time read from ``/proc`` before they stop), node memory of
-loading (proportional set size of each rank and its workers above the
-rank's own before its loader started, peak per rank, summed: pages shared
-by several processes count once), time from construction to the first
-batch, and the wait for each next batch.
+It owns the demo: ``--ranks`` local processes (gloo on loopback) in SP groups of
+``--sp``, each group's leader running a real ``DataLoader`` with workers over a
+synthetic long-context multimodal dataset, once with ``ShmLoader`` and once with
+every rank loading its own batches; each rank fingerprints every batch, and the
+parent checks that SP peers received identical batches and prints what both
+modes cost. Embedded mode: it needs no daemon and leaves nothing in
+``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -265,6 +255,14 @@ def run(args: argparse.Namespace) -> int:
     return _report(args, reports)
 
 
+# What the report sets side by side, measured in the same run for both modes:
+# DataLoaders running and worker processes started (each rank's live
+# children), CPU seconds of every process (each rank's own, plus its workers'
+# user and system time read from ``/proc`` before they stop), node memory of
+# loading (proportional set size of each rank and its workers above the
+# rank's own before its loader started, peak per rank, summed: pages shared
+# by several processes count once), time from construction to the first
+# batch, and the wait for each next batch.
 def _report(args: argparse.Namespace, reports: dict[int, dict]) -> int:
     ok = True
     for start in range(0, args.ranks, args.sp):

@@ -3,7 +3,7 @@
 Owns argparse, where the document comes from (the daemon or a scan,
 ``get_stats``), the daemon's extra ring directories, and the table
 (``format_table``). Reads ``shmloader._node.inventory``'s document and calls
-``shmloader._node.gc``; training code never imports this module.
+``shmloader._node.reaping``; training code never imports this module.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ JOB_KEYS = {
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    """Run ``shmloader <argv>`` through ``admin.register`` as cli.py does."""
+    """Run ``shmloader <argv>`` through ``stat.register`` as cli.py does."""
     parser = argparse.ArgumentParser(prog="shmloader")
     stat_cli.register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

@@ -679,7 +679,7 @@ def test_warm_pool_adopt(daemons: Daemons) -> None:
 
 @pytest.mark.timeout(60)
 def test_warm_pool_names_cannot_be_planted(daemons: Daemons) -> None:
-    """NOTE [pool names]: a local user who sees the pool's first segment plants a
+    """NOTE [warm segment names]: a local user who sees the pool's first segment plants a
     FIFO or a file at every name derivable from it; the daemon neither blocks
     nor fails, and the pool fills again after an adoption."""
     d = daemons.start("--pool", "3M", "--pool-segment", "1M", "--reap-interval", "0.05")

@@ -1,7 +1,7 @@
 """Threads, ranks that iterate differently, and the leader's last word.
 
 - A follower iterated from a background prefetch thread while the main thread
-  drops the batches (NOTE [one thread per socket] in ``loader``).
+  drops the batches (NOTE [one thread per socket] in ``follower``).
 - Ranks whose loops differ: a typed error naming both positions, never a
   silent short epoch; a follower that leaves an epoch early neither deadlocks
   nor loses the next epoch (NOTE [iteration numbers]).
@@ -165,7 +165,7 @@ def leader_exits_on_error(rank: int, world: int) -> dict:
     out = outcome(lambda: [int(b["x"].sum()) for b in loader])
     if rank == 0:
         # Exit at once: no close(), no atexit, no finalizers, no ZeroMQ linger; only
-        # what _fail made sure of. (Files are removed by hand, not by the loader.)
+        # what Writer.fail made sure of. (Files are removed by hand, not by the loader.)
         writer = loader._role.writer
         writer.ring.close()
         os.unlink(writer.hub.path)

@@ -6,7 +6,7 @@ prefetch thread, keeps every batch's ``labels`` for an epoch-level metric, and
 one rank raises in the middle of epoch 2, so that torchrun's elastic agent
 sends SIGTERM to the others. The job must end (no hang), the ring must not
 have grown past its depth although labels were kept (small leaves are owned
-copies, NOTE [small leaves] in ``roles``), and nothing of the job may be
+copies, NOTE [small leaves] in ``_roles.base``), and nothing of the job may be
 left: no segment in /dev/shm, nothing in the runtime directory, no process.
 The helper script is tests/support/user_scenario.py.
 """

@@ -1,4 +1,4 @@
-"""Collating straight into the slot (NOTE [collate into the slot] in ``worker``).
+"""Collating straight into the slot (NOTE [collate into the slot] in ``collate``).
 
 Inside a DataLoader worker, ``default_collate`` gets its output memory from
 ``UntypedStorage._new_shared``; the worker writer answers that call from the

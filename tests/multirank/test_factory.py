@@ -2,7 +2,7 @@
 
 NOTE [factory draws] (``rng``): the factory's draws from the default
 generators are counted on the leader and mirrored on every other rank.
-NOTE [samplers over SP groups] (``startup``): a data-parallel sampler in the
+NOTE [samplers over SP groups] (``_setup.build``): a data-parallel sampler in the
 factory keyed on other replicas than the SP groups is refused.
 """
 

@@ -212,7 +212,7 @@ def test_kept_small_leaves_keep_nothing_and_kept_batches_are_named_in_a_warning(
 
 
 def test_a_prefetch_window_within_the_slots_is_not_called_kept():
-    """NOTE [ring growth] in ``writer``: batches a rank took and still holds for a
+    """NOTE [ring growth] in ``node_writer``: batches a rank took and still holds for a
     while (a prefetch queue) make the ring hold SLOTS plus the window, but are
     not kept batches: no warning while the window is within the depth."""
     out = run_ranks(sliding_window, 2)

@@ -19,7 +19,7 @@ def from_env(**env: str) -> Config:
 def test_defaults_with_an_empty_environment() -> None:
     c = from_env()
     assert c == Config()
-    # timeout None: the loader follows its process group's timeout (test_setup.py)
+    # timeout None: the loader follows its process group's timeout (test_lifecycle.py)
     assert (c.enabled, c.slots, c.timeout, c.copy, c.allow_pickle, c.small_copy_bytes) == (
         False,
         DEFAULT_SLOTS,

@@ -1,6 +1,6 @@
 """Collates that keep their earlier outputs get the same bytes as without sharing.
 
-NOTE [collate into the slot] in ``worker``: a collate's shared-memory outputs
+NOTE [collate into the slot] in ``collate``: a collate's shared-memory outputs
 are made in the worker's pool slot. A collate may keep them past the call (a
 memory bank of negatives, a packing carry, a view of one leaf) and return or
 read them batches later; plain PyTorch keeps such outputs intact (each is

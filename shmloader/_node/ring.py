@@ -605,8 +605,8 @@ def private_view(
     ``release``) runs then too, but only once the pages are unmapped: never
     at interpreter exit, when the mapping is still there.
     """
-    mm = segment.map_private(nbytes)
-    view = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+    mm, at = segment.map_view(nbytes)  # in a huge-page ring from the header on: whole pages
+    view = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=at)
     address = view.__array_interface__["data"][0]
     entry = (segment, nbytes)
     _VIEWS[address] = entry

@@ -33,6 +33,18 @@ NOTE [huge-page ring]
       a 2 MiB-aligned address of an offset that is not (what a plain
       anonymous placeholder gets) maps the same huge pages with 4 KiB
       entries: 15 ms to touch 256 MiB instead of 1.5.
+    - a mapping covers each huge page it touches whole: the kernel maps a
+      huge page with one entry only where the mapping spans all of it. So
+      a batch's view (``Segment.map_view``, every rank's) starts at the
+      file's first byte, header page included, and ends on a huge page's
+      end: from offset ``HEADER_SIZE`` the first huge page (the header and
+      the payload's first 2 MiB - 4 KiB) took 4 KiB entries on every rank,
+      511 of them to fault in and to unmap per batch.
+
+    Checked per rank and per path (the leader's main process, a worker's
+    collate, a worker's copy) in ``/proc/self/smaps`` by
+    ``tests/multirank/test_hugepage.py``; ``python -m benchmarks.hugedir``
+    measures what touching a batch costs each of them.
 
     Every rank of a group uses the same directory (an agreed setting of the
     set-up marks: ``arrival.AGREED``), so readers open the writer's names and

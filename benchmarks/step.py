@@ -635,19 +635,6 @@ def write(result: dict[str, Any], out: str) -> list[str]:
 # -------------------------------------------------------------------- main
 
 
-def unmount(path: str | None) -> None:
-    """Unmount ``hugedir.mount``'s tmpfs (this process's private namespace only) and
-    remove its now empty mount point, which the shared ``/tmp`` would otherwise keep."""
-    if path is None:
-        return
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.umount2(path.encode(), 2) == 0:  # MNT_DETACH
-        with contextlib.suppress(OSError):
-            os.rmdir(path)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.step",
@@ -745,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
             loads.append(os.getloadavg()[0])
             run_config(cfg, args, huge, result)
     finally:
-        unmount(huge.get("dir"))
+        hugedir.unmount(huge.get("dir"))
     result["loadavg_max"] = max(loads)
     result["wall_s"] = time.monotonic() - started
     result["targets"] = targets(result["rows"])

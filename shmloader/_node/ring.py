@@ -335,7 +335,7 @@ class RingWriter:
     def add_pooled(self, segment: Segment) -> Slot:
         """Append a slot that DataLoader workers write (``pool``): touched here, never acquired.
 
-        Its name stays linked for the pool's life (NOTE [pool names] in ``shmloader._workers.pool``).
+        Its name stays linked while the pool lives (NOTE [pool names] in ``_workers.pool``).
         """
         slot = self._pooled_slot(len(self.slots), 0, segment, populate=True)
         self.slots.append(slot)
@@ -581,8 +581,8 @@ def private_view(
     ``release``) runs then too, but only once the pages are unmapped: never
     at interpreter exit, when the mapping is still there.
     """
-    mm = segment.map_private(nbytes)
-    view = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+    mm, at = segment.map_view(nbytes)  # in a huge-page ring from the header on: whole pages
+    view = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=at)
     address = view.__array_interface__["data"][0]
     entry = (segment, nbytes)
     _VIEWS[address] = entry

@@ -30,35 +30,46 @@ DEFAULT = "/dev/shm"
 #: ``shmloader gc`` and ``stat`` look there too when it exists.
 SYSTEMD_RING_DIR = "/mnt/shmloader"
 # NOTE [huge-page ring]
-#     A 256 MiB batch in 4 KiB tmpfs pages costs every reader 65536 page faults
-#     to read it (31-33 ms) and as many page-table entries to unmap (10-11 ms),
-#     every batch, on every rank. The same file on a tmpfs with
-#     ``huge=within_size`` is 128 huge pages: touching it all takes about 1 ms
-#     and unmapping 0.05 ms, for ``MAP_PRIVATE`` and ``MAP_SHARED`` mappings
-#     alike. Three things must hold for that:
+#    A 256 MiB batch in 4 KiB tmpfs pages costs every reader 65536 page faults
+#    to read it (31-33 ms) and as many page-table entries to unmap (10-11 ms),
+#    every batch, on every rank. The same file on a tmpfs with
+#    ``huge=within_size`` is 128 huge pages: touching it all takes about 1 ms
+#    and unmapping 0.05 ms, for ``MAP_PRIVATE`` and ``MAP_SHARED`` mappings
+#    alike. Three things must hold for that:
 #
-#     - the file gets huge pages at all: ``describe`` does not trust mount
-#       options alone but writes a 2 MiB probe file (``O_TMPFILE``: it never
-#       has a name) and reads its allocated blocks back. Without ``madvise``
-#       first (``huge=always``/``within_size``, or ``shmem_enabled=force``),
-#       else through a mapping advised ``MADV_HUGEPAGE`` (``huge=advise``,
-#       ``shmem_enabled=advise`` where the kernel applies it to the mount);
-#       ``advise`` then says every mapping must be advised too.
-#     - slots are whole huge pages: header plus capacity a multiple of 2 MiB
-#       (``ring.slot_capacity_for``), since ``huge=within_size`` gives a huge
-#       page only where the file's size covers all of it.
-#     - every mapping puts file offset 0 on a 2 MiB boundary of the address
-#       space (``segment._placeholder``): a payload mapped from offset
-#       ``HEADER_SIZE`` sits at an address ``HEADER_SIZE`` past a boundary, so
-#       the page tables map each file huge page with one entry. A mapping at
-#       a 2 MiB-aligned address of an offset that is not (what a plain
-#       anonymous placeholder gets) maps the same huge pages with 4 KiB
-#       entries: 15 ms to touch 256 MiB instead of 1.5.
+#    - the file gets huge pages at all: ``describe`` does not trust mount
+#      options alone but writes a 2 MiB probe file (``O_TMPFILE``: it never
+#      has a name) and reads its allocated blocks back. Without ``madvise``
+#      first (``huge=always``/``within_size``, or ``shmem_enabled=force``),
+#      else through a mapping advised ``MADV_HUGEPAGE`` (``huge=advise``,
+#      ``shmem_enabled=advise`` where the kernel applies it to the mount);
+#      ``advise`` then says every mapping must be advised too.
+#    - slots are whole huge pages: header plus capacity a multiple of 2 MiB
+#      (``ring.slot_capacity_for``), since ``huge=within_size`` gives a huge
+#      page only where the file's size covers all of it.
+#    - every mapping puts file offset 0 on a 2 MiB boundary of the address
+#      space (``segment._placeholder``): a payload mapped from offset
+#      ``HEADER_SIZE`` sits at an address ``HEADER_SIZE`` past a boundary, so
+#      the page tables map each file huge page with one entry. A mapping at
+#      a 2 MiB-aligned address of an offset that is not (what a plain
+#      anonymous placeholder gets) maps the same huge pages with 4 KiB
+#      entries: 15 ms to touch 256 MiB instead of 1.5.
+#    - a mapping covers each huge page it touches whole: the kernel maps a
+#      huge page with one entry only where the mapping spans all of it. So
+#      a batch's view (``Segment.map_view``, every rank's) starts at the
+#      file's first byte, header page included, and ends on a huge page's
+#      end: from offset ``HEADER_SIZE`` the first huge page (the header and
+#      the payload's first 2 MiB - 4 KiB) took 4 KiB entries on every rank,
+#      511 of them to fault in and to unmap per batch.
 #
-#     Every rank of a group uses the same directory (an agreed setting of the
-#     set-up marks: ``arrival.AGREED``), so readers open the writer's names and
-#     the node probe (``topology``) is the ring directory's own.
-#: The huge page size slots are sized and aligned to (x86-64 and most arm64 kernels).
+#    Checked per rank and per path (the leader's main process, a worker's
+#    collate, a worker's copy) in ``/proc/self/smaps`` by
+#    ``tests/multirank/test_hugepage.py``; ``python -m benchmarks.hugedir``
+#    measures what touching a batch costs each of them.
+#
+#    Every rank of a group uses the same directory (an agreed setting of the
+#    set-up marks: ``arrival.AGREED``), so readers open the writer's names and
+#    the node probe (``topology``) is the ring directory's own.
 HUGE = 2 << 20
 #: ``statfs.f_type`` of a tmpfs, and of a hugetlbfs (which takes no ``write()``).
 TMPFS_MAGIC = 0x01021994

@@ -61,18 +61,19 @@ log = logging.getLogger(__name__)
 
 
 # NOTE [header granule]
-#     Every mapping of a payload (a reader's private view, a CUDA consumer's
-#     registered one) starts at offset ``HEADER_SIZE``, and ``mmap`` takes only
-#     offsets that are multiples of ``mmap.ALLOCATIONGRANULARITY``: 4 KiB on
-#     x86, 64 KiB on aarch64 kernels built with 64 KiB pages (GH200 nodes). So
-#     the header is one granule long, at least 4 KiB, and the header records
-#     the payload offset its creator used; ``validate`` refuses a segment whose
-#     offset is not this process's (a build or kernel that lays segments out
-#     differently) with a ``ProtocolError`` naming both, before anything is
-#     mapped. Version 2 of the header added that field; versions 1 and 2 refuse
-#     each other by version. ``SHMLOADER_HEADER_SIZE`` (a multiple of the
-#     granule) sets another length, so that the 64 KiB layout is tested on x86
-#     too, where a 64 KiB offset is just as valid.
+#    A mapping of a payload alone (``map_private``: a batch's view outside a
+#    huge-page ring) starts at offset ``HEADER_SIZE``, and ``mmap`` takes only
+#    offsets that are multiples of ``mmap.ALLOCATIONGRANULARITY``: 4 KiB on
+#    x86, 64 KiB on aarch64 kernels built with 64 KiB pages (GH200 nodes); the
+#    other mappings start at 0 and find the payload ``HEADER_SIZE`` in. So
+#    the header is one granule long, at least 4 KiB, and the header records
+#    the payload offset its creator used; ``validate`` refuses a segment whose
+#    offset is not this process's (a build or kernel that lays segments out
+#    differently) with a ``ProtocolError`` naming both, before anything is
+#    mapped. Version 2 of the header added that field; versions 1 and 2 refuse
+#    each other by version. ``SHMLOADER_HEADER_SIZE`` (a multiple of the
+#    granule) sets another length, so that the 64 KiB layout is tested on x86
+#    too, where a 64 KiB offset is just as valid.
 def header_size(env: str | None = None) -> int:
     """The header length of this process's segments (NOTE [header granule]).
 
@@ -432,13 +433,28 @@ class Segment:
         must never outlive the batch it was made for (NOTE [slot lifetime]).
         A forked child gets its own copy of it (NOTE [batches cross a fork]).
         """
+        return self._map_private(nbytes, HEADER_SIZE)
+
+    def map_view(self, nbytes: int) -> tuple[mmap.mmap, int]:
+        """A batch's view: ``map_private`` of ``nbytes``, and the payload's offset in it.
+
+        In a huge-page ring the mapping starts at the file's first byte, its
+        header page included (payload at ``HEADER_SIZE``), so that the file's
+        first 2 MiB page is mapped whole, like every other one (NOTE
+        [huge-page ring] in ``ringdir``); elsewhere the payload is at 0.
+        """
+        start = 0 if self.pages.huge else HEADER_SIZE
+        return self._map_private(nbytes, start), HEADER_SIZE - start
+
+    def _map_private(self, nbytes: int, start: int) -> mmap.mmap:
+        """MAP_PRIVATE from file offset ``start`` to past the first ``nbytes`` of payload."""
         if nbytes > self.capacity:
             raise ProtocolError(f"{nbytes} bytes asked of {self.name}, which holds {self.capacity}")
-        length = _round_up(max(nbytes, 1), PAGE)
+        end = HEADER_SIZE + _round_up(max(nbytes, 1), PAGE)
         if self.pages.huge:  # to the end of a huge page: one page-table entry for the tail too
-            length = min(self.capacity, _round_up(HEADER_SIZE + length, ringdir.HUGE) - HEADER_SIZE)
+            end = min(HEADER_SIZE + self.capacity, _round_up(end, ringdir.HUGE))
         prot = mmap.PROT_READ | mmap.PROT_WRITE
-        mm = _map(self.fd, length, mmap.MAP_PRIVATE, prot, HEADER_SIZE, pages=self.pages)
+        mm = _map(self.fd, end - start, mmap.MAP_PRIVATE, prot, start, pages=self.pages)
         copy_at_fork(mm)  # NOTE [batches cross a fork]
         return mm
 

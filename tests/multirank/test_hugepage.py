@@ -154,6 +154,61 @@ def test_ranks_share_through_a_huge_page_ring(huge_dir):
         assert min(o["pmd_kb"]) >= 2048, o["pmd_kb"]
 
 
+def test_a_batch_view_maps_whole_huge_pages_from_the_first(huge_dir, monkeypatch):
+    """A batch's copy-on-write view (``ring.private_view``, every rank's) maps each
+    2 MiB page of the slot with one entry, the first too: it starts at the file's
+    first byte, so the huge page holding the header and the payload's start is
+    whole (from offset HEADER_SIZE, 2044 of its kB took 4 KiB entries)."""
+    if not ringdir.describe(huge_dir).huge:
+        pytest.skip(f"no huge pages here: {ringdir.describe(huge_dir).why}")
+    monkeypatch.setattr(segment, "SHM_DIR", huge_dir)
+    token = ring.new_token()
+    nbytes = (5 << 20) + 12345
+    seg = segment.Segment.create_unique(
+        f"/shml-{token}-0.0", segment.KIND_DATA, token, ring.slot_capacity_for(nbytes)
+    )
+    try:
+        writer = seg.map_shared()
+        segment.touch(writer)
+        writer[segment.HEADER_SIZE : segment.HEADER_SIZE + 4] = b"abcd"
+        released = []
+        view = ring.private_view(seg, nbytes, lambda: released.append(1))
+        assert len(view) == nbytes and bytes(view[:4]) == b"abcd", "the payload, not the header"
+        assert int(view[::4096].sum()) + int(view[-1]) == ord("a")  # every page read
+        kb = ranks.mapping_kb(view.ctypes.data)
+        assert kb["rss"] == kb["pmd"] >= nbytes >> 10, kb
+        assert kb["pmd"] % (HUGE >> 10) == 0 and kb["anon"] == 0, kb
+        view[0] = ord("A")  # a write stays this view's own (copy-on-write)
+        assert writer[segment.HEADER_SIZE] == ord("a")
+        assert ranks.mapping_kb(view.ctypes.data)["anon"] > 0
+        del view
+        assert released == [1]
+        writer.close()
+    finally:
+        seg.unlink()
+        seg.close()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("path", sorted(ranks.HUGE_PATHS))
+def test_every_rank_maps_whole_huge_pages_on_every_path(huge_dir, path):
+    """Leader and follower, slots written by the leader's main process, by a worker's
+    collate, or by a worker copying its sample in: every batch each rank was handed
+    is mapped in whole 2 MiB pages once read (smaps, not time)."""
+    if not ringdir.describe(huge_dir).huge:
+        pytest.skip(f"no huge pages here: {ringdir.describe(huge_dir).why}")
+    out = run_ranks(ranks.huge_paths, 2, kwargs={"path": path}, env={"SHMLOADER_SHM_DIR": huge_dir})
+    assert [o["role"] for o in out] == ["leader", "follower"]
+    batch_size, workers = ranks.HUGE_PATHS[path]
+    batches = len(ranks.Big()) // (batch_size or 1)
+    assert out[0]["worker_written"] == (batches if workers else 0), "the path under test"
+    for o in out:
+        assert len(o["maps"]) == batches
+        for kb in o["maps"]:
+            assert kb["rss"] == kb["pmd"] > kb["batch"], (o["role"], path, o["maps"])
+            assert kb["anon"] == 0, (o["role"], path, o["maps"])
+
+
 _CHILD = """
 import os, signal, sys, time
 from shmloader._node import ring, segment

@@ -264,6 +264,53 @@ def pmd_mapped_kb(address: int) -> int:
     return 0
 
 
+def mapping_kb(address: int) -> dict[str, int]:
+    """kB of the mapping holding ``address``: ``rss`` (all it maps), ``pmd`` (what 2 MiB
+    page-table entries map) and ``anon`` (copy-on-write copies)."""
+    out = {"rss": 0, "pmd": 0, "anon": 0}
+    keys = {"Rss:": "rss", "ShmemPmdMapped:": "pmd", "FilePmdMapped:": "pmd", "Anonymous:": "anon"}
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head in keys:
+                out[keys[head]] += int(line.split()[1])
+    return out
+
+
+#: How each path of ``huge_paths`` writes its slots: (batch_size, num_workers).
+HUGE_PATHS = {
+    "main": (2, 0),  # the leader's main process copies the batch in
+    "collate": (2, 2),  # a DataLoader worker's collate stacks into the slot
+    "copy": (None, 2),  # a DataLoader worker copies its sample in
+}
+
+
+def huge_paths(rank: int, world: int, *, path: str) -> dict:
+    """Share ``Big`` batches over a ring in SHMLOADER_SHM_DIR, slots written the way
+    ``path`` names (``HUGE_PATHS``); per batch, after every page was read: the
+    mapping's kB (``mapping_kb``) and the batch's own."""
+    batch_size, num_workers = HUGE_PATHS[path]
+    group, _members = sp_groups(world, world)
+    loader = ShmLoader(
+        lambda: DataLoader(Big(), batch_size=batch_size, num_workers=num_workers),
+        group,
+        config=Config.from_env(enabled=True),
+    )
+    out: dict[str, Any] = {"role": loader.role, "maps": [], "worker_written": 0}
+    for batch in loader:
+        rows = batch.reshape(-1, 512 * 1024)  # one Big sample per row
+        assert float(rows.sum()) == float(rows[:, 0].sum()) * rows.shape[1]  # every page read
+        out["maps"].append({**mapping_kb(batch.data_ptr()), "batch": batch.nbytes >> 10})
+        del batch
+    out["worker_written"] = loader.stats().get("worker_written", 0)
+    loader.close()
+    return out
+
+
 def huge_ring(rank: int, world: int, *, num_workers: int) -> dict:
     """Share ``Big`` batches through the ring directory SHMLOADER_SHM_DIR names;
     report where the ring lived, what ``stat`` said about it and the batches."""

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from benchmarks import crossnode, run
+from benchmarks import crossnode, hugedir, run
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -60,3 +60,14 @@ def test_only_the_huge_page_way_runs_in_the_huge_page_ring() -> None:
     dirs = {c.mode: c.shm_dir for c in cases}
     assert dirs["shmloader-huge"] == "/mnt/huge"
     assert all(d == "" for mode, d in dirs.items() if mode != "shmloader-huge"), dirs
+
+
+def test_hugedir_touch_benchmark_defaults_and_refusals() -> None:
+    args = hugedir.parse_args([])
+    assert (args.mib, args.batches, args.paths) == (256.0, 8, ["main", "collate", "copy"])
+    assert args.rings == ["huge", "shm"] and args.modes == ["quiet", "lockstep", "free"]
+    assert os.path.isdir(args.out), "a run never writes into committed results by default"
+    os.rmdir(args.out)
+    for bad in (["--mib", "0"], ["--batches", "0"], ["--paths", "disk"]):
+        with pytest.raises(SystemExit):
+            hugedir.parse_args(bad)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -11,7 +13,12 @@ import torch.distributed as dist
 import zmq
 
 from shmloader import Config, ShmLoader
-from shmloader._node.rundir import check_private_dir, make_private_dir, socket_path
+from shmloader._node.rundir import (
+    check_private_dir,
+    make_private_dir,
+    remove_private_dir,
+    socket_path,
+)
 from shmloader._proto import wire
 from shmloader._transport.channel import Hub
 from shmloader.errors import ConfigError, ProtocolError
@@ -92,22 +99,28 @@ def test_a_group_that_is_not_part_of_the_world_is_a_config_error():
         assert o["type"] == "ConfigError" and "group" in o["message"], o
 
 
-def test_runtime_dir_of_another_user_is_refused(tmp_path):
+def test_runtime_dir_of_another_user_is_refused():
     """The fixed ``shmloader-<uid>`` of earlier versions can be squatted; a
     private directory cannot, and one not ours or open to others is refused."""
-    squat = tmp_path / f"shmloader-{os.geteuid()}"
-    squat.mkdir(mode=0o700)
-    os.chown(squat, 12345, 12345)
-    mine = make_private_dir(str(tmp_path))  # the squat is irrelevant
-    check_private_dir(mine)
-    os.chown(mine, 12345, 12345)
-    with pytest.raises(ProtocolError, match="uid 12345"):
+    # a short base, not tmp_path: under xdist its long name pushed the socket path
+    # in the private directory past sun_path's 107 bytes
+    base = tempfile.mkdtemp(prefix="shl", dir="/tmp")
+    try:
+        squat = os.path.join(base, f"shmloader-{os.geteuid()}")
+        os.mkdir(squat, 0o700)
+        os.chown(squat, 12345, 12345)
+        mine = make_private_dir(base)  # the squat is irrelevant
         check_private_dir(mine)
-    os.chown(mine, os.geteuid(), os.getegid())
-    os.chmod(mine, 0o755)
-    with pytest.raises(ProtocolError, match="mode 0700"):
-        check_private_dir(mine)
-    os.rmdir(mine)
+        os.chown(mine, 12345, 12345)
+        with pytest.raises(ProtocolError, match="uid 12345"):
+            check_private_dir(mine)
+        os.chown(mine, os.geteuid(), os.getegid())
+        os.chmod(mine, 0o755)
+        with pytest.raises(ProtocolError, match="mode 0700"):
+            check_private_dir(mine)
+        remove_private_dir(mine, os.getpid())
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_garbage_frames_are_dropped_and_logged_never_a_crash(no_leaks, caplog):

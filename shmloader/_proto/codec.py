@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import copy
 import dataclasses
 import importlib
 import json
@@ -813,3 +814,39 @@ def decode(
         raise TypeError(f"payload must be a 1-D uint8 array, got {payload.dtype} {payload.shape}")
     doc, leaves = parse_meta(meta, payload.nbytes)
     return _Decoder(leaves, payload, allow_pickle, own_below).node(doc.get("t"), 0)
+
+
+def owned_copy(batch: Any) -> Any:
+    """Replace shared views by owned copies (``SHMLOADER_COPY=1``).
+
+    A module-level recursion with an explicit memo, not a nested closure: a
+    closure that refers to itself is a reference cycle, which would keep the
+    copies (and through them nothing else, but still memory) alive until the
+    cycle collector runs.
+    """
+    return _clone(batch, {})
+
+
+def _clone(obj: Any, memo: dict[int, Any]) -> Any:
+    if isinstance(obj, torch.Tensor | np.ndarray):
+        if id(obj) not in memo:  # aliases stay aliases
+            memo[id(obj)] = obj.clone() if isinstance(obj, torch.Tensor) else obj.copy()
+        return memo[id(obj)]
+    if isinstance(obj, list):
+        return [_clone(v, memo) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_clone(v, memo) for v in obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_clone(v, memo) for v in obj))
+    if type(obj) is dict:
+        return {k: _clone(v, memo) for k, v in obj.items()}
+    if isinstance(obj, collections.abc.Mapping) and rebuildable(obj):
+        # as the codec rebuilt it (NOTE [mappings]); one it could not came unpickled, owned
+        items = {k: _clone(v, memo) for k, v in obj.items()}
+        return rebuild_mapping(type(obj), items, getattr(obj, "default_factory", None))
+    if hasattr(obj, "__dataclass_fields__") and not isinstance(obj, type):
+        new = copy.copy(obj)
+        for name in obj.__dataclass_fields__:
+            object.__setattr__(new, name, _clone(getattr(obj, name), memo))
+        return new
+    return obj

@@ -1,35 +1,28 @@
-"""The roles behind ``ShmLoader``: their contract, what they share, and what several of them use.
+"""The roles behind ``ShmLoader``: their contract and what they share.
 
 It owns ``Role`` (``ready``, ``iterate``, ``set_epoch``, ``close``, ``closers``,
 ``stats``), the ``Context`` every role of one loader shares (config, cursor and
 boundary, counters, the report hook: each field with one owner), the ``Gate``
 that lets one thread at a time into a role's code (NOTE [close from any
-thread]), ERROR bodies, the payload CRC and owned copies. It imports ``codec``,
+thread]) and the rules every role's loop keeps (NOTE [no batch in the frame],
+NOTE [small leaves]). ERROR bodies are ``_proto.bodies``'s, the payload CRC
+``_proto.checksum``'s, owned copies ``codec.owned_copy``. It imports
 ``cursor``, ``stats``, ``config`` and ``errors``, never ``loader`` nor a role;
 the map of roles is in docs/architecture.md.
 """
 
 from __future__ import annotations
 
-import collections.abc
 import contextlib
-import copy
 import dataclasses
-import json
 import logging
 import threading
 import time
-import traceback
-import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-import numpy as np
-import torch
-
-from .._proto import codec
 from ..config import Config
-from ..errors import LeaderError, PeerLostError, ProtocolError, ShmLoaderError
+from ..errors import ShmLoaderError
 from .cursor import Boundary, Cursor
 from .stats import RankStats
 
@@ -234,91 +227,3 @@ class Role(Protocol):
 #     ``batch["labels"]`` for an epoch-level metric then keeps nothing of the
 #     slot, which is released as soon as the large leaves die. A batch made
 #     only of small leaves is released right at delivery.
-def _owned_copy(batch: Any) -> Any:
-    """Replace shared views by owned copies (``SHMLOADER_COPY=1``).
-
-    A module-level recursion with an explicit memo, not a nested closure: a
-    closure that refers to itself is a reference cycle, which would keep the
-    copies (and through them nothing else, but still memory) alive until the
-    cycle collector runs.
-    """
-    return _clone(batch, {})
-
-
-def _clone(obj: Any, memo: dict[int, Any]) -> Any:
-    if isinstance(obj, torch.Tensor | np.ndarray):
-        if id(obj) not in memo:  # aliases stay aliases
-            memo[id(obj)] = obj.clone() if isinstance(obj, torch.Tensor) else obj.copy()
-        return memo[id(obj)]
-    if isinstance(obj, list):
-        return [_clone(v, memo) for v in obj]
-    if type(obj) is tuple:
-        return tuple(_clone(v, memo) for v in obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_clone(v, memo) for v in obj))
-    if type(obj) is dict:
-        return {k: _clone(v, memo) for k, v in obj.items()}
-    if isinstance(obj, collections.abc.Mapping) and codec.rebuildable(obj):
-        # as the codec rebuilt it (NOTE [mappings]); one it could not came unpickled, owned
-        items = {k: _clone(v, memo) for k, v in obj.items()}
-        return codec.rebuild_mapping(type(obj), items, getattr(obj, "default_factory", None))
-    if hasattr(obj, "__dataclass_fields__") and not isinstance(obj, type):
-        new = copy.copy(obj)
-        for name in obj.__dataclass_fields__:
-            object.__setattr__(new, name, _clone(getattr(obj, name), memo))
-        return new
-    return obj
-
-
-def _crc(payload: np.ndarray) -> int:
-    return zlib.crc32(payload)  # type: ignore[arg-type]  # numpy types __buffer__ from 3.12
-
-
-def _check_crc(payload: np.ndarray, expected: int, seq: int) -> None:
-    got = _crc(payload)
-    if got != expected:
-        raise ProtocolError(
-            f"batch {seq}: payload CRC-32 {got:08x} != {expected:08x} announced by the writer; "
-            "the shared memory was modified or corrupted between write and read"
-        )
-
-
-def _json_body(meta: bytes) -> dict:
-    try:
-        body = json.loads(meta)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        body = None
-    if isinstance(body, dict):
-        return body
-    return {"type": "ProtocolError", "message": repr(meta[:200])}
-
-
-def _error_body(it: int, exc: BaseException) -> dict[str, Any]:
-    return {
-        "it": it,
-        "type": type(exc).__qualname__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(exc)),
-    }
-
-
-def _error_fields(body: dict) -> dict:
-    return {
-        "it": int(body.get("it", 0)) if isinstance(body.get("it", 0), int) else 0,
-        "type": str(body.get("type", "Exception")),
-        "message": str(body.get("message", "")),
-        "traceback": str(body.get("traceback", "")),
-    }
-
-
-def _leader_error(body: dict, leader: int | None) -> ShmLoaderError:
-    """The error a reader raises for the leader's ERROR message.
-
-    A peer lost by the leader is a peer lost by the whole group: readers raise
-    ``PeerLostError`` with the leader's account. Anything else the leader's
-    loader raised becomes ``LeaderError`` carrying type, message and traceback.
-    """
-    f = _error_fields(body)
-    if f["type"] == "PeerLostError":
-        return PeerLostError(None, "peer", f"the leader (rank {leader}) reported: {f['message']}")
-    return LeaderError(f["type"], f["message"], f["traceback"], leader_rank=leader)

@@ -24,11 +24,13 @@ import numpy as np
 from .._node.release import announced_words
 from .._node.ring import RingReader
 from .._proto import wire
+from .._proto.bodies import leader_error
+from .._proto.checksum import check_payload_crc
 from .._proto.wire import Kind
 from .._transport.channel import SLICE_S, Spoke
 from ..errors import PeerLostError, ProtocolError, ShmLoaderError
 from . import rng
-from .base import CLOSE_WAIT_S, Context, _check_crc, _leader_error, log
+from .base import CLOSE_WAIT_S, Context, log
 from .receiver import Receiver
 from .topology import GroupTopology
 
@@ -343,7 +345,7 @@ class Follower:
                     )
                 raise receiver.stopped(msg["reason"], theirs, mine)
             if msg.kind == Kind.ERROR:
-                raise _leader_error(msg.body, topo.leader)
+                raise leader_error(msg.body, topo.leader)
             if msg.kind != Kind.BATCH:
                 log.warning("shmloader: unexpected %s from the writer; ignored", msg.kind.name)
                 continue
@@ -363,5 +365,5 @@ class Follower:
         release = functools.partial(self.out.release, (msg["slot"], msg["gen"], msg.seq))
         payload = self.ring.view(msg["seg"], nbytes, release, announced_words(msg.body))
         if msg["crc"] >= 0:
-            _check_crc(payload, msg["crc"], msg.seq)
+            check_payload_crc(payload, msg["crc"], msg.seq)
         return payload

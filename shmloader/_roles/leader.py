@@ -17,13 +17,14 @@ import torch
 
 from .._node.ring import RingWriter
 from .._proto import codec
+from .._proto.codec import owned_copy
 from .._transport.daemon_client import DaemonClient
 from .._workers import collate
 from .._workers.pool import SlotRef, WorkerPool
 from ..config import Config
 from . import rng
-from .base import Context, _owned_copy
-from .local import Source, _forward_set_epoch
+from .base import Context
+from .local import Source, forward_set_epoch
 from .node_writer import NodeWriter
 
 
@@ -91,7 +92,7 @@ class Leader:
     def set_epoch(self, epoch: int) -> None:
         self.writer.follow_epoch()
         if self.source.loader is not None:
-            _forward_set_epoch(self.source.loader, epoch)
+            forward_set_epoch(self.source.loader, epoch)
 
     def close(self) -> None:
         self.writer.say_closed(self.ctx.cursor.it)
@@ -159,7 +160,7 @@ class Leader:
             )
         view = writer.publish(it, batch, draws)
         if config.copy:
-            return _owned_copy(codec.decode(batch.meta, view, allow_pickle=config.allow_pickle))
+            return owned_copy(codec.decode(batch.meta, view, allow_pickle=config.allow_pickle))
         out = codec.decode(
             batch.meta, view, allow_pickle=config.allow_pickle, own_below=config.small_copy_bytes
         )

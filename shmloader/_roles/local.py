@@ -212,7 +212,7 @@ class Local:
 
     def set_epoch(self, epoch: int) -> None:
         if self.source.loader is not None:
-            _forward_set_epoch(self.source.loader, epoch)
+            forward_set_epoch(self.source.loader, epoch)
 
     def close(self) -> None:
         pass
@@ -250,7 +250,7 @@ def _sources_of_order(loader: object) -> list[tuple[str, object]]:
     return out
 
 
-def _forward_set_epoch(loader: object, epoch: int) -> None:
+def forward_set_epoch(loader: object, epoch: int) -> None:
     """Call ``set_epoch`` on the loader and on its sampler(s), once each."""
     targets: list[object] = [loader]
     sampler = getattr(loader, "sampler", None)

@@ -22,12 +22,14 @@ import numpy as np
 
 from .._node.ring import RingWriter, Slot, SlotState, private_view
 from .._proto import codec, wire
+from .._proto.bodies import error_body
+from .._proto.checksum import check_payload_crc, payload_crc
 from .._proto.wire import Kind
 from .._transport.channel import BYE_GRACE_S, Hub
 from .._transport.xnode import CrossNode, Event
 from .._workers.pool import SlotRef, WorkerPool
 from ..errors import PeerLostError, ProtocolError, human_bytes
-from .base import CLOSE_WAIT_S, Context, _check_crc, _crc, _error_body, log
+from .base import CLOSE_WAIT_S, Context, log
 from .topology import GroupTopology
 
 #: What ``NodeWriter.publish`` puts in a slot: a batch the leader's main process encoded,
@@ -154,9 +156,9 @@ class NodeWriter:
         """
         if isinstance(batch, Event):
             if payload is not None and batch.crc >= 0:
-                _check_crc(payload, batch.crc, self.seq)
+                check_payload_crc(payload, batch.crc, self.seq)
             return batch.crc
-        return _crc(payload) if self.config.verify and payload is not None else -1
+        return payload_crc(payload) if self.config.verify and payload is not None else -1
 
     def _count(self, batch: Publishable, t0: int, write_ns: int) -> None:
         """The leader's counters of a batch it published (a node leader counts what it
@@ -215,7 +217,7 @@ class NodeWriter:
                 body: dict[str, Any] = {"reason": f"{type(exc).__name__} on the leader"}
                 parts = self.stamped(Kind.STOP, it, closed=0, reason=body["reason"])
             else:
-                kind, body = Kind.ERROR, _error_body(it, exc)
+                kind, body = Kind.ERROR, error_body(it, exc)
                 parts = wire.frames(Kind.ERROR, self.seq, **body)
             if self.sends and self.xnode is not None and not self.xnode.broken:
                 self.xnode.send_json(kind, it, body)

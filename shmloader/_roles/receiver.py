@@ -22,9 +22,10 @@ from typing import Any
 import numpy as np
 
 from .._proto import codec
+from .._proto.codec import owned_copy
 from ..errors import DivergenceError, LeaderStoppedError
 from . import rng
-from .base import Context, _owned_copy, log
+from .base import Context, log
 from .topology import GroupTopology
 
 
@@ -103,7 +104,7 @@ class Receiver:
         nbytes = payload.nbytes
         del payload  # NOTE [small leaves] (base): a batch of small leaves only is released here
         if self.config.copy:
-            batch = _owned_copy(batch)
+            batch = owned_copy(batch)
         cursor, counts = self.ctx.cursor, self.ctx.stats.counts
         self.ctx.boundary.capture(cursor.delivered)  # NOTE [RNG at the step boundary] (rng)
         rng.mirror_draws(draws)

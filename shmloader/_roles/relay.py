@@ -16,11 +16,12 @@ from typing import Any
 import numpy as np
 
 from .._proto import wire
+from .._proto.bodies import error_fields, json_body, leader_error
 from .._proto.wire import Kind
 from .._transport.xnode import CrossNode, Event
 from ..errors import LeaderError
 from . import rng
-from .base import Context, _error_fields, _json_body, _leader_error
+from .base import Context
 from .node_writer import NodeWriter
 from .receiver import Receiver
 
@@ -84,13 +85,13 @@ class Relay:
                 ctx.cursor.finish()
                 return
             if head.kind == Kind.STOP:
-                reason = str(_json_body(event.meta).get("reason", ""))
+                reason = str(json_body(event.meta).get("reason", ""))
                 writer.tell_last(writer.stamped(Kind.STOP, it, reason=reason, closed=0))
                 raise receiver.stopped(reason, theirs, mine)
             if head.kind == Kind.ERROR:
-                body = {**_json_body(event.meta), "it": it}
-                writer.tell_last(wire.frames(Kind.ERROR, writer.seq, **_error_fields(body)))
-                raise _leader_error(body, writer.topo.leader)
+                body = {**json_body(event.meta), "it": it}
+                writer.tell_last(wire.frames(Kind.ERROR, writer.seq, **error_fields(body)))
+                raise leader_error(body, writer.topo.leader)
             if (head.epoch, head.pos) != mine[1:]:
                 self._skip_payload(event)
                 raise receiver.diverged("batch", theirs, mine)

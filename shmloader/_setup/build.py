@@ -24,8 +24,9 @@ import torch.distributed as dist
 
 from .._node import segment
 from .._node.ring import RingReader, RingWriter, new_token
+from .._proto.bodies import error_body, json_body, leader_error
 from .._roles import rng
-from .._roles.base import Context, Gate, Role, _error_body, _json_body, _leader_error, log
+from .._roles.base import Context, Gate, Role, log
 from .._roles.cursor import Boundary, Cursor
 from .._roles.follower import Follower
 from .._roles.leader import Leader, worker_pool
@@ -275,12 +276,12 @@ def _agree_on_loader(
             report["draws"] = _mirrorable(draws)
         except BaseException as exc:
             error = exc
-            report = {"error": _error_body(0, exc)}
+            report = {"error": error_body(0, exc)}
     raw = broadcast_bytes(json.dumps(report).encode() if topo.is_leader else None, topo.leader, pg)
-    agreed = _json_body(raw)
+    agreed = json_body(raw)
     if "error" in agreed:
         body = agreed["error"] if isinstance(agreed["error"], dict) else {}
-        return None, None, error or _leader_error(body, topo.leader)
+        return None, None, error or leader_error(body, topo.leader)
     if not topo.is_leader:
         rng.mirror_words(agreed.get("draws", {}))  # NOTE [factory draws] (rng)
     length = agreed.get("length")

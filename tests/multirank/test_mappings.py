@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from shmloader._proto import codec
-from shmloader._roles.base import _owned_copy
+from shmloader._proto.codec import owned_copy
 from shmloader.errors import ProtocolError, UnsupportedBatchError
 from tests.support.harness import run_ranks
 from tests.unit.test_codec import assert_same, meta_of, roundtrip
@@ -205,7 +205,7 @@ def test_owned_copies_keep_the_mapping_type() -> None:
     out, _, _ = roundtrip(
         [collections.OrderedDict(a=t), Encoding({"b": t}), collections.defaultdict(int, c=t)]
     )
-    copied = _owned_copy(out)
+    copied = owned_copy(out)
     for got, want in zip(copied, out, strict=True):
         _values_same(got, want)
     copied[0]["a"][0] = 99  # owned: the payload is untouched

@@ -892,8 +892,7 @@ def _deny(addr: int, length: int) -> None:
     """
     if LIBC_MMAP is not None:
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE
-        # mmap defines no PROT_NONE (it is 0): as written, this line raises AttributeError
-        LIBC_MMAP(addr, length, mmap.PROT_NONE, flags, -1, 0)  # type: ignore[attr-defined]
+        LIBC_MMAP(addr, length, 0, flags, -1, 0)  # PROT_NONE: Python's mmap does not name it
 
 
 def _own_copy(addr: int, length: int) -> bool:

@@ -14,6 +14,9 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -310,3 +313,24 @@ def test_a_forked_child_holds_no_descriptor_of_a_ring_directory_that_is_not_dev_
     assert before == 2, "the parent holds both segments open"
     assert in_child == 0, f"a forked child holds {in_child} descriptor(s) of segments in {ring}"
     assert os.listdir(ring) == []
+
+
+def test_a_denied_view_faults_on_touch_instead_of_raising() -> None:
+    # segment._deny, the fork hook's last resort: the range becomes inaccessible (a
+    # fault on touch), and the call itself must not raise (the hook swallows errors)
+    code = (
+        "import ctypes, mmap\n"
+        "from shmloader._node import segment\n"
+        "m = mmap.mmap(-1, mmap.PAGESIZE)\n"
+        "addr = ctypes.addressof(ctypes.c_char.from_buffer(m))\n"
+        "segment._deny(addr, mmap.PAGESIZE)\n"
+        "print('denied', flush=True)\n"
+        "ctypes.string_at(addr, 1)\n"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.path.join(repo, "daemon")]))
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert out.stdout.strip() == "denied", out.stderr[-2000:]
+    assert out.returncode == -signal.SIGSEGV, (out.returncode, out.stderr[-2000:])

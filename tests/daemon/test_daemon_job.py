@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -144,7 +145,10 @@ def test_stat_without_daemon_says_which_job_waits_for_data():
         assert row["wait_ms_p50"] is None  # only the daemon hears a follower's own waits
     text = stat_cli.format_table(doc)
     assert "elastic-42" in text and "leader" in text
-    assert "note: followers' waits for data (ranks 1,2) are reported only to shmloaderd" in text
+    # ranks 1 and 2 among those listed: other jobs on the node (another test's) add theirs
+    listed = re.search(r"note: followers' waits for data \(ranks ([0-9,.]+)\) are reported "
+                       r"only to shmloaderd", text)  # fmt: skip
+    assert listed and {"1", "2"} <= set(listed[1].split(",")), text
 
 
 # ------------------------------------------------------------------ device delivery

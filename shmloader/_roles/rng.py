@@ -16,6 +16,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from .._proto.wire import MAX_COUNTED_DRAWS, MAX_MIRRORED_DRAWS
+
 # NOTE [RNG mirroring]
 #     Without shmloader every SP rank runs its own DataLoader, and PyTorch draws
 #     from the rank's *default* CPU generator while doing so: one int64 base seed
@@ -45,10 +47,7 @@ import torch
 #     generator. Draws inside worker processes never touch the main process's
 #     generator and need no mirroring. What ``make_loader`` itself draws on the
 #     leader is mirrored once, at set-up (NOTE [factory draws]).
-#: Give up counting after this many draws between two snapshots.
-MAX_COUNTED_DRAWS = 64
-#: Most draws one message can carry: an ``iter()`` and a ``next()``, each counted.
-MAX_MIRRORED_DRAWS = 2 * MAX_COUNTED_DRAWS
+# the bounds are the messages' (a draw count travels in them): ``_proto.wire``
 
 
 def will_consume_base_seed(loader: object) -> bool:

@@ -20,8 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .._proto.codec import MAX_META_BYTES
-from .._proto.wire import Kind
-from .._roles.rng import MAX_MIRRORED_DRAWS
+from .._proto.wire import MAX_MIRRORED_DRAWS, Kind
 from ..errors import PeerLostError, ProtocolError
 
 #: The cross-node code of each event kind, the first word of its header on the wire.

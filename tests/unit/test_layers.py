@@ -159,11 +159,6 @@ INDEPENDENT = (("_node", "_proto"), ("_workers", "device"))
 
 #: The imports that go up a layer today, each with why it is there (and what would end it).
 UPWARD = {
-    ("shmloader._transport.xnode", "shmloader._roles.rng"): (
-        "MAX_MIRRORED_DRAWS, the bound on a message's draws, is defined beside the draw "
-        "counting it doubles (rng.MAX_COUNTED_DRAWS); both belong with the message bounds in "
-        "_proto"
-    ),
     ("shmloader._roles.local", "shmloader._setup.arrival"): (
         "Local keeps the set-up's Arrival to look for peers once more at its first iteration "
         "(NOTE [set-up marks]); only as a type: a protocol in _roles.base would end it"

@@ -161,6 +161,8 @@ class ShmLoader:
 
     @property
     def topology(self) -> GroupTopology | None:
+        """The SP group's ranks by node, as this rank sees them (``nodes[0][0]`` is the
+        leader); None when this rank runs its own loader (sharing off, or a group of 1)."""
         return self._built.topo
 
     @property
@@ -201,6 +203,8 @@ class ShmLoader:
             self._built.length.changed()  # NOTE [length per epoch] (length)
 
     def __iter__(self) -> Iterator[Any]:
+        """One pass over the epoch set by ``set_epoch``: the same batches, in the same order,
+        on every rank of the group; after ``load_state_dict``, from the saved position."""
         self._check_open()
         self._role.ready()
         if self._line is not None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv with everything shmloader, its tests and benchmarks need.
+# Create .venv with everything shmloader, its tests, benchmarks and documentation need.
 # Torch goes first, pinned to the CPU build these machines carry on disk: a
 # bare "torch" requirement with no torch installed would pull a multi-GB CUDA
 # build. The package itself only asks for a range that admits it.
@@ -9,4 +9,4 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m pip install -q -e ".[test,docs]"

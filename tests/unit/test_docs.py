@@ -347,7 +347,7 @@ def identifiers() -> frozenset[str]:
 def repo_files() -> tuple[str, ...]:
     return tuple(
         str(p.relative_to(REPO))
-        for tree in (*PY_TREES, ".ci")
+        for tree in (*PY_TREES, ".ci", "docs")  # docs/conf.py
         if (REPO / tree).exists()
         for p in (REPO / tree).rglob("*.py")
     )

@@ -56,8 +56,6 @@ def lightning_ranks(rank: int, world: int, *, ckpt: str) -> dict:
     from shmloader.integrations.lightning import LightningLoader
     from tests.support import ranks
 
-    group, _ = ranks.sp_groups(world, SP)
-    replicas, dp_rank = dp_topology_from_group(group)
     seen: list = []
 
     class Model(pl.LightningModule):
@@ -72,22 +70,26 @@ def lightning_ranks(rank: int, world: int, *, ckpt: str) -> dict:
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.0)
 
-    def make() -> DataLoader:
-        ds = Numbers()
-        sampler = ShardedSampler(ds, num_replicas=replicas, rank=dp_rank, seed=3)
-        return DataLoader(ds, batch_size=BATCH, sampler=sampler)
-
     class Data(pl.LightningDataModule):  # the recipe of docs/integrations.md
         def __init__(self, share: bool) -> None:
             super().__init__()
             self.share = share
 
-        def setup(self, stage: str) -> None:
+        def setup(self, stage: str) -> None:  # every rank, torch.distributed initialised
+            group, _ = ranks.sp_groups(world, SP)
+            replicas, dp_rank = dp_topology_from_group(group)
+
+            def make() -> DataLoader:
+                ds = Numbers()
+                sampler = ShardedSampler(ds, num_replicas=replicas, rank=dp_rank, seed=3)
+                return DataLoader(ds, batch_size=BATCH, sampler=sampler)
+
+            self.make = make
             if self.share:
                 self.loader = ShmLoader(make, group, config=Config.from_env(enabled=True))
 
         def train_dataloader(self) -> Any:
-            return LightningLoader(self.loader) if self.share else make()
+            return LightningLoader(self.loader) if self.share else self.make()
 
         def teardown(self, stage: str) -> None:
             if self.share:

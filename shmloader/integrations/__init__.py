@@ -3,6 +3,6 @@
 Each is a small object over a :class:`~shmloader.ShmLoader` that puts every
 rank's own state where the framework keeps one copy per key (NOTE [per-rank
 state in frameworks] in ``shmloader.integrations.dcp``). Importing this package
-imports no framework, nor do its modules (``lightning`` too) but ``torchtitan``, whose
+imports no framework, and no module of it does but ``torchtitan``, whose
 ``BaseDataLoader`` its adapter extends.
 """

@@ -130,7 +130,7 @@ def test_lightning_fit_shares_batches_and_resumes_every_rank_exactly_mid_epoch()
 
     with tempfile.TemporaryDirectory() as ckpt:
         runs = run_ranks(lightning_ranks, 4, kwargs={"ckpt": ckpt}, timeout=280)
-        saved = torch.load(f"{ckpt}/step={STOP}.ckpt", weights_only=False)
+        saved = torch.load(f"{ckpt}/step={STOP}.ckpt", weights_only=True)
     (state,) = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
     assert {f"rank{r}" for r in range(4)} <= set(state)  # every rank's, in rank 0's file
     steps = EPOCHS * N // (4 // SP) // BATCH

@@ -151,6 +151,16 @@ def titan_phase(rank: int, world: int, *, phase: str, folder: str) -> dict:
         with pytest.raises(ConfigError, match="DeviceMesh"):
             ShmDataLoader(titan_loader, object())
         out["refused"] = refused
+        off = Config.from_env(enabled=False)
+        tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "cp"))
+        with ShmDataLoader(titan_loader, tp, sp_dims="cp", config=off) as other:
+            out["tp"] = (other.dp_world_size, other.dp_rank)  # tp ranks: one replica's data
+        ep = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "cp"))
+        with pytest.raises(ConfigError) as err:
+            ShmDataLoader(titan_loader, ep, sp_dims="cp", config=off)
+        out["ep"] = str(err.value)
+        with ShmDataLoader(titan_loader, ep, sp_dims="cp", dp_dims=("ep",), config=off) as other:
+            out["ep_dp"] = (other.dp_world_size, other.dp_rank)
     else:
         torch.manual_seed(1000 + rank)  # a new process: nothing of the first run survives
         with adapter() as loader:
@@ -182,6 +192,8 @@ def test_torchtitan_data_path_shares_across_cp_and_resumes_through_its_checkpoin
         assert second[rank]["step"] == STOP
         assert second[rank]["resumed"] == alone[STOP:], f"rank {rank} after the resume"
         assert first[rank]["flat"] == (1, [0, 1, 2, 3])  # sp_dims=("batch", "cp"): one group
+        assert first[rank]["tp"] == (1, 0)
+        assert first[rank]["ep_dp"] == (2, rank // 2)
     assert first[0]["shared"] == first[1]["shared"]  # CP peers: identical batches
     assert first[2]["shared"] == first[3]["shared"]
     assert first[0]["shared"] != first[2]["shared"]  # DP replicas: different data
@@ -189,3 +201,4 @@ def test_torchtitan_data_path_shares_across_cp_and_resumes_through_its_checkpoin
     assert "sp_dims='tp'" in unknown and "DeviceMesh(batch=2, cp=2)" in unknown
     assert "sp_dims=()" in empty
     assert "dp_dims=('cp',)" in overlap and "other than sp_dims" in overlap
+    assert "dp_dims=None" in first[0]["ep"] and "['ep']" in first[0]["ep"]

@@ -25,8 +25,10 @@ if TYPE_CHECKING:
 #     the frameworks keep one copy per key: DCP deduplicates a key every rank
 #     saves (``dcp.save({"data": loader})`` keeps one rank's state, and every
 #     other rank's resume ends in ``TopologyMismatchError``), accelerate's
-#     ``save_state`` writes a registered object's state from rank 0 only. So
-#     the state a framework sees is keyed by the global rank,
+#     ``save_state`` writes a registered object's state from rank 0 only, and
+#     so does Lightning's fit loop with a loader's, which it loads on every
+#     rank; torchtitan keys its loaders' state by DP rank, one key for a whole
+#     SP group. So the state a framework sees is keyed by the global rank,
 #     ``{"rank<r>": <bytes of loader.state_dict()>}``, one key per rank, and
 #     each rank restores only its own key. The value is the ``torch.save``
 #     bytes of the state (opaque to DCP, which would otherwise flatten the

@@ -11,6 +11,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from sphinx.application import Sphinx
+
 REPO = Path(__file__).resolve().parent.parent
 # This tree's package and daemon, not an installed copy.
 sys.path[:0] = [str(REPO), str(REPO / "daemon")]
@@ -44,3 +46,32 @@ try:
 except ImportError:  # the theme is a docs extra; alabaster ships with Sphinx
     html_theme = "alabaster"
 html_title = f"shmloader {release}"
+
+
+# Napoleon reads an attribute docstring's first "X: Y" as
+# "type X, description Y". Ours never give a type there (the annotation does), so
+# "Default ring depth per group and node: ..." rendered as a type. The docstring is
+# kept before napoleon runs (priority 499; napoleon's is 500) and put back after it
+# (501): attributes, constants and properties read as written, everything else gets
+# napoleon's Google style.
+_ATTRIBUTE_KINDS = frozenset({"attribute", "data", "property"})
+_as_written: dict[int, list[str]] = {}
+
+
+def _keep(
+    app: Sphinx, what: str, name: str, obj: object, options: object, lines: list[str]
+) -> None:
+    if what in _ATTRIBUTE_KINDS:
+        _as_written[id(lines)] = list(lines)
+
+
+def _put_back(
+    app: Sphinx, what: str, name: str, obj: object, options: object, lines: list[str]
+) -> None:
+    if id(lines) in _as_written:
+        lines[:] = _as_written.pop(id(lines))
+
+
+def setup(app: Sphinx) -> None:
+    app.connect("autodoc-process-docstring", _keep, priority=499)
+    app.connect("autodoc-process-docstring", _put_back, priority=501)

@@ -8,7 +8,9 @@ the copy completes (not when the user drops the batch), errors and stops
 through the prefetcher, close with copies in flight, ``select``, registration
 once per slot (counted), unregister before unmap, and the fallback when
 registration is refused. Batches come from a real ring (``RingSource``): the
-stage finds slots, maps and "registers" them exactly as on a GPU rank.
+stage finds slots, maps and "registers" them exactly as on a GPU rank. The
+containers the codec delivers (``OrderedDict``, transformers' ``BatchEncoding``)
+also go through ``ShmLoader(device=FakeOps)`` on real ranks, sharing on and off.
 """
 
 from __future__ import annotations
@@ -1099,7 +1101,8 @@ def test_what_the_codec_delivers_arrives_in_the_same_containers_on_the_device(so
     candidates = [
         collections.OrderedDict([("b", torch.arange(4)), ("a", torch.ones(3))]),
         collections.defaultdict(list, {"x": torch.arange(5)}),
-        BatchEncodingLike({"ids": torch.arange(6)}, encodings=["e"]),
+        BatchEncodingLike({"ids": torch.arange(6)}, encodings=["e"]),  # refused: its state
+        BatchEncodingLike({"ids": torch.arange(6)}),  # a padding collator's: no encodings
         Point(torch.arange(3), "text"),
         Box(torch.arange(7)),
         [torch.arange(2), (torch.ones(2), "s")],
@@ -1117,7 +1120,8 @@ def test_what_the_codec_delivers_arrives_in_the_same_containers_on_the_device(so
         delivered += 1
         del host, got
         stage.close()
-    assert delivered >= 4  # dicts, lists, tuples, namedtuples, dataclasses at least
+    # mappings of their own type, dicts, lists, tuples, namedtuples, dataclasses at least
+    assert delivered >= 6
 
 
 def same_types(a, b) -> bool:
@@ -1134,6 +1138,87 @@ def same_types(a, b) -> bool:
             same_types(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)
         )
     return a == b
+
+
+class OrderedPadding:
+    """A padding collator whose batch is an ``OrderedDict``, its keys in reverse."""
+
+    def __init__(self, tokenizer) -> None:
+        from transformers import DataCollatorWithPadding
+
+        self.pad = DataCollatorWithPadding(tokenizer, return_tensors="pt")
+
+    def __call__(self, features):
+        return collections.OrderedDict(reversed(list(self.pad(features).items())))
+
+
+def collated_mappings_on_fake_device(rank: int, world: int) -> dict:
+    """Rank function: transformers' ``BatchEncoding`` and an ``OrderedDict`` through
+    ``ShmLoader(device=FakeOps)``, sharing on (leader, follower) and off, and the
+    same loader plain (what torch alone delivers)."""
+    import torch.distributed as dist
+    from transformers import DataCollatorWithPadding
+
+    from tests.multirank.test_mappings import Sentences, tiny_tokenizer
+
+    group = dist.new_group(list(range(world)))
+    tok = tiny_tokenizer()
+    ds = Sentences(tok, n=9)
+    collators = {
+        "padding": DataCollatorWithPadding(tok, return_tensors="pt"),
+        "ordered": OrderedPadding(tok),
+    }
+    out: dict = {}
+    for name, collate in collators.items():
+
+        def make(collate=collate) -> torch.utils.data.DataLoader:
+            return torch.utils.data.DataLoader(ds, batch_size=3, collate_fn=collate)
+
+        out[(name, "plain")] = [
+            (type(b).__qualname__, list(b), {k: v.clone() for k, v in b.items()}) for b in make()
+        ]
+        for share in (True, False):
+            ops = FakeOps(auto=True)
+            loader = ShmLoader(make, group, config=Config.from_env(enabled=share), device=ops)
+            batches = []
+            for b in loader:
+                handed = {t.data_ptr() for t in ops.handed}
+                on_device = [k for k, v in b.items() if v.data_ptr() in handed]
+                batches.append(
+                    (type(b).__qualname__, list(b), {k: v.clone() for k, v in b.items()}, on_device)
+                )
+            out[(name, share)] = {"role": loader.role, "batches": batches}
+            loader.close()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_collated_mappings_reach_the_device_as_their_own_type_on_every_role():
+    """NOTE [containers on the device] end to end: a ``DataCollatorWithPadding`` batch
+    (``BatchEncoding``) and an ``OrderedDict`` arrive as their own type, keys in
+    order, every tensor on the (fake) device, equal to plain torch's batches, on the
+    leader, a follower and with sharing off (where ``device=`` once left a
+    ``BatchEncoding``'s tensors on the host and made an ``OrderedDict`` a dict)."""
+    pytest.importorskip("transformers")
+    out = run_ranks(collated_mappings_on_fake_device, 2, timeout=150)
+    kinds = {"padding": "BatchEncoding", "ordered": "OrderedDict"}
+    for rank, o in enumerate(out):
+        for name, kind in kinds.items():
+            plain = o[(name, "plain")]
+            assert len(plain) == 3 and all(p[0] == kind for p in plain)
+            assert plain[0][1][0] == ("idx" if name == "ordered" else "input_ids")
+            for share, role in ((True, ("leader", "follower")[rank]), (False, "local")):
+                run = o[(name, share)]
+                assert run["role"] == role, (rank, name, share)
+                assert len(run["batches"]) == len(plain), (rank, name, share)
+                for (got_kind, keys, values, on_device), (_, want_keys, want) in zip(
+                    run["batches"], plain, strict=True
+                ):
+                    where = (rank, name, share, keys)
+                    assert got_kind == kind and keys == want_keys, where
+                    assert on_device == keys, f"{where}: left on the host: {on_device}"
+                    for k in keys:
+                        assert torch.equal(values[k], want[k]), (where, k)
 
 
 # ------------------------------------------------------------ pinned staging

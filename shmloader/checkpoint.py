@@ -4,7 +4,7 @@ It owns the state's format (``STATE_FORMAT``: cursor, RNG at the step boundary
 and the epoch's start, sampler and loader state, topology),
 ``Checkpoints.state_dict`` and ``load`` and ``validate_state`` (NOTE
 [checkpoints]). It reads the ``Cursor`` and ``Boundary``, the leader's
-``Source`` and the device stage's hand-over position, and on load writes only
+``Source``, the device stage's and the ahead loop's hand-over positions, and on load writes only
 the cursor's pending resume and the boundary's pending RNG, which take effect at
 the next ``iter()`` (docs/internals/flow.md).
 """
@@ -24,6 +24,7 @@ from .errors import ConfigError, TopologyMismatchError
 from .samplers.sharded import ShardedBatchSampler, ShardedSampler
 
 if TYPE_CHECKING:
+    from ._roles.ahead import Ahead
     from .device.stage import DeviceStage
 
 STATE_FORMAT = "shmloader.state/3"
@@ -42,21 +43,34 @@ class Checkpoints:
         source: Source | None,
         group_ranks: list[int] | None,
         stage: DeviceStage | None,
+        ahead: Ahead | None = None,
     ) -> None:
         self.cursor = cursor
         self.boundary = boundary
         self.source = source  # the leader's and local ranks' loader; None on others
         self.group_ranks = group_ranks
         self.stage = stage
+        self.ahead = ahead  # the role's loop on its own thread (NOTE [running ahead])
 
     @property
     def loader(self) -> Any:
         return self.source.loader if self.source is not None else None
 
-    def position(self) -> tuple[int, bool, Any, Any]:
-        """(delivered, exhausted, boundary state, loader state) of the iteration now."""
+    def live_position(self) -> tuple[int, bool, Any, Any]:
+        """(delivered, exhausted, boundary state, loader state) of the role's loop now."""
         now = self.source.state() if self.source is not None else None
         return self.cursor.delivered, self.cursor.exhausted, self.boundary.loader_state, now
+
+    def position(self) -> tuple[int, bool, Any, Any]:
+        """``live_position()`` as of the last batch handed over by a loop that runs ahead.
+
+        A loop on its own thread (NOTE [running ahead] in ``_roles.ahead``) is
+        up to its depth further: what was published ahead is never checkpointed.
+        """
+        ahead = self.ahead
+        if ahead is not None and ahead.position is not None:
+            return ahead.position
+        return self.live_position()
 
     def user_position(self) -> tuple[int, bool, Any, Any]:
         """``position()`` as of the last batch the user received.
@@ -72,6 +86,8 @@ class Checkpoints:
     def user_request(self) -> None:
         """The user's ``next()`` under device prefetch (NOTE [checkpoints under prefetch])."""
         handed = self.stage.position if self.stage is not None else None
+        if handed is None and self.ahead is not None:
+            handed = self.ahead.position  # NOTE [running ahead] (_roles.ahead)
         delivered = handed[0] if handed is not None else self.cursor.delivered  # none handed yet
         self.boundary.user_request(delivered)
 

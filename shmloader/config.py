@@ -94,6 +94,11 @@ class Config:
             root, and be safe from other users (sticky when others may write).
         quiet: no line at the first ``iter()`` saying whether sharing is on
             (``SHMLOADER_QUIET=1``; NOTE [the sharing line] in ``shmloader._setup.banner``).
+        ahead: each rank's per-batch work (the leader's publish and cross-node
+            send, a node leader's receive, a follower's map) runs on a background
+            thread, up to ``slots`` batches ahead of the user (``SHMLOADER_AHEAD``,
+            on by default; NOTE [running ahead] in ``shmloader._roles.ahead``). The
+            leader runs ahead only for a DataLoader with workers.
 
     A ``Config`` built directly holds exactly its arguments: it does not read
     the environment, so ``Config(allow_pickle=True)`` means sharing off
@@ -117,6 +122,7 @@ class Config:
     collate_in_slot: bool = True
     shm_dir: str = ringdir.DEFAULT
     quiet: bool = False
+    ahead: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 2:
@@ -133,7 +139,10 @@ class Config:
         small = self.small_copy_bytes
         if not isinstance(small, int) or isinstance(small, bool) or small < 0:
             raise ConfigError("small_copy_bytes", small, "an integer >= 0 (bytes)")
-        for name in ("enabled", "copy", "verify", "allow_pickle", "collate_in_slot", "quiet"):
+        for name in (
+            *("enabled", "copy", "verify", "allow_pickle", "collate_in_slot", "quiet"),
+            "ahead",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "True or False")
         for name in ("runtime_dir", "node", "daemon", "job"):
@@ -170,6 +179,7 @@ class Config:
             "collate_in_slot": _flag(env, "SHMLOADER_COLLATE_IN_SLOT", default=True),
             "shm_dir": _shm_dir(env),
             "quiet": _flag(env, "SHMLOADER_QUIET"),
+            "ahead": _flag(env, "SHMLOADER_AHEAD", default=True),
         }
         known = {f.name for f in dataclasses.fields(cls)}
         for key in overrides:

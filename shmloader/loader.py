@@ -12,6 +12,7 @@ reach them, and one batch's way, in docs/internals/flow.md.
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -129,10 +130,20 @@ class ShmLoader:
             # Runs only in this process, never in a forked child at its exit
             # (NOTE [creator-only cleanup] in segment).
             closers = [self._stage.close] if self._stage is not None else []
+            ahead = self._built.ahead
+            if ahead is not None:
+                closers.insert(0, ahead.stop)
             self._finalizer = weakref.finalize(
                 self, _close_in, os.getpid(), self._gate, closers + self._built.closers
             )
         self._role: Role = self._built.role
+        #: the role's loop on its own thread (NOTE [running ahead] in _roles.ahead); the
+        #: user's side of it has a gate of its own, so the two never wait for each other
+        self._ahead = self._built.ahead
+        self._hand = Gate(self._gate.limit) if self._ahead is not None else None
+        if self._ahead is not None:
+            self._boundary.prefetching = True  # the step boundary at the user's request
+            self._stats.ahead = True
         up = dist.is_available() and dist.is_initialized()
         me, world = (dist.get_rank(), dist.get_world_size()) if up else (0, 1)
         reporter = self._built.reporter
@@ -146,7 +157,7 @@ class ShmLoader:
             world,
         )
         self._checkpoints = Checkpoints(
-            self._cursor, self._boundary, self._built.source, ranks, self._stage
+            self._cursor, self._boundary, self._built.source, ranks, self._stage, self._ahead
         )
 
     @property
@@ -195,6 +206,7 @@ class ShmLoader:
         """
         if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
             raise ConfigError("epoch", epoch, "an integer >= 0")
+        self._settle()
         changed = self._cursor.set_epoch(epoch)
         if changed and self._stage is not None:
             self._stage.position = None  # the user's position, too
@@ -206,6 +218,7 @@ class ShmLoader:
         """One pass over the epoch set by ``set_epoch``: the same batches, in the same order,
         on every rank of the group; after ``load_state_dict``, from the saved position."""
         self._check_open()
+        self._settle()
         self._role.ready()
         if self._line is not None:
             banner.show(self._line)
@@ -214,6 +227,14 @@ class ShmLoader:
         self._boundary.begin(cursor)  # NOTE [RNG at the step boundary] (rng)
         inner = self._role.iterate(self._cursor.it, cursor, skip)
         stage = self._stage
+        if self._ahead is not None:  # NOTE [running ahead] (_roles.ahead)
+            on_device = stage is not None and stage.on_device  # the stage calls request
+            inner = self._ahead.run(
+                inner,
+                self._checkpoints.live_position,
+                None if on_device else self._checkpoints.user_request,
+                functools.partial(self._stats.note_wait, handed=True),
+            )
         if stage is not None:
             stage.position = None
         if stage is not None and not stage.on_device:
@@ -228,7 +249,15 @@ class ShmLoader:
                 start=cursor,
             )
         # every next() runs inside the gate (NOTE [close from any thread] in _roles.base)
-        return self._gate.guard(inner)
+        return (self._hand or self._gate).guard(inner)
+
+    def _settle(self) -> None:
+        """No loop runs ahead now; the cursor is back where the user is (NOTE [running ahead])."""
+        if self._ahead is None:
+            return
+        handed = self._ahead.settle()
+        if handed is not None:
+            self._cursor.delivered, self._cursor.exhausted = handed[0], handed[1]
 
     def stats(self) -> dict[str, Any]:
         """Counters of this rank: batches, bytes, times (ms), ring size."""
@@ -249,7 +278,10 @@ class ShmLoader:
         """
         if not self._gate.stop():  # the iterating thread is out of the roles' code now
             return
+        hand = self._hand.stop() if self._hand is not None else False
         try:
+            if self._ahead is not None:  # it left the gate: it ends at its next check
+                self._ahead.stop()
             if self._built.reporter is not None:
                 self._built.reporter.close()
             if self._stage is not None:
@@ -260,6 +292,8 @@ class ShmLoader:
             if self._built.source is not None:
                 self._built.source.loader = None
         finally:
+            if hand:
+                self._hand.done()  # type: ignore[union-attr]
             self._gate.done()
 
     def _check_open(self) -> None:

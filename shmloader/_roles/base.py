@@ -36,6 +36,14 @@ CLOSE_WAIT_S = 10.0
 CLOSED_MESSAGE = "this ShmLoader is closed; make a new one"
 
 
+class Halted(ShmLoaderError):
+    """A background thread's iteration was halted (NOTE [running ahead] in ``ahead``).
+
+    Never reaches a user: the thread that raises it is the one that was
+    told to stop, and it ends quietly (no ERROR to the peers).
+    """
+
+
 class Gate:
     """Whether a ``ShmLoader`` is open, and the one thread inside its roles' code.
 
@@ -65,9 +73,11 @@ class Gate:
         (the follower's own rule, NOTE [one thread per socket] in
         ``follower``). A loop that ends because the loader closed sends no
         ERROR: ``close()`` tells the peers (STOP, closed), exactly as for a
-        loader closed between iterations. Anything else that runs a role's
-        socket work on its own thread (a background publisher) enters the
-        gate the same way and is stopped by the same ``stop``.
+        loader closed between iterations. A role's loop that runs ahead on
+        its own thread (NOTE [running ahead] in ``ahead``) holds the gate for
+        its whole loop (``hold``), steps outside the same way, and is stopped
+        by the same ``stop``; the thread that hands its batches to the user
+        then never enters the gate.
     """
 
     def __init__(self, limit: float) -> None:
@@ -80,11 +90,22 @@ class Gate:
         self._holder = 0  # the thread inside, 0 when none
         self._closer = 0  # the thread running close(): its own waits go on
         self._held_by_close = False
+        #: background threads told to stop: their next check raises ``Halted`` (thread
+        #: objects, not idents: an ident is reused once its thread ended)
+        self.halted: set[threading.Thread] = set()
 
     def __call__(self) -> None:
-        """Raise ``ShmLoaderError`` once ``close()`` began (in every thread but the closer)."""
+        """Raise ``ShmLoaderError`` once ``close()`` began (in every thread but the closer),
+        ``Halted`` in a thread that was told to stop."""
         if self.closed and threading.get_ident() != self._closer:
             raise ShmLoaderError(CLOSED_MESSAGE)
+        if self.halted and threading.current_thread() in self.halted:
+            raise Halted("this iteration was halted")
+
+    def quiet(self) -> bool:
+        """Whether a loop that fails now must tell no peer: the loader closed (``close()``
+        tells them) or this thread was halted (its iteration was left by the user)."""
+        return self.closed or threading.current_thread() in self.halted
 
     def _enter(self) -> None:
         limit = self.limit
@@ -98,6 +119,17 @@ class Gate:
     def _leave(self) -> None:
         self._holder = 0
         self._lock.release()
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Run the body inside the gate (a background thread's whole loop)."""
+        self._enter()
+        try:
+            self()
+            yield
+        finally:
+            if self.inside():
+                self._leave()
 
     def inside(self) -> bool:
         """Whether the calling thread is inside the gate."""
@@ -179,6 +211,13 @@ class Context:
     #: Raise ``ShmLoaderError`` once ``close()`` ran (every loop checks it per batch,
     #: every wait once per slice): the loader's ``Gate`` (NOTE [close from any thread]).
     check_open: Gate
+    #: Replay a received batch's (or END's) default-generator draws: at once
+    #: (``rng.mirror_draws``) or, for a loop that runs ahead, at the batch's hand-over
+    #: (``Ahead.defer``, NOTE [running ahead] in ``ahead``).
+    mirror: Callable[[int], None]
+    #: Whether a wait past its timeout may go on: a loop that runs ahead waits while
+    #: its user is not waiting for it (``Ahead.patient``); False for every other loop.
+    patient: Callable[[], bool] = lambda: False
 
 
 class Role(Protocol):

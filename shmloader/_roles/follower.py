@@ -29,7 +29,6 @@ from .._proto.checksum import check_payload_crc
 from .._proto.wire import Kind
 from .._transport.channel import SLICE_S, Spoke
 from ..errors import PeerLostError, ProtocolError, ShmLoaderError
-from . import rng
 from .base import CLOSE_WAIT_S, Context, log
 from .receiver import Receiver
 from .topology import GroupTopology
@@ -102,6 +101,16 @@ class _Releaser:
             self._flush()
             if parts:
                 self.spoke.send(parts)
+
+    def drain(self) -> None:
+        """Send what other threads queued, from the owner's thread outside any wait.
+
+        A loop that runs ahead calls it while it waits to queue a batch
+        (NOTE [running ahead] in ``ahead``): RELEASEs then leave within a slice.
+        """
+        if self.pending and threading.get_ident() == self.owner:
+            with self._holding():
+                self._flush()
 
     def flush(self) -> None:
         """Send what other threads queued; only from inside ``receiving``."""
@@ -242,6 +251,7 @@ class Follower:
                 timeout=self.config.timeout,  # type: ignore[arg-type]  # resolved at set-up
                 doing=f"waiting for batch {self.ctx.cursor.delivered} of iteration {it}",
                 idle=idle,
+                patient=self.ctx.patient,
             )
         self.ctx.stats.note_wait(t0)
         return found[0]
@@ -332,7 +342,7 @@ class Follower:
             if msg.kind == Kind.END:
                 if theirs[1:] != mine[1:]:
                     raise receiver.diverged("ended", theirs, mine)
-                rng.mirror_draws(msg["draws"])
+                ctx.mirror(msg["draws"])
                 ctx.cursor.finish()
                 return
             if msg.kind == Kind.STOP:

@@ -81,13 +81,31 @@ class Leader:
         self.source = source
         self.writer = writer
         self.pool = pool
+        #: the loop runs on a background thread (NOTE [running ahead] in ``ahead``)
+        self.ahead = False
 
     def ready(self) -> None:
         pass
 
     def iterate(self, it: int, cursor: int, skip: bool) -> Iterator[Any]:
         self.writer.begin(cursor)
-        return self._loop(it, cursor if skip else 0)
+        if not self.ahead:
+            return self._loop(it, cursor if skip else 0)
+        # NOTE [running ahead] (ahead): the user's iter() of the loader, here, on the
+        # caller's thread; only its next() moves to the background thread
+        try:
+            opened = self._open(cursor if skip else 0)
+        except BaseException as exc:
+            if not self.ctx.check_open.quiet():
+                self.writer.fail(it, exc)
+            raise
+        return self._loop(it, 0, opened)
+
+    def _open(self, skip: int) -> tuple[Iterator[Any], int]:
+        """Reclaim the slots of dead workers and open the user's loader (``Source.open``)."""
+        if self.pool is not None:
+            self.pool.reclaim()  # slots of workers that died in an earlier iteration
+        return self.source.open(skip)
 
     def set_epoch(self, epoch: int) -> None:
         self.writer.follow_epoch()
@@ -103,17 +121,30 @@ class Leader:
     def stats(self) -> dict[str, Any]:
         return self.writer.stats()
 
-    def _loop(self, it: int, skip: int) -> Iterator[Any]:
+    # NOTE [draws ahead]
+    #     The leader counts the default-generator draws of each ``next()`` of its
+    #     loader (a snapshot before, a count after) and its followers mirror
+    #     them. A loop that runs ahead (NOTE [running ahead] in ``ahead``)
+    #     cannot count: the user's thread draws (dropout, augmentation) at the
+    #     same time, and a count would take those for the loader's. So only a
+    #     loader whose ``next()`` draws nothing runs ahead: a ``DataLoader``
+    #     with workers (its samplers draw their seed when ``iter()`` primes the
+    #     workers, on the caller's thread; a worker's draws are its own
+    #     process's). Its draws per batch are 0 by that rule, and what
+    #     ``iter()`` drew goes with the first batch, as in every loop. A loader
+    #     without workers runs its dataset in this process, on the caller's
+    #     thread, where its draws land exactly as with sharing off.
+    def _loop(
+        self, it: int, skip: int, opened: tuple[Iterator[Any], int] | None = None
+    ) -> Iterator[Any]:
         ctx, source, writer = self.ctx, self.source, self.writer
         try:
-            if self.pool is not None:
-                self.pool.reclaim()  # slots of workers that died in an earlier iteration
-            batches, pending = source.open(skip)
+            batches, pending = self._open(skip) if opened is None else opened
             while True:
                 ctx.check_open()
                 source.boundary_reached()
                 writer.free_released()  # before we block on the workers
-                before = rng.snapshot()
+                before = None if self.ahead else rng.snapshot()  # NOTE [draws ahead]
                 box = []  # NOTE [no batch in the frame] (base)
                 t_wait = time.perf_counter()
                 try:
@@ -122,19 +153,24 @@ class Leader:
                     with ctx.check_open.outside():
                         box.append(next(batches))
                 except StopIteration:
-                    writer.end(it, pending + source.count(before))
+                    writer.end(it, pending + self._drawn(before))
                     ctx.cursor.finish()
                     return
                 ctx.stats.note_wait(t_wait)
-                draws, pending = pending + source.count(before), 0
+                draws, pending = pending + self._drawn(before), 0
                 ctx.cursor.count()
                 yield self._publish(it, box.pop(), draws)
         except GeneratorExit:
             raise
         except BaseException as exc:
-            if not ctx.check_open.closed:  # closed: close() tells the peers (STOP)
+            # closed: close() tells the peers (STOP); halted: the user left (NOTE [running ahead])
+            if not ctx.check_open.quiet():
                 writer.fail(it, exc)
             raise
+
+    def _drawn(self, before: torch.Tensor | None) -> int:
+        """Draws of the loader's last ``next()`` (NOTE [draws ahead]: none when ahead)."""
+        return 0 if before is None else self.source.count(before)
 
     def _publish(self, it: int, batch: Any, draws: int) -> Any:
         """Publish ``batch`` (``NodeWriter.publish``); return the leader's own copy of it.

@@ -313,6 +313,9 @@ class NodeWriter:
             could silence; by age, ``SHMLOADER_SLOTS`` at least the queue's depth
             plus the batch its thread is putting keeps it quiet, as the warning
             advises, while a kept batch ages without bound and is always named.
+            A loop that runs ahead (NOTE [running ahead] in ``ahead``) takes, so
+            acknowledges, up to ``SHMLOADER_SLOTS`` more batches than its user
+            holds: with ``Config.ahead`` the depth is that much larger.
         """
         ring = self.ring
         assert ring is not None
@@ -327,7 +330,7 @@ class NodeWriter:
             return max((newest.get(r, -1) - slot.seq for r in slot.holders), default=0)
 
         oldest = max((age(s) for s in held), default=0)
-        depth = self.config.slots + 2
+        depth = self.config.slots + 2 + (self.config.slots if self.config.ahead else 0)
         if oldest < max(depth, 2 * self.ring_warned):
             return
         self.ring_warned = oldest
@@ -456,7 +459,12 @@ class NodeWriter:
         # thread] in base); a test's bare context has no gate
         idle = getattr(self.ctx, "check_open", None)
         hub.wait(
-            handle, lambda: [peers(r) for r in waiting()], timeout=timeout, doing=doing, idle=idle
+            handle,
+            lambda: [peers(r) for r in waiting()],
+            timeout=timeout,
+            doing=doing,
+            idle=idle,
+            patient=getattr(self.ctx, "patient", None),
         )
         self.ctx.stats.counts["wait_readers_ms_total"] += (time.perf_counter() - t0) * 1e3
 

@@ -24,7 +24,6 @@ import numpy as np
 from .._proto import codec
 from .._proto.codec import owned_copy
 from ..errors import DivergenceError, LeaderStoppedError
-from . import rng
 from .base import Context, log
 from .topology import GroupTopology
 
@@ -107,7 +106,7 @@ class Receiver:
             batch = owned_copy(batch)
         cursor, counts = self.ctx.cursor, self.ctx.stats.counts
         self.ctx.boundary.capture(cursor.delivered)  # NOTE [RNG at the step boundary] (rng)
-        rng.mirror_draws(draws)
+        self.ctx.mirror(draws)  # NOTE [running ahead] (ahead): at the hand-over
         cursor.count()
         elapsed = (time.perf_counter_ns() - t0) / 1e6
         counts["received"] += 1

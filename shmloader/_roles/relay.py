@@ -20,7 +20,6 @@ from .._proto.bodies import error_fields, json_body, leader_error
 from .._proto.wire import Kind
 from .._transport.xnode import CrossNode, Event
 from ..errors import LeaderError
-from . import rng
 from .base import Context
 from .node_writer import NodeWriter
 from .receiver import Receiver
@@ -67,7 +66,7 @@ class Relay:
         except LeaderError:
             raise  # already forwarded to this node's readers
         except BaseException as exc:  # e.g. the cross-node link broke: tell our readers
-            if not self.ctx.check_open.closed:  # closed: close() tells them (STOP)
+            if not self.ctx.check_open.quiet():  # closed: close() tells them (STOP)
                 self.writer.fail(it, exc)
             raise
 
@@ -81,7 +80,7 @@ class Relay:
                 if (head.epoch, head.pos) != mine[1:]:
                     raise receiver.diverged("ended", theirs, mine)
                 writer.end(it, head.draws)
-                rng.mirror_draws(head.draws)
+                ctx.mirror(head.draws)
                 ctx.cursor.finish()
                 return
             if head.kind == Kind.STOP:

@@ -42,9 +42,17 @@ class RankStats:
         self.counts = cast("dict[str, Any]", collections.Counter())
         self.waits = WaitHistogram()  # ms per batch, O(1) each (``waits``)
         self.wait_since: float | None = None  # perf_counter when this rank first waited
+        #: the role's loop runs ahead: only the user's waits count (NOTE [running ahead])
+        self.ahead = False
 
-    def note_wait(self, t0: float) -> None:
-        """Count the wait for data that started at ``perf_counter()`` ``t0``."""
+    def note_wait(self, t0: float, *, handed: bool = False) -> None:
+        """Count the wait for data that started at ``perf_counter()`` ``t0``.
+
+        ``handed``: the user's own wait for a batch handed over; a loop that
+        runs ahead waits on its own thread, which no user sees.
+        """
+        if self.ahead and not handed:
+            return
         ms = (time.perf_counter() - t0) * 1e3
         if self.wait_since is None:
             self.wait_since = t0

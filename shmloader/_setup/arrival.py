@@ -392,6 +392,7 @@ def agreed_settings(config: Any, accumulation_steps: int, device_kind: str) -> d
         "device": device_kind,
         "prefetch": config.prefetch,
         "slots": config.slots,
+        "ahead": config.ahead,
         "copy": config.copy,
         "verify": config.verify,
         "allow_pickle": config.allow_pickle,

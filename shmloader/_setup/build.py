@@ -26,6 +26,7 @@ from .._node import segment
 from .._node.ring import RingReader, RingWriter, new_token
 from .._proto.bodies import error_body, json_body, leader_error
 from .._roles import rng
+from .._roles.ahead import Ahead
 from .._roles.base import Context, Gate, Role, log
 from .._roles.cursor import Boundary, Cursor
 from .._roles.follower import Follower
@@ -62,6 +63,8 @@ class Built:
     reporter: Reporter | None = None
     #: Frees the role's resources, then the daemon's registration and the topology's.
     closers: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+    #: the role's loop on its own thread (NOTE [running ahead] in ``_roles.ahead``)
+    ahead: Ahead | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +95,7 @@ def build_local(
             timeout=shared.config.timeout or DEFAULT_TIMEOUT_S,
         )
     log_role(ranks, "local", sharing=False)
-    ctx = _context(shared, lambda: None)
+    ctx = _context(shared, lambda: None, None)
     source = Source(make_loader(), shared.cursor, shared.boundary)
     return Built(Local(ctx, source, unwarned), source)
 
@@ -158,7 +161,8 @@ def _make_role(
         job=config.job,
         device=functools.partial(device_fields, shared.stage),
     )
-    ctx = _context(shared, reporter.report)
+    ahead = _ahead(config, topo, loader, shared.check_open)
+    ctx = _context(shared, reporter.report, ahead)
     xnode = None
     if len(topo.nodes) > 1 and topo.me in topo.node_leaders:
         xnode = CrossNode(pg, topo.leader, topo.node_leaders)
@@ -192,6 +196,7 @@ def _make_role(
         if topo.is_leader:
             source = Source(loader, shared.cursor, shared.boundary)  # type: ignore[arg-type]
             role = Leader(ctx, source, writer, pool)
+            role.ahead = ahead is not None
             if shared.stage is not None and shared.stage.on_device:
                 warn_pin_memory(loader, pool)
         else:
@@ -203,6 +208,8 @@ def _make_role(
         spoke = Spoke(topo.socket_path, topo.me)
         made.spoke = spoke.close
         role = Follower(ctx, topo, Receiver(ctx, topo), ring_reader, spoke)
+        if ahead is not None:
+            ahead.idle = role.out.drain  # NOTE [one thread per socket] (follower)
     closers = role.closers()
     if daemon is not None:
         if topo.is_writer:
@@ -216,7 +223,29 @@ def _make_role(
         config.timeout or DEFAULT_TIMEOUT_S,
         lambda: shared.cursor.epoch,
     )
-    return Built(role, source, topo, lengths, reporter, closers)
+    return Built(role, source, topo, lengths, reporter, closers, ahead)
+
+
+def _ahead(
+    config: Config, topo: GroupTopology, loader: Iterable[Any] | None, gate: Gate
+) -> Ahead | None:
+    """This rank's loop on its own thread, or None (NOTE [running ahead] in ``_roles.ahead``).
+
+    Every node leader and follower; the leader only for a DataLoader with
+    workers (NOTE [draws ahead] in ``_roles.leader``). The queue holds
+    ``slots - 1`` batches: with the one the thread is about to queue, the
+    loop is ``slots`` batches ahead of the user, the ring's depth, which
+    NOTE [ring growth] already counts (``_roles.node_writer``).
+    """
+    if not config.ahead:
+        return None
+    if topo.is_leader and not (
+        isinstance(loader, torch.utils.data.DataLoader) and loader.num_workers > 0
+    ):
+        return None
+    relay = topo.is_writer and not topo.is_leader
+    timeout = config.timeout or DEFAULT_TIMEOUT_S
+    return Ahead(gate, max(1, config.slots - 1), wait=not relay, timeout=timeout)
 
 
 @dataclasses.dataclass
@@ -237,10 +266,11 @@ class _Made:
         return [c for c in closers if c is not None]
 
 
-def _context(shared: Shared, report: Callable[[], None]) -> Context:
-    return Context(
-        shared.config, shared.cursor, shared.boundary, shared.stats, report, shared.check_open
-    )
+def _context(shared: Shared, report: Callable[[], None], ahead: Ahead | None) -> Context:
+    fields = (shared.config, shared.cursor, shared.boundary, shared.stats, report)
+    if ahead is None:
+        return Context(*fields, shared.check_open, rng.mirror_draws)
+    return Context(*fields, shared.check_open, ahead.defer, ahead.patient)
 
 
 def _agree_on_loader(

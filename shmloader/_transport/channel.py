@@ -133,6 +133,7 @@ class _Endpoint:
         timeout: float,
         doing: str,
         idle: Callable[[], None] | None = None,
+        patient: Callable[[], bool] | None = None,
     ) -> None:
         """Receive and ``handle`` messages until it returns True (NOTE [bounded waits]).
 
@@ -140,6 +141,9 @@ class _Endpoint:
         ``peers()`` are the processes whose death ends the wait with
         :class:`PeerLostError`. ``idle()`` runs once per slice on the waiting
         thread (a reader flushes RELEASEs queued by other threads there).
+        ``patient()``, asked when ``timeout`` is over: True gives the wait
+        another ``timeout`` (a loop that runs ahead while its user is not
+        waiting for it: NOTE [running ahead] in ``_roles.ahead``).
         """
         deadline = time.monotonic() + timeout
         next_check = 0.0
@@ -162,6 +166,8 @@ class _Endpoint:
                         raise PeerLostError(
                             peer.rank, peer.role, f"process {peer.pid} died while we were {doing}"
                         )
+            if now >= deadline and patient is not None and patient():
+                deadline = now + timeout
             if now >= deadline:
                 waiting = ", ".join(f"{p.role} rank {p.rank}" for p in peers())
                 raise PeerLostError(

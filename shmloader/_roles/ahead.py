@@ -1,0 +1,318 @@
+"""Running ahead (``Ahead``): a role's loop on its own thread, its batches handed to the user.
+
+It owns the thread that runs a role's loop (the leader's publish, a node leader's
+cross-node receive, a follower's map) ahead of the user, the queue between them, the
+hand-over (draws mirrored, the position a checkpoint reads) and the halt when the user
+leaves an iteration. It imports ``base`` and ``rng`` only; which roles run ahead is
+``_setup.build``'s choice; one batch's way through it is in docs/internals/flow.md.
+
+NOTE [running ahead]
+    A step should never wait for data that could have been ready. So the
+    per-batch work of the leader (take the worker's slot, send it to every
+    node leader, announce it), of a node leader (receive the payload into
+    its ring, announce it) and of a follower (wait for the announcement,
+    map, decode, fault the pages in) runs on one background thread per
+    loader, up to ``depth`` batches ahead of the user's ``next()``, which
+    then only takes a ready batch from the queue::
+
+        background thread (holds the gate)         the user's thread (never in the gate)
+        ----------------------------------         -----------------------------------
+        role loop: next() -> batch k+2     put ->  [ k+1 | k+2 ]  -> take: mirror draws,
+        waits in slices: closed? halted?            queue, depth     set position, yield k+1
+
+    What stays on the user's thread, exactly where it is with sharing off:
+
+    - ``iter()`` of the user's loader (the leader opens it at the user's
+      ``iter()``: its draws, base seed and sampler seed, are made there);
+    - the RNG: a receiver's draws are not mirrored by its loop but at the
+      hand-over of the batch (or END) they came with (``defer``), and the
+      step boundary is captured at the user's request (``Boundary`` in its
+      prefetching mode). The leader runs ahead only where ``next()`` of its
+      loader draws nothing from the default generators (a DataLoader with
+      workers; NOTE [draws ahead] in ``leader``);
+    - the position: the loop's ``Cursor`` runs ahead; checkpoints read the
+      position of the last batch handed over (``position``, snapshotted on
+      the thread right after the loop yielded it), as under device
+      prefetch (NOTE [checkpoints under prefetch]).
+
+    Errors keep their place: the loop's exception is queued behind the
+    batches it produced before it and raised at the step it would have
+    reached. The user leaving an iteration (``break``, the iterator
+    dropped) halts the thread: its next check raises ``Halted``, so it ends
+    without telling the peers anything (as a loop left at a ``yield`` tells
+    them nothing) and drops what it queued; ``settle`` (before the next
+    ``iter()``, ``set_epoch`` or ``close``) waits for it to end, and the
+    loader puts the cursor back where the user was. One wait cannot be cut
+    short: a node leader's gloo receive of the leader's next header (gloo
+    has no receive that can be polled or cancelled). A node leader's
+    ``settle`` therefore does not wait (``wait=False``): the halted thread
+    keeps the header it gets as the role's ``stash`` and ends at its next
+    check, and the next iteration's thread joins it before its loop starts,
+    so two threads never run one role's loop. ``close()`` from any thread
+    stops the thread through the gate (NOTE [close from any thread] in
+    ``base``); it is a daemon, so interpreter exit never waits for it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+from .._transport.channel import SLICE_S
+from ..errors import ShmLoaderError
+from . import rng
+from .base import Gate, Halted, log
+
+
+class _Batch(NamedTuple):
+    batch: Any
+    draws: int  # default-generator draws to mirror at its hand-over
+    position: Any  # what a checkpoint reads once the user has it
+
+
+class _End(NamedTuple):
+    draws: int
+    position: Any
+
+
+class _Failed(NamedTuple):
+    exc: BaseException
+
+
+_Item = _Batch | _End | _Failed
+
+
+class _Run:
+    """One iteration run ahead: its thread, its queue, the draws its loop deferred."""
+
+    def __init__(self) -> None:
+        self.queue: collections.deque[_Item] = collections.deque()
+        self.ready = threading.Condition()
+        self.finished = False  # the thread queued its last item (or ended without one)
+        self.draws = 0  # deferred on the thread since its last item
+        self.thread: threading.Thread | None = None
+
+    def take_draws(self) -> int:
+        n, self.draws = self.draws, 0
+        return n
+
+
+class Ahead:
+    """A role's loop run ``depth`` batches ahead of the user on its own thread."""
+
+    def __init__(
+        self,
+        gate: Gate,
+        depth: int,
+        *,
+        idle: Callable[[], None] | None = None,
+        wait: bool = True,
+        timeout: float = float("inf"),
+    ) -> None:
+        self.gate = gate
+        self.depth = depth
+        #: how long the user may wait for a batch before a wait of the loop may fail
+        #: (``patient``): the loader's timeout
+        self.timeout = timeout
+        self._user_since: float | None = None  # when the user began to wait, if waiting
+        #: run once per slice while the thread waits to queue (a follower flushes the
+        #: RELEASEs that the user's thread queued: NOTE [one thread per socket])
+        self.idle = idle
+        #: whether ``settle`` waits for a halted thread (False: a node leader's,
+        #: NOTE [running ahead])
+        self.wait = wait
+        #: (delivered, exhausted, boundary state, loader state) of the last batch handed
+        #: over; None outside an iteration (checkpoints read the live cursor then)
+        self.position: Any = None
+        self._run: _Run | None = None
+        self._local = threading.local()  # .run: the run the calling thread produces for
+
+    @property
+    def queued(self) -> int:
+        """Batches ready for the user (for ``stats``)."""
+        run = self._run
+        return len(run.queue) if run is not None else 0
+
+    def patient(self) -> bool:
+        """A wait of the loop past its timeout goes on unless the user has been waiting
+        that long (NOTE [running ahead]): a loop ahead of a user who evaluates for an
+        hour waits for its peers just as long, and fails only once the user waits."""
+        since = self._user_since
+        return since is None or time.monotonic() - since < self.timeout
+
+    def defer(self, draws: int) -> None:
+        """The loop's ``mirror``: draws to replay at the next hand-over (NOTE [running ahead])."""
+        self._local.run.draws += draws
+
+    def run(
+        self,
+        inner: Iterator[Any],
+        position: Callable[[], Any],
+        request: Callable[[], None] | None,
+        waited: Callable[[float], None],
+    ) -> Iterator[Any]:
+        """The user's side: batches of ``inner``, which runs on the thread started here.
+
+        ``position()``: the live position, snapshotted after each batch on the
+        thread. ``request()``: the user asks for a batch (the step boundary's
+        capture), before anything is handed over. ``waited(t0)``: the user
+        waited for a batch since ``perf_counter()`` ``t0``.
+        """
+        previous = self._run.thread if self._run is not None else None
+        self.settle()
+        self.position = position()
+        run = self._run = _Run()
+        run.thread = threading.Thread(
+            target=self._produce,
+            args=(run, inner, position, previous),
+            name="shmloader-ahead",
+            daemon=True,
+        )
+        run.thread.start()
+        return self._hand_over(run, request, waited)
+
+    def _hand_over(
+        self, run: _Run, request: Callable[[], None] | None, waited: Callable[[float], None]
+    ) -> Iterator[Any]:
+        try:
+            while True:
+                if request is not None:
+                    request()
+                t0 = time.perf_counter()
+                item = self._take(run)
+                waited(t0)
+                if isinstance(item, _Failed):
+                    raise item.exc
+                rng.mirror_draws(item.draws)
+                self.position = item.position
+                if isinstance(item, _End):
+                    return
+                box = [item.batch]  # NOTE [no batch in the frame] (base)
+                del item
+                yield box.pop()
+        finally:
+            self._halt(run)
+
+    def _take(self, run: _Run) -> _Item:
+        with run.ready:
+            try:
+                while not run.queue:
+                    if self._user_since is None:
+                        self._user_since = time.monotonic()
+                    self.gate()  # closed: the closed error, as any wait
+                    if run.finished:
+                        raise ShmLoaderError(
+                            "the loader's background thread ended without a batch or an error "
+                            "(it was halted or closed)"
+                        )
+                    run.ready.wait(SLICE_S)
+            finally:
+                self._user_since = None
+            item = run.queue.popleft()
+            run.ready.notify_all()
+            return item
+
+    # -- the background thread ---------------------------------------------
+
+    def _produce(
+        self,
+        run: _Run,
+        inner: Iterator[Any],
+        position: Callable[[], Any],
+        previous: threading.Thread | None,
+    ) -> None:
+        gate = self.gate
+        self._local.run = run
+        try:
+            while previous is not None and previous.is_alive():  # NOTE [running ahead]
+                gate()
+                previous.join(SLICE_S)
+            with gate.hold():
+                while True:
+                    box = []  # NOTE [no batch in the frame] (base)
+                    try:
+                        box.append(next(inner))
+                    except StopIteration:
+                        self._put(run, _End(run.take_draws(), position()))
+                        return
+                    self._put(run, _Batch(box.pop(), run.take_draws(), position()))
+        except Halted:
+            pass
+        except BaseException as exc:  # the loop's own error: raised at its step
+            if not gate.closed:
+                with run.ready:
+                    run.queue.append(_Failed(exc))
+        finally:
+            with contextlib.suppress(Exception):
+                inner.close()  # type: ignore[attr-defined]
+            gate.halted.discard(threading.current_thread())
+            with run.ready:
+                run.finished = True
+                run.ready.notify_all()
+
+    def _put(self, run: _Run, item: _Batch | _End) -> None:
+        """Queue ``item`` once fewer than ``depth`` wait; every slice a check and ``idle``."""
+        with run.ready:
+            while True:
+                self.gate()  # closed or halted: the item dies with this frame
+                if len(run.queue) < self.depth or isinstance(item, _End):
+                    run.queue.append(item)
+                    run.ready.notify_all()
+                    return
+                if self.idle is not None:
+                    self.idle()
+                run.ready.wait(SLICE_S)
+
+    # -- stopping -----------------------------------------------------------
+
+    def _halt(self, run: _Run) -> None:
+        """The user left the iteration: its thread stops at its next check; drop its queue."""
+        thread = run.thread
+        if thread is None:
+            return
+        if thread.is_alive():
+            self.gate.halted.add(thread)
+        with run.ready:
+            dropped = list(run.queue)  # their batches die outside the lock
+            run.queue.clear()
+            run.ready.notify_all()
+        del dropped
+
+    def stop(self) -> None:
+        """``close()``: halt, and give the thread two slices to end (it left the gate;
+        close never waits for the user's code, which the thread may be in)."""
+        self.settle(2 * SLICE_S)
+
+    def settle(self, timeout: float | None = None) -> Any:
+        """Halt the running iteration and wait for its thread, at most ``timeout`` seconds.
+
+        ``timeout``: default the gate's limit, with a warning when it is
+        over; none at all for a node leader's (``wait=False``), unless given.
+
+        Returns the position the user was at (None: no iteration ran ahead
+        since the last ``settle``). Once it waited, the role's loop is not
+        running: the caller may touch what the loop owns from its own thread.
+        """
+        run = self._run
+        if run is None or run.thread is None:
+            return None
+        self._halt(run)
+        thread = run.thread
+        if timeout is not None:
+            thread.join(timeout)
+        elif self.wait:
+            thread.join(self.gate.limit)
+            if thread.is_alive():
+                log.warning(
+                    "shmloader: the loader's background thread did not stop within %.0f s "
+                    "(it is inside the user's loader); going on without it",
+                    self.gate.limit,
+                )
+        if not thread.is_alive():
+            self.gate.halted.discard(thread)
+        position, self.position = self.position, None
+        return position

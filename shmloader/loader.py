@@ -264,6 +264,8 @@ class ShmLoader:
         out: dict[str, Any] = {"role": self.role, "epoch": self._cursor.epoch}
         out.update(self._stats.counts)
         out.update(self._role.stats())
+        if self._ahead is not None:  # batches ready for the user (NOTE [running ahead])
+            out["ahead_ready"] = self._ahead.queued
         if self._stage is not None:
             out.update(self._stage.stats())
         return out

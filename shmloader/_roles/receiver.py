@@ -77,10 +77,19 @@ class Receiver:
         )
 
     def left_behind(self, it: int, pos: int, end: bool) -> None:
-        """A message of iteration ``it``, which this rank left early: warn once, naming both."""
-        left = self.ctx.cursor.take_left(it)
+        """A message of iteration ``it``, which this rank left early: warn once, naming both.
+
+        Not for what the writer's loop published ahead of its own user, up to
+        ``SHMLOADER_SLOTS`` batches past where this rank left (NOTE [running
+        ahead] in ``ahead``): a writer that left at the same point sent those too.
+        """
+        left = self.ctx.cursor.left.get(it)
         if left is None:
             return
+        ahead = self.config.slots if self.config.ahead else 0
+        if pos < left[1] + ahead or (end and pos <= left[1] + ahead):
+            return
+        self.ctx.cursor.take_left(it)
         log.warning(
             "shmloader: rank %s left iteration %d (epoch %d) after %d batches, but the leader "
             "went on (%s); those batches were released unused. Ranks of one group that break "

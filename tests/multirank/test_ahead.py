@@ -1,0 +1,369 @@
+"""Running ahead (NOTE [running ahead] in shmloader/_roles/ahead.py): each rank's per-batch
+work happens on a background thread before the user asks, and every guarantee holds.
+
+One node (SP2) and an SP group over two simulated nodes (private /dev/shm per node,
+tests/support/harness.py); the leader's DataLoader has workers, so the leader runs ahead
+too (NOTE [draws ahead] in shmloader/_roles/leader.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+
+from shmloader import Config, ShmLoader
+from shmloader.errors import LeaderError, ShmLoaderError
+from tests.support.harness import capture_warnings, run_ranks
+
+pytestmark = pytest.mark.timeout(180)
+
+NODES = {"one-node": None, "two-nodes": [0, 0, 1, 1]}
+
+
+class Numbered(Dataset):
+    """Sample ``i`` is 64 KiB of ``i``; ``fail_at`` raises there (in a worker)."""
+
+    def __init__(self, n: int, fail_at: int | None = None) -> None:
+        self.n, self.fail_at = n, fail_at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.fail_at:
+            raise ValueError(f"sample {i} is broken")
+        return torch.full((1 << 14,), float(i))
+
+
+def _loader(n: int = 12, fail_at: int | None = None, **config) -> ShmLoader:
+    return ShmLoader(
+        lambda: DataLoader(Numbered(n, fail_at), batch_size=1, num_workers=2),
+        dist.group.WORLD,
+        config=Config.from_env(enabled=True, **config),
+    )
+
+
+def _ahead_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "shmloader-ahead" and t.is_alive()]
+
+
+# ------------------------------------------------------------------ rank code
+
+
+def ready_before_asked(rank: int, world: int, *, ahead: bool) -> dict:
+    """After each batch the user 'computes' for 0.3 s; then, before asking for the next,
+    how many batches this rank had received (or published) and holds ready."""
+    loader = _loader(8, ahead=ahead)
+    seen, ready, counted = [], [], []
+    for batch in loader:
+        seen.append(int(batch[0, 0]))
+        time.sleep(0.3)  # the step's compute: the next batch can arrive meanwhile
+        stats = loader.stats()
+        ready.append(stats.get("ahead_ready", 0))
+        counted.append(stats.get("received", stats.get("published", 0)))
+    loader.close()
+    return {"seen": seen, "ready": ready, "counted": counted, "role": loader.role}
+
+
+def error_at_its_step(rank: int, world: int) -> dict:
+    """Sample 5 raises in the leader's worker: every rank gets batches 0-4, then the error."""
+    loader = _loader(12, fail_at=5)
+    seen: list[int] = []
+    try:
+        for batch in loader:
+            seen.append(int(batch[0, 0]))
+            time.sleep(0.1)  # the leader's loop reaches sample 5 well before the user does
+        error = None
+    except Exception as exc:  # the test compares what each rank saw
+        error = type(exc).__name__, isinstance(exc, LeaderError)
+    loader.close()
+    return {"seen": seen, "error": error}
+
+
+def close_mid_lookahead(rank: int, world: int, *, how: str) -> dict:
+    """The user closes while batches wait ahead: from its own loop or from another thread."""
+    loader = _loader(40)
+    seen: list[int] = []
+    outcome = "finished"
+    if how == "inside":
+        for batch in loader:
+            seen.append(int(batch[0, 0]))
+            if len(seen) == 3:
+                time.sleep(0.3)  # batches queue up ahead
+                loader.close()
+                break
+    else:
+        closer = threading.Timer(1.0, loader.close)
+        try:
+            for batch in loader:
+                seen.append(int(batch[0, 0]))
+                if len(seen) == 3:
+                    closer.start()
+                time.sleep(0.2)
+        except ShmLoaderError as exc:
+            outcome = str(exc)
+        closer.join()
+    loader.close()
+    deadline = time.monotonic() + 5
+    while _ahead_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return {"seen": seen, "outcome": outcome, "threads": len(_ahead_threads())}
+
+
+def resume_in_flight(rank: int, world: int, *, stop: int | None, ckpt: str) -> dict:
+    """Save at batch ``stop`` while the next ones are already here; or, with ``stop``
+    None and a saved state in ``ckpt``, resume from it (else run the whole epoch).
+
+    Each step draws from the default generator (as dropout does), so the RNG at the
+    step boundary is part of what the resume must restore.
+    """
+    import os
+
+    torch.manual_seed(100 + rank)
+    loader = _loader(16)
+    path = os.path.join(ckpt, f"rank{rank}.pt")
+    if stop is None and os.path.exists(path):
+        loader.load_state_dict(torch.load(path, weights_only=False))
+    seen, drawn, in_flight, saved = [], [], 0, None
+    for batch in loader:
+        seen.append(int(batch[0, 0]))
+        drawn.append(float(torch.rand(1)))
+        if stop is not None and len(seen) == stop:
+            time.sleep(0.3)  # let the loop run ahead of us
+            stats = loader.stats()
+            in_flight = stats.get("received", stats.get("published", 0)) - len(seen)
+            saved = loader.state_dict()
+            torch.save(saved, path)
+            break
+    loader.close()
+    return {
+        "seen": seen,
+        "drawn": drawn,
+        "batches": saved and saved["batches"],
+        "in_flight": in_flight,
+    }
+
+
+def break_and_go_on(rank: int, world: int) -> dict:
+    """Every rank breaks after 3 batches (the loops ran ahead), then iterates again."""
+    warnings = capture_warnings()
+    loader = _loader(10)
+    first = []
+    for batch in loader:
+        first.append(int(batch[0, 0]))
+        time.sleep(0.2)
+        if len(first) == 3:
+            break
+    del batch
+    dropped = loader.stats().get("ahead_ready")  # the queue went with the iteration
+    loader.set_epoch(1)
+    second = [int(b[0, 0]) for b in loader]
+    state = loader.state_dict()
+    loader.close()
+    return {
+        "first": first,
+        "second": second,
+        "state": state["batches"],
+        "warnings": warnings.messages,
+        "dropped": dropped,
+    }
+
+
+def pause_longer_than_the_timeout(rank: int, world: int, *, workers: int) -> dict:
+    """Every rank pauses 3 s (an evaluation) with a 1 s timeout: no peer is silent for
+    longer than the user waits, so nothing may fail (the loops wait while the users
+    do not ask)."""
+    loader = ShmLoader(
+        lambda: DataLoader(Numbered(6), batch_size=1, num_workers=workers),
+        dist.group.WORLD,
+        config=Config.from_env(enabled=True, timeout=1.0),
+    )
+    seen = []
+    try:
+        for batch in loader:
+            seen.append(int(batch[0, 0]))
+            if len(seen) == 2:
+                time.sleep(3.0)
+        outcome = "finished"
+    except Exception as exc:  # the test reads the outcome
+        outcome = f"{type(exc).__name__}: {exc}"
+    loader.close()
+    return {"seen": seen, "outcome": outcome}
+
+
+def slow_node_leader(rank: int, world: int) -> dict:
+    """Node leader 2 takes 0.25 s per step; the others step as fast as they can. Each
+    rank notes when it took each batch (one clock for every process of the machine)."""
+    loader = _loader(16)
+    taken = []
+    for _ in loader:
+        taken.append(time.monotonic())
+        if rank == 2:
+            time.sleep(0.25)
+    loader.close()
+    return {"taken": taken}
+
+
+def iter_then_draw(rank: int, world: int, *, share: bool) -> dict:
+    """The user draws between ``iter()`` and the first ``next()``: on the leader,
+    ``iter()`` of its loader (the base seed) has drawn already, as in plain torch."""
+    torch.manual_seed(11)
+    opened_on: list[str] = []
+
+    class Recording(DataLoader):
+        def __iter__(self):
+            opened_on.append(threading.current_thread().name)
+            return super().__iter__()
+
+    def make() -> DataLoader:
+        return Recording(Numbered(4), batch_size=1, num_workers=2)
+
+    if share:
+        loader = ShmLoader(make, dist.group.WORLD, config=Config.from_env(enabled=True))
+    it = iter(loader if share else make())
+    drawn = torch.rand(2)
+    seen = [int(b[0, 0]) for b in it]
+    if share:
+        loader.close()
+    return {"drawn": drawn, "seen": seen, "opened_on": opened_on}
+
+
+# ------------------------------------------------------------------ tests
+
+
+@pytest.mark.parametrize("nodes", NODES.values(), ids=NODES.keys())
+def test_every_rank_has_the_next_batch_before_it_asks(nodes):
+    world = 4 if nodes else 2
+    out = run_ranks(ready_before_asked, world, kwargs={"ahead": True}, nodes=nodes)
+    for rank, o in enumerate(out):
+        assert o["seen"] == list(range(8)), (rank, o)
+        # while the user computed on batch k, batch k+1 was received (or published) and
+        # decoded: it waits, ready, in the queue
+        assert all(n >= 1 for n in o["ready"][:-1]), (rank, o)
+        assert all(c >= k + 2 for k, c in enumerate(o["counted"][:-1])), (rank, o)
+
+
+def test_without_ahead_nothing_is_taken_before_it_is_asked_for():
+    # the control of the test above: the same loop, SHMLOADER_AHEAD=0
+    out = run_ranks(ready_before_asked, 2, kwargs={"ahead": False})
+    assert out[1]["counted"] == list(range(1, 9)), out[1]
+    assert out[1]["ready"] == [0] * 8, out[1]
+
+
+@pytest.mark.parametrize("nodes", NODES.values(), ids=NODES.keys())
+def test_a_leader_error_at_batch_k_surfaces_at_step_k_on_every_rank(nodes):
+    out = run_ranks(error_at_its_step, 4 if nodes else 2, nodes=nodes)
+    assert out[0]["error"] == ("ValueError", False), out
+    for rank, o in enumerate(out):
+        assert o["seen"] == [0, 1, 2, 3, 4], (rank, o)  # not earlier, not later
+        if rank:
+            assert o["error"] == ("LeaderError", True), (rank, o)
+
+
+@pytest.mark.parametrize("how", ["inside", "another-thread"])
+def test_close_mid_lookahead_stops_every_thread(how):
+    out = run_ranks(close_mid_lookahead, 2, kwargs={"how": how})
+    for rank, o in enumerate(out):
+        assert o["threads"] == 0, (rank, o)
+        if how == "inside":
+            assert o["seen"] == [0, 1, 2], (rank, o)
+        else:
+            assert o["outcome"] == "this ShmLoader is closed; make a new one", (rank, o)
+            assert 3 <= len(o["seen"]) < 40, (rank, o)
+
+
+@pytest.mark.parametrize("nodes", NODES.values(), ids=NODES.keys())
+def test_a_resume_saved_while_batches_are_ahead_is_exact(nodes, tmp_path):
+    world, ckpt = (4 if nodes else 2), str(tmp_path)
+    whole = run_ranks(resume_in_flight, world, kwargs={"stop": None, "ckpt": ckpt}, nodes=nodes)
+    first = run_ranks(resume_in_flight, world, kwargs={"stop": 5, "ckpt": ckpt}, nodes=nodes)
+    for rank, o in enumerate(first):
+        assert o["in_flight"] >= 1, (rank, o)  # the save really found batches ahead
+        assert o["batches"] == 5, (rank, o)
+    rest = run_ranks(resume_in_flight, world, kwargs={"stop": None, "ckpt": ckpt}, nodes=nodes)
+    for rank in range(world):
+        assert first[rank]["seen"] + rest[rank]["seen"] == whole[rank]["seen"], rank
+        assert first[rank]["drawn"] + rest[rank]["drawn"] == whole[rank]["drawn"], rank
+
+
+def test_breaking_out_early_on_every_rank_is_quiet_and_exact():
+    out = run_ranks(break_and_go_on, 2)
+    for rank, o in enumerate(out):
+        assert o["first"] == [0, 1, 2], (rank, o)
+        assert o["second"] == list(range(10)), (rank, o)
+        assert o["state"] == 10, (rank, o)
+        assert o["dropped"] == 0, (rank, o)
+        assert not [m for m in o["warnings"] if "left iteration" in m], (rank, o)
+
+
+def test_a_slow_node_leader_holds_the_leader_within_the_ring_depth():
+    out = run_ranks(slow_node_leader, 4, nodes=[0, 0, 1, 1])
+    leader, slow = out[0]["taken"], out[2]["taken"]
+    slots = Config().slots
+    # how far the leader's user got ahead of the slow node leader's user: the leader's
+    # lookahead, the cross-node send in flight and the node leader's lookahead, no more
+    gaps = [k + 1 - sum(t <= at for t in slow) for k, at in enumerate(leader)]
+    assert max(gaps) <= 2 * slots + 2, gaps
+    assert max(gaps) >= 2, gaps  # ...and it did run ahead, not in lockstep
+
+
+def test_the_leaders_loader_is_opened_at_the_users_iter():
+    # against plain torch: iter(DataLoader) draws the base seed at once
+    shared = run_ranks(iter_then_draw, 2, kwargs={"share": True})
+    alone = run_ranks(iter_then_draw, 2, kwargs={"share": False})
+    assert shared[0]["seen"] == alone[0]["seen"] == [0, 1, 2, 3]
+    # the leader: iter() drew the base seed before the user's draw, as plain torch does
+    # (a follower replays those draws with the first batch, after it: docs/user-guide.md)
+    assert torch.equal(shared[0]["drawn"], alone[0]["drawn"])
+    assert shared[0]["opened_on"] == [threading.main_thread().name]  # the user's thread
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["leader-in-step", "leader-ahead"])
+def test_a_pause_longer_than_the_timeout_fails_nothing(workers):
+    out = run_ranks(pause_longer_than_the_timeout, 2, kwargs={"workers": workers})
+    for rank, o in enumerate(out):
+        assert o == {"seen": list(range(6)), "outcome": "finished"}, (rank, o)
+
+
+class Drawing(Dataset):
+    """Each sample draws from the default generator (in the loading process): whole int64
+    draws, what followers can mirror (NOTE [RNG mirroring] in shmloader/_roles/rng.py)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        noise = int(torch.empty((), dtype=torch.int64).random_()) % 1000
+        return torch.full((1 << 14,), float(i * 1000 + noise))
+
+
+def drawing_steps(rank: int, world: int, *, share: bool) -> dict:
+    """A DataLoader without workers whose dataset draws, and a step that draws too: the
+    follower's loop runs ahead, but replays the leader's draws only at each hand-over."""
+    torch.manual_seed(7 + rank)
+    loader = ShmLoader(
+        lambda: DataLoader(Drawing(), batch_size=1, shuffle=True),
+        dist.group.WORLD,
+        config=Config.from_env(enabled=share),
+    )
+    drawn, seen = [], []
+    for batch in loader:
+        seen.append(float(batch[0, 0]))
+        time.sleep(0.1)  # the follower's loop has the next batch (and its draws) meanwhile
+        drawn.append(torch.rand(2))  # the step's own randomness (dropout)
+    loader.close()
+    return {"drawn": torch.stack(drawn), "seen": seen, "state": torch.get_rng_state()}
+
+
+def test_a_loader_without_workers_that_draws_keeps_exact_rng_parity():
+    shared = run_ranks(drawing_steps, 2, kwargs={"share": True})
+    alone = run_ranks(drawing_steps, 2, kwargs={"share": False})
+    assert shared[1]["seen"] == shared[0]["seen"] == alone[0]["seen"]
+    for rank in range(2):
+        assert torch.equal(shared[rank]["drawn"], alone[rank]["drawn"]), rank
+        assert torch.equal(shared[rank]["state"], alone[rank]["state"]), rank

@@ -76,8 +76,12 @@ BUGS = [
         "return [r for r in live if self.seq - self.acked[r] >= slots + 1]",
         (
             f"{LIFECYCLE}test_a_prefetch_window_within_the_slots_is_not_called_kept",
-            f"{READER}test_batches_a_follower_left_behind_are_released",
+            # test_batches_a_follower_left_behind_are_released catches this one too, but only
+            # on a quiet machine (its ring reached 5 > 4 in 3 runs of 3 at a load of 2 on 2
+            # cores, warm and cold alike; it stayed within 4 in 8 runs of 8 at a load of 6-8):
+            # a catch that depends on timing would make the verdict noise, so it is not listed
             f"{DIVERGENCE}test_a_prefetch_thread_iterates_while_the_main_thread_drops_batches",
+            f"{DIVERGENCE}test_releases_queued_by_other_threads_leave_during_the_wait",
         ),
         "the writer runs one batch more than SHMLOADER_SLOTS ahead of its slowest reader",
     ),
@@ -243,15 +247,16 @@ def main() -> int:
     print(f"pytest output of every run: {logs}")
     print("PASS" if ok else "FAIL")
     if args.markdown:
+        text = document(table, rows, ok, args.markdown)  # before the file exists: not "dirty"
         with open(args.markdown, "w") as f:
-            f.write(document(table, rows, ok))
+            f.write(text)
     return 0 if ok else 1
 
 
 GOOD = ("passes", "caught by the same tests")
 
 
-def document(table: str, rows: list, ok: bool) -> str:
+def document(table: str, rows: list, ok: bool, out: str) -> str:
     """The results file: how it was made, the table, and why each test failed."""
     import platform
 
@@ -261,7 +266,9 @@ def document(table: str, rows: list, ok: bool) -> str:
         return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True).stdout
 
     commit = git("rev-parse", "--short", "HEAD").strip()
-    dirty = " (with uncommitted changes)" if git("status", "--porcelain").strip() else ""
+    target = os.path.relpath(os.path.abspath(out), REPO)
+    changes = [line for line in git("status", "--porcelain").splitlines() if target not in line]
+    dirty = " (with uncommitted changes)" if changes else ""
     lines = [
         "# Mutation check of the multi-rank suite: warm and cold ranks",
         "",
@@ -284,7 +291,16 @@ def document(table: str, rows: list, ok: bool) -> str:
     for name, bug, runs in rows:
         if bug is None or isinstance(runs, str):
             continue
-        lines.append(f"- **{name}**: `{bug.old.strip()}` became `{bug.new.strip()}`")
+        old, new = (
+            next(
+                (a.strip(), b.strip())
+                for a, b in zip(bug.old.splitlines(), bug.new.splitlines(), strict=False)
+                if a != b
+            )
+            if bug.old.count("\n") == bug.new.count("\n")
+            else (bug.old.strip(), bug.new.strip())
+        )
+        lines.append(f"- **{name}**: `{old}` became `{new}`")
         reasons: dict[str, list[str]] = {}
         for mode, run in runs.items():
             for node, why in sorted(run.reasons.items()):

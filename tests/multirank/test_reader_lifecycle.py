@@ -234,6 +234,34 @@ def test_an_end_of_another_epoch_is_a_divergence_not_an_empty_epoch():
     assert follower.startswith("DivergenceError") and "ended" in follower, follower
 
 
+def epoch_set_on_the_leader_only(rank: int, world: int) -> tuple[list[float], str]:
+    """The leader called set_epoch(1), the follower did not; every epoch has 3 batches."""
+    loader = _loader(0, n=3)
+    if rank == 0:
+        loader.set_epoch(1)
+    got = []
+    try:
+        for batch in loader:
+            got.append(float(batch[0, 0]))
+        outcome = "ended"
+    except DivergenceError as exc:
+        outcome = f"DivergenceError: {exc}"
+    loader.close()
+    return got, outcome
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_of_another_epoch_is_a_divergence_before_it_is_delivered():
+    """A follower checks every BATCH's stamp (epoch, position) against its own before it
+    delivers it: a batch of the leader's epoch 1 is never handed out as one of epoch 0
+    (caught at the END only, the follower would have trained on the whole wrong epoch)."""
+    (leader_got, leader_outcome), (got, outcome) = run_ranks(epoch_set_on_the_leader_only, 2)
+    assert (leader_got, leader_outcome) == ([100.0, 101.0, 102.0], "ended")
+    assert got == [], f"batches of the leader's epoch 1 were delivered as epoch 0's: {got}"
+    assert outcome.startswith("DivergenceError"), outcome
+    assert "batch 0 of epoch 1" in outcome and "batch 0 of epoch 0" in outcome, outcome
+
+
 # ------------------------------------------------------------------ SIGTERM
 
 

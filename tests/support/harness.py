@@ -28,6 +28,10 @@ NOTE [warm ranks]
     started (``huge_dir``), so ranks always see the mounts the test sees.
     ``cold=True`` starts cold interpreters (spawn) instead, for tests whose
     subject is a fresh process (what importing the package does).
+    ``SHMLOADER_TEST_COLD_RANKS=1`` in the pytest process's environment makes
+    every rank cold (``cold_ranks``), as ranks were started before the warm
+    launcher: ``tests/mutation_check.py`` runs its tests both ways to show
+    that the warm launcher catches the same bugs.
 """
 
 from __future__ import annotations
@@ -97,9 +101,14 @@ def _mount_ns() -> str:
     return os.readlink("/proc/self/ns/mnt")
 
 
+def cold_ranks(cold: bool = False) -> bool:
+    """Whether ranks start cold: asked, or ``SHMLOADER_TEST_COLD_RANKS=1`` (NOTE [warm ranks])."""
+    return cold or os.environ.get("SHMLOADER_TEST_COLD_RANKS") == "1"
+
+
 def rank_context(cold: bool = False) -> Any:
     """The multiprocessing context ranks start from (NOTE [warm ranks])."""
-    if cold:
+    if cold_ranks(cold):
         return mp.get_context("spawn")
     from multiprocessing import forkserver
 
@@ -304,6 +313,7 @@ def run_ranks(
     (NOTE [warm ranks]).
     """
     target = fn if isinstance(fn, str) else f"{fn.__module__}:{fn.__qualname__}"
+    cold = cold_ranks(cold)
     ctx = rank_context(cold)
     import torch.distributed as dist
 

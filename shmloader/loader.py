@@ -12,7 +12,6 @@ reach them, and one batch's way, in docs/internals/flow.md.
 
 from __future__ import annotations
 
-import functools
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -233,7 +232,7 @@ class ShmLoader:
                 inner,
                 self._checkpoints.live_position,
                 None if on_device else self._checkpoints.user_request,
-                functools.partial(self._stats.note_wait, handed=True),
+                self._user_waited,
             )
         if stage is not None:
             stage.position = None
@@ -250,6 +249,12 @@ class ShmLoader:
             )
         # every next() runs inside the gate (NOTE [close from any thread] in _roles.base)
         return (self._hand or self._gate).guard(inner)
+
+    def _user_waited(self, t0: float) -> None:
+        """The user waited for a batch a loop ran ahead for (NOTE [running ahead])."""
+        self._stats.note_wait(t0, handed=True)
+        if self._built.reporter is not None:
+            self._built.reporter.first_wait()
 
     def _settle(self) -> None:
         """No loop runs ahead now; the cursor is back where the user is (NOTE [running ahead])."""

@@ -137,6 +137,7 @@ class Cursor:
 #     Boundary field  written by                       read by
 #     --------------  ----------                       -------
 #     rng             capture (a step's first request) checkpoints
+#     taken_at_iter   capture (at iter()), user_request user_request
 #     pending, undo   checkpoint.load, begin            begin, the leader's Source
 #     opened          the leader's Source (open)        checkpoints
 #     resume_open     checkpoint.load                   the leader's Source, checkpoints
@@ -166,14 +167,22 @@ class Boundary:
         self.opened: dict[str, Any] | None = None
         self.resume_open: dict[str, Any] | None = None
         self.loader_state: Any = None  # a stateful loader's state at the last step boundary
+        self.taken_at_iter: int | None = None  # ``capture(at_iter=True)`` took this request
 
     def at_step_start(self, delivered: int) -> bool:
         return self.steps > 1 and delivered % self.steps == 0
 
-    def capture(self, delivered: int) -> None:
-        """At a request of batch ``delivered``, before the loader's draws for it."""
-        if not self.prefetching and self.at_step_start(delivered):
+    def capture(self, delivered: int, *, at_iter: bool = False) -> None:
+        """At a request of batch ``delivered``, before the loader's draws for it.
+
+        ``at_iter``: the leader opens its loader at the user's ``iter()``, ahead
+        of the first request (NOTE [running ahead] in ``ahead``): the boundary
+        is captured now, before the opening draws, and that first request
+        (``user_request`` of the same batch) keeps it.
+        """
+        if (at_iter or not self.prefetching) and self.at_step_start(delivered):
             self.rng = rng.capture()
+            self.taken_at_iter = delivered if at_iter else None
 
     def user_request(self, delivered: int) -> None:
         """``capture`` at the user's ``next()`` under device prefetch.
@@ -183,6 +192,9 @@ class Boundary:
         boundary is counted in batches handed to the user, and the capture is
         made before the stage pulls anything for this request.
         """
+        if self.taken_at_iter == delivered:  # captured at iter(), before the loader opened
+            self.taken_at_iter = None
+            return
         if self.at_step_start(delivered):
             self.rng = rng.capture()
 

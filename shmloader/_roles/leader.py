@@ -94,18 +94,18 @@ class Leader:
         # NOTE [running ahead] (ahead): the user's iter() of the loader, here, on the
         # caller's thread; only its next() moves to the background thread
         try:
-            opened = self._open(cursor if skip else 0)
+            opened = self._open(cursor if skip else 0, at_iter=True)
         except BaseException as exc:
             if not self.ctx.check_open.quiet():
                 self.writer.fail(it, exc)
             raise
         return self._loop(it, 0, opened)
 
-    def _open(self, skip: int) -> tuple[Iterator[Any], int]:
+    def _open(self, skip: int, *, at_iter: bool = False) -> tuple[Iterator[Any], int]:
         """Reclaim the slots of dead workers and open the user's loader (``Source.open``)."""
         if self.pool is not None:
             self.pool.reclaim()  # slots of workers that died in an earlier iteration
-        return self.source.open(skip)
+        return self.source.open(skip, at_iter=at_iter)
 
     def set_epoch(self, epoch: int) -> None:
         self.writer.follow_epoch()

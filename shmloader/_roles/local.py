@@ -38,7 +38,7 @@ class Source:
         self.warned_rng = False
         self.warned_generator = False  # NOTE [limits of exact resume]
 
-    def open(self, skip: int) -> tuple[Iterator[Any], int]:
+    def open(self, skip: int, *, at_iter: bool = False) -> tuple[Iterator[Any], int]:
         """``iter()`` the user's loader and fast-forward ``skip`` batches (a resume).
 
         Returns the iterator and the default-generator draws made so far
@@ -47,7 +47,8 @@ class Source:
         uninterrupted run would be.
         """
         b = self.boundary
-        b.capture(self.cursor.delivered)  # the first request of this iteration
+        # the first request of this iteration; ``at_iter``: the user's iter() (Boundary.capture)
+        b.capture(self.cursor.delivered, at_iter=at_iter)
         b.just_opened = True
         before = rng.snapshot()
         loader = self.loader

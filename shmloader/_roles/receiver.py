@@ -31,10 +31,12 @@ from .topology import GroupTopology
 class Receiver:
     """Stamp checks and delivery shared by followers and node leaders."""
 
-    def __init__(self, ctx: Context, topo: GroupTopology) -> None:
+    def __init__(self, ctx: Context, topo: GroupTopology, writer_ahead: bool = False) -> None:
         self.ctx = ctx
         self.config = ctx.config
         self.topo = topo
+        #: this rank's writer's loop runs ahead of its user (NOTE [running ahead])
+        self.writer_ahead = writer_ahead
 
     def diverged(
         self, how: str, theirs: tuple[int, int, int], mine: tuple[int, int, int]
@@ -79,14 +81,15 @@ class Receiver:
     def left_behind(self, it: int, pos: int, end: bool) -> None:
         """A message of iteration ``it``, which this rank left early: warn once, naming both.
 
-        Not for what the writer's loop published ahead of its own user, up to
-        ``SHMLOADER_SLOTS`` batches past where this rank left (NOTE [running
-        ahead] in ``ahead``): a writer that left at the same point sent those too.
+        Not for what a writer whose loop runs ahead published past its own
+        user, up to ``SHMLOADER_SLOTS`` batches past where this rank left
+        (NOTE [running ahead] in ``ahead``): a writer that left at the same
+        point sent those too. A writer in step with its user sends nothing past it.
         """
         left = self.ctx.cursor.left.get(it)
         if left is None:
             return
-        ahead = self.config.slots if self.config.ahead else 0
+        ahead = self.config.slots if self.writer_ahead else 0
         if pos < left[1] + ahead or (end and pos <= left[1] + ahead):
             return
         self.ctx.cursor.take_left(it)

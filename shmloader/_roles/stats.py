@@ -160,6 +160,7 @@ class Reporter:
         self.writer: Announcing | None = None  # set on a writer: it reports its readers
         self.closed = False
         self._next = 0.0
+        self._told_wait = False
 
     def now(self) -> None:
         """Report at once (an iteration's copies settled): ``stat`` shows its final counters."""
@@ -168,6 +169,14 @@ class Reporter:
         self._next = 0.0
         with contextlib.suppress(Exception):  # a report never fails the iteration
             self.report()
+
+    def first_wait(self) -> None:
+        """The user's first wait was counted on another thread than the one that reports
+        (a loop that runs ahead, NOTE [running ahead] in ``ahead``): report it with the
+        loop's next report instead of a second later."""
+        if not self._told_wait:
+            self._told_wait = True
+            self._next = 0.0
 
     def report(self) -> None:
         """Report if a second has passed since the last report."""

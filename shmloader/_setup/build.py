@@ -126,13 +126,15 @@ def build(
                 pg, new_token(), node_override=config.node, runtime_parent=config.runtime_dir
             )
             made.topo = topo.close
-            loader, length, error = _agree_on_loader(make_loader, topo, pg, ranks)
+            loader, length, error, leader_ahead = _agree_on_loader(
+                make_loader, topo, pg, config, ranks
+            )
         except (RuntimeError, dist.DistError) as exc:  # a peer died during set-up
             detail = f"the set-up exchange over the group failed: {exc}"
             raise PeerLostError(None, "peer", detail) from exc
         if error is not None:
             raise error
-        built = _make_role(shared, topo, pg, loader, length, made)
+        built = _make_role(shared, topo, pg, loader, length, leader_ahead, made)
     except BaseException:
         close_quietly(made.in_order())
         raise
@@ -146,6 +148,7 @@ def _make_role(
     pg: dist.ProcessGroup,
     loader: Iterable[Any] | None,
     length: int | None,
+    leader_ahead: bool,
     made: _Made,
 ) -> Built:
     """The one factory of roles: what this rank's place in the topology needs."""
@@ -161,7 +164,7 @@ def _make_role(
         job=config.job,
         device=functools.partial(device_fields, shared.stage),
     )
-    ahead = _ahead(config, topo, loader, shared.check_open)
+    ahead = _ahead(config, topo, leader_ahead, shared.check_open)
     ctx = _context(shared, reporter.report, ahead)
     xnode = None
     if len(topo.nodes) > 1 and topo.me in topo.node_leaders:
@@ -201,13 +204,15 @@ def _make_role(
                 warn_pin_memory(loader, pool)
         else:
             assert xnode is not None
-            role = Relay(ctx, Receiver(ctx, topo), writer, xnode)
+            role = Relay(ctx, Receiver(ctx, topo, leader_ahead), writer, xnode)
     else:
+        # a node leader's loop always runs ahead, the group leader's as it said
+        writer_ahead = leader_ahead if topo.writer == topo.leader else config.ahead
         ring_reader = RingReader(topo.ring_token, topo.me)
         made.reader = ring_reader.close
         spoke = Spoke(topo.socket_path, topo.me)
         made.spoke = spoke.close
-        role = Follower(ctx, topo, Receiver(ctx, topo), ring_reader, spoke)
+        role = Follower(ctx, topo, Receiver(ctx, topo, writer_ahead), ring_reader, spoke)
         if ahead is not None:
             ahead.idle = role.out.drain  # NOTE [one thread per socket] (follower)
     closers = role.closers()
@@ -226,26 +231,28 @@ def _make_role(
     return Built(role, source, topo, lengths, reporter, closers, ahead)
 
 
-def _ahead(
-    config: Config, topo: GroupTopology, loader: Iterable[Any] | None, gate: Gate
-) -> Ahead | None:
+def _ahead(config: Config, topo: GroupTopology, leader_ahead: bool, gate: Gate) -> Ahead | None:
     """This rank's loop on its own thread, or None (NOTE [running ahead] in ``_roles.ahead``).
 
-    Every node leader and follower; the leader only for a DataLoader with
-    workers (NOTE [draws ahead] in ``_roles.leader``). The queue holds
-    ``slots - 1`` batches: with the one the thread is about to queue, the
-    loop is ``slots`` batches ahead of the user, the ring's depth, which
-    NOTE [ring growth] already counts (``_roles.node_writer``).
+    Every node leader and follower; the leader as it said at set-up
+    (``leads_ahead``). The queue holds ``slots - 1`` batches: with the one the
+    thread is about to queue, the loop is ``slots`` batches ahead of the user,
+    the ring's depth, which NOTE [ring growth] already counts
+    (``_roles.node_writer``).
     """
-    if not config.ahead:
-        return None
-    if topo.is_leader and not (
-        isinstance(loader, torch.utils.data.DataLoader) and loader.num_workers > 0
-    ):
+    if not config.ahead or (topo.is_leader and not leader_ahead):
         return None
     relay = topo.is_writer and not topo.is_leader
     timeout = config.timeout or DEFAULT_TIMEOUT_S
     return Ahead(gate, max(1, config.slots - 1), wait=not relay, timeout=timeout)
+
+
+def leads_ahead(config: Config, loader: object) -> bool:
+    """Whether the leader's loop runs ahead: only for a DataLoader with workers (NOTE [draws
+    ahead] in ``_roles.leader``)."""
+    return (
+        config.ahead and isinstance(loader, torch.utils.data.DataLoader) and loader.num_workers > 0
+    )
 
 
 @dataclasses.dataclass
@@ -277,13 +284,15 @@ def _agree_on_loader(
     make_loader: Callable[[], Iterable[Any]],
     topo: GroupTopology,
     pg: dist.ProcessGroup,
+    config: Config,
     ranks: list[int] | None = None,
-) -> tuple[Iterable[Any] | None, int | None, BaseException | None]:
+) -> tuple[Iterable[Any] | None, int | None, BaseException | None, bool]:
     """The leader builds its loader and tells everyone its length, or why it failed.
 
     Returns (the leader's loader or None, its length or None, the exception
     this rank must raise: the original on the leader, a ``LeaderError``
-    carrying it on the others; never a hang). The exception is returned, not
+    carrying it on the others; never a hang; whether the leader's loop runs
+    ahead). The exception is returned, not
     raised, so that the caller does not take it for a peer lost during the
     exchange. The factory's draws from the default generators travel with
     the length and every other rank mirrors them (NOTE [factory draws] in
@@ -304,6 +313,7 @@ def _agree_on_loader(
             with contextlib.suppress(TypeError):
                 report["length"] = len(loader)  # type: ignore[arg-type]
             report["draws"] = _mirrorable(draws)
+            report["ahead"] = leads_ahead(config, loader)
         except BaseException as exc:
             error = exc
             report = {"error": error_body(0, exc)}
@@ -311,11 +321,12 @@ def _agree_on_loader(
     agreed = json_body(raw)
     if "error" in agreed:
         body = agreed["error"] if isinstance(agreed["error"], dict) else {}
-        return None, None, error or leader_error(body, topo.leader)
+        return None, None, error or leader_error(body, topo.leader), False
     if not topo.is_leader:
         rng.mirror_words(agreed.get("draws", {}))  # NOTE [factory draws] (rng)
     length = agreed.get("length")
-    return loader, length if isinstance(length, int) and length >= 0 else None, None
+    ahead = agreed.get("ahead") is True  # the readers' NOTE [running ahead] (receiver)
+    return loader, length if isinstance(length, int) and length >= 0 else None, None, ahead
 
 
 def _mirrorable(draws: dict[str, int | None]) -> dict[str, int]:

@@ -367,3 +367,50 @@ def test_a_loader_without_workers_that_draws_keeps_exact_rng_parity():
     for rank in range(2):
         assert torch.equal(shared[rank]["drawn"], alone[rank]["drawn"]), rank
         assert torch.equal(shared[rank]["state"], alone[rank]["state"]), rank
+
+
+def resume_in_a_window(rank: int, world: int, *, stop: int | None, ckpt: str) -> dict:
+    """Two epochs of 6 batches, accumulation over 2, a draw per step; saved at micro-batch
+    ``stop`` (7: inside the window that begins the second epoch, whose boundary lies before
+    that epoch's ``iter()``); ``stop`` None resumes from ``ckpt`` if a state is there."""
+    import os
+
+    torch.manual_seed(200 + rank)
+    loader = ShmLoader(
+        lambda: DataLoader(Numbered(6), batch_size=1, num_workers=1, shuffle=True),
+        dist.group.WORLD,
+        accumulation_steps=2,
+        config=Config.from_env(enabled=True),
+    )
+    path = os.path.join(ckpt, f"rank{rank}.pt")
+    start = 0
+    if stop is None and os.path.exists(path):
+        state = torch.load(path, weights_only=False)
+        loader.load_state_dict(state)
+        start = state["epoch"]
+    seen, drawn, micro = [], [], 0
+    for epoch in range(start, 2):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            seen.append(int(batch[0, 0]))
+            drawn.append(float(torch.rand(1)))
+            micro += 1
+            if micro == stop:
+                torch.save(loader.state_dict(), path)
+                loader.close()
+                return {"seen": seen, "drawn": drawn}
+    loader.close()
+    return {"seen": seen, "drawn": drawn}
+
+
+def test_a_resume_inside_the_window_that_opens_an_epoch_is_exact(tmp_path):
+    # the step boundary of micro-batch 6 lies before the second epoch's iter(), which the
+    # leader's loop opens at once: the boundary is captured before those draws
+    ckpt = str(tmp_path)
+    whole = run_ranks(resume_in_a_window, 2, kwargs={"stop": None, "ckpt": ckpt})
+    first = run_ranks(resume_in_a_window, 2, kwargs={"stop": 7, "ckpt": ckpt})
+    rest = run_ranks(resume_in_a_window, 2, kwargs={"stop": None, "ckpt": ckpt})
+    for rank in range(2):
+        # the resume repeats the window's first micro-batch (the boundary is before it)
+        assert first[rank]["seen"][:6] + rest[rank]["seen"] == whole[rank]["seen"], rank
+        assert first[rank]["drawn"][:6] + rest[rank]["drawn"] == whole[rank]["drawn"], rank

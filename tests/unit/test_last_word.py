@@ -37,7 +37,7 @@ class _Hub:
     def receive(self, timeout: float):
         return None
 
-    def wait(self, handle, peers, *, timeout: float, doing: str, idle=None) -> None:
+    def wait(self, handle, peers, *, timeout: float, doing: str, idle=None, patient=None) -> None:
         self.waited.append(peers())
         ack = wire.parse(wire.frames(Kind.ACK, self.published[-1].seq, rank=1))
         assert handle(ack, 1), "the reader ACKed the last word and the writer still waits"

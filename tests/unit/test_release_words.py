@@ -272,7 +272,9 @@ def two_slots(rank: int, world: int) -> dict:
         loader = ShmLoader(
             lambda: DataLoader(Blocks(), batch_size=None, num_workers=1, prefetch_factor=1),
             group,
-            config=Config.from_env(enabled=True),
+            # the main process makes no call while the worker writes: no loop runs ahead
+            # (NOTE [running ahead]), whose thread would take batches meanwhile
+            config=Config.from_env(enabled=True, ahead=False),
         )
         try:
             sums, filled_while_blocked = [], None

@@ -497,6 +497,8 @@ WAYS: dict[str, type[Way]] = {
     "shmloader-1copy": SharedOneCopy,
     # the zero-copy way with its ring in a huge=within_size tmpfs (``Case.shm_dir``)
     "shmloader-huge": Shared,
+    # every loop in step with its user (SHMLOADER_AHEAD=0, set by benchmarks.step)
+    "shmloader-in-step": Shared,
 }
 
 

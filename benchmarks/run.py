@@ -1,5 +1,9 @@
 """``python -m benchmarks.run [--quick] [--out DIR]``: every configuration, one run.
 
+It measures the transport per batch where the user asks for it, so every
+loop runs in step with its user (``SHMLOADER_AHEAD=0`` unless set): what
+running ahead saves a training step is ``benchmarks.step``'s subject.
+
 Runs the same workload three ways (``base``: every SP rank loads its own
 batch; ``broadcast``: the leader loads and sends the batch over gloo, as
 leader-only loaders do; ``shmloader``: ``ShmLoader`` embedded mode; and
@@ -364,6 +368,10 @@ def in_ring_dirs(cases: list[Case], huge_dir: str) -> list[Case]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"
+    # The transport's cost per batch, measured where the user asks for it: every loop
+    # in step with its user. What running ahead (NOTE [running ahead]) does for a
+    # training step is benchmarks.step's subject.
+    os.environ.setdefault("SHMLOADER_AHEAD", "0")
     os.makedirs(args.out, exist_ok=True)
     machine = procstat.machine()
     cases = plan(args)

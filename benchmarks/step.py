@@ -9,12 +9,15 @@ user runs. Every rank of one SP group runs simulated training steps::
     compute for C ms          # time.sleep (default) or a busy wait
     all_reduce(one value)     # allreduce_ms: the step's sync with its peers
 
-for four ways, back to back in one run, on freshly started ranks each
+for five ways, back to back in one run, on freshly started ranks each
 (``tests.support.harness.run_ranks``, gloo on loopback): ``base`` (every rank runs
 its own DataLoader), ``broadcast`` (the leader loads; the batch skeleton by
 ``broadcast_object_list``, every tensor by ``dist.broadcast``, as the
-XTuner seed does: ``transports.send_broadcast``), ``shmloader``
-(``ShmLoader``, embedded mode, DataLoader workers writing the ring) and
+XTuner seed does: ``transports.send_broadcast``), ``shmloader-in-step``
+(``ShmLoader`` with ``SHMLOADER_AHEAD=0``: every rank's per-batch work
+inside its own ``next()``, as before NOTE [running ahead]), ``shmloader``
+(``ShmLoader``, embedded mode, DataLoader workers writing the ring, every
+loop ahead) and
 ``shmloader-huge`` (the same, its ring in a ``huge=within_size`` tmpfs in a
 private mount namespace: ``benchmarks.hugedir``; root only, skipped with
 the reason otherwise). Topologies: one node at SP2/4/8, and SP2/SP4 over two
@@ -78,14 +81,19 @@ TOPOLOGIES: dict[str, tuple[int, list[int] | None]] = {
     "2nodes-sp2": (2, [0, 1]),
     "2nodes-sp4": (4, [0, 0, 1, 1]),
 }
-MODES = ("base", "broadcast", "shmloader", "shmloader-huge")
+MODES = ("base", "broadcast", "shmloader-in-step", "shmloader", "shmloader-huge")
 LABELS = {
     "base": "base (every rank loads)",
     "broadcast": "broadcast (leader loads, dist.broadcast)",
-    "shmloader": "shmloader",
-    "shmloader-huge": "shmloader, huge-page ring",
+    "shmloader-in-step": "shmloader, in step (SHMLOADER_AHEAD=0)",
+    "shmloader": "shmloader (ahead)",
+    "shmloader-huge": "shmloader (ahead), huge-page ring",
 }
-STYLE = {**report.STYLE, "shmloader-huge": ("tab:purple", "P", "-")}
+STYLE = {
+    **report.STYLE,
+    "shmloader-huge": ("tab:purple", "P", "-"),
+    "shmloader-in-step": ("tab:gray", "x", ":"),
+}
 TARGET_NEXT_MS = 1.0  # issue 31: shmloader's next() p50 on every rank
 TARGET_TWO_NODES = 1.1  # issue 31: SP group over two nodes vs the same group on one node
 
@@ -333,6 +341,13 @@ def skip_reason(cfg: Config, mode: str, args: argparse.Namespace, huge: dict) ->
     return memory(Case("transport", mode, cfg.sp, int(cfg.mib * MiB), 0, 1, args.workers))
 
 
+def mode_env(cfg: Config, mode: str, huge: dict) -> dict[int, dict[str, str]]:
+    """Each rank's environment for ``mode``: the huge-page ring's, or every loop in step."""
+    if mode == "shmloader-in-step":  # NOTE [running ahead] switched off
+        return {rank: {"SHMLOADER_AHEAD": "0"} for rank in range(cfg.sp)}
+    return huge_env(cfg, mode, huge)
+
+
 def huge_env(cfg: Config, mode: str, huge: dict) -> dict[int, dict[str, str]]:
     """Each rank's environment for the huge-page way (NOTE [one huge ring per node])."""
     if mode != "shmloader-huge":
@@ -449,7 +464,7 @@ def run_config(cfg: Config, args: argparse.Namespace, huge: dict, result: dict) 
             "page": args.page,
         }
         try:
-            ranks = launch(cfg, "step_rank", kwargs, args, huge_env(cfg, mode, huge))
+            ranks = launch(cfg, "step_rank", kwargs, args, mode_env(cfg, mode, huge))
         except AssertionError as exc:  # harness.RankFailure
             why = str(exc).strip().splitlines()[-1][:300]
             result["failed"].append({"config": label, "mode": mode, "reason": why})

@@ -35,7 +35,7 @@ def test_quick_step_benchmark_writes_json_markdown_and_plot(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stderr.startswith(
-        f"benchmarks.step: 2 configurations x 4 ways; results go to {out}\n"
+        f"benchmarks.step: 2 configurations x {len(step.MODES)} ways; results go to {out}\n"
     ), proc.stderr[:2000]
     for name in ("step.json", "step.md", "step.png"):
         assert f"wrote {out / name}\n" in proc.stderr, proc.stderr[-4000:]

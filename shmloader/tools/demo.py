@@ -137,7 +137,8 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: Any) -> None:
             # this rank's tree (itself and its workers) while it holds a batch
             peak = max(peak, sum(_pss(pid) for pid in [os.getpid(), *_children()]) - base_pss)
             del batch
-            dist.barrier(group)  # a training step: SP peers move in lockstep
+            time.sleep(args.compute_ms / 1e3)  # a training step's compute (a GPU's, say) ...
+            dist.barrier(group)  # ... and its sync: SP peers move in lockstep
             t = time.perf_counter()
         workers = _children()  # persistent DataLoader workers, still alive
         worker_cpu = sum(_cpu_seconds(pid) for pid in workers)
@@ -210,6 +211,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--images", type=int, default=4, help="images per sample (default 4)")
     p.add_argument("--workers", type=int, default=2, help="DataLoader workers per loading rank")
+    p.add_argument(
+        "--compute-ms",
+        type=float,
+        default=100.0,
+        help="each step's compute before it asks for the next batch (a sleep; default 100)",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up")
 
 
@@ -262,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
 # loading (proportional set size of each rank and its workers above the
 # rank's own before its loader started, peak per rank, summed: pages shared
 # by several processes count once), time from construction to the first
-# batch, and the wait for each next batch.
+# batch, and what each step waits in next() after its compute.
 def _report(args: argparse.Namespace, reports: dict[int, dict]) -> int:
     ok = True
     for start in range(0, args.ranks, args.sp):
@@ -321,7 +328,7 @@ def _report(args: argparse.Namespace, reports: dict[int, dict]) -> int:
         ),
         ("time to a usable batch", "{:.2f} s", first("shared"), first("alone")),
         (
-            "wait for the next batch",
+            f"next() after {args.compute_ms:g} ms of compute",
             "{:.2f} ms",
             statistics.median(shared_wait),
             statistics.median(alone_wait),
@@ -337,7 +344,8 @@ def _report(args: argparse.Namespace, reports: dict[int, dict]) -> int:
     print("  memory: proportional set size of every rank and worker above the rank's own")
     print("  before its loader started (shared pages counted once), its peak per rank,")
     print("  summed; time to a usable batch: construction to the first batch, median rank;")
-    print("  wait: followers (shared) and every rank (unshared), median.")
+    print("  next(): what a step waits for its batch, followers (shared) and every rank")
+    print("  (unshared), median; shared, every rank's loop ran ahead during the compute.")
     print()
     print(f"  bytes per batch                 {human_bytes(nbytes)}, {steps} steps per rank")
     print(f"  plain memcpy of those bytes     {memcpy_ms:8.2f} ms")

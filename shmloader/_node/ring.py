@@ -41,6 +41,7 @@ from .segment import (
     PREFIX,
     Segment,
     huge_ring,
+    populate,
     shm_free_bytes,
     touch,
 )
@@ -569,8 +570,13 @@ def private_view(
     nbytes: int,
     on_release: Callable[[], None],
     unmapped: Callable[[], None] | None = None,
+    *,
+    prefault: bool = False,
 ) -> np.ndarray:
     """A copy-on-write uint8 view of ``segment``'s first ``nbytes`` of payload.
+
+    ``prefault``: its pages are mapped in now (``segment.populate``), by a loop
+    that runs ahead of the user (NOTE [running ahead] in ``_roles.ahead``).
 
     ``on_release`` runs once when the last object referring to the mapping
     (the array, any tensor viewing it) is gone: NOTE [slot lifetime]. It
@@ -582,6 +588,8 @@ def private_view(
     at interpreter exit, when the mapping is still there.
     """
     mm, at = segment.map_view(nbytes)  # in a huge-page ring from the header on: whole pages
+    if prefault:
+        populate(mm)
     view = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=at)
     address = view.__array_interface__["data"][0]
     entry = (segment, nbytes)
@@ -660,6 +668,8 @@ class RingReader:
         self.token = token
         self.rank = rank
         self.segments: dict[str, Segment] = {}
+        #: views fault their pages in as they are made (a reader that runs ahead)
+        self.prefault = False
         self._mappings: list[weakref.ref] = []  # of every view handed out: own_views()
         # the writer's pool control segments by name: this reader's release words
         self._words: dict[str, ReaderWords | None] = {}
@@ -703,7 +713,7 @@ class RingReader:
         unmapped = None
         if board is not None and words is not None:
             unmapped = functools.partial(board.release, words[1], words[2])
-        view = private_view(segment, nbytes, on_release, unmapped)
+        view = private_view(segment, nbytes, on_release, unmapped, prefault=self.prefault)
         mm = getattr(view.base, "obj", view.base)  # frombuffer's base: a memoryview of mm
         if isinstance(mm, mmap.mmap):
             self._mappings = [r for r in self._mappings if r() is not None]

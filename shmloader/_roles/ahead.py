@@ -11,7 +11,8 @@ NOTE [running ahead]
     per-batch work of the leader (take the worker's slot, send it to every
     node leader, announce it), of a node leader (receive the payload into
     its ring, announce it) and of a follower (wait for the announcement,
-    map, decode, fault the pages in) runs on one background thread per
+    map, decode, fault the pages in: ``prefault``, ``madvise(MADV_POPULATE_READ)``
+    of each view the loop makes) runs on one background thread per
     loader, up to ``depth`` batches ahead of the user's ``next()``, which
     then only takes a ready batch from the queue::
 

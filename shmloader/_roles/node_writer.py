@@ -66,6 +66,8 @@ class NodeWriter:
         self.pos = 0  # position stamped on the next message of this epoch
         self.ring_warned = 0  # age of a held batch last warned about (NOTE [ring growth])
         self.began_ns = 0  # when the latest publish, done waiting for readers, took its slot
+        #: its own views fault their pages in as they are made (NOTE [running ahead])
+        self.prefault = False
 
     def begin(self, cursor: int) -> None:
         """A new iteration starts at position ``cursor`` of the epoch."""
@@ -200,7 +202,7 @@ class NodeWriter:
             return np.empty(0, np.uint8)
         release = functools.partial(self.self_releases.append, (slot.index, slot.gen, slot.seq))
         word = self.pool.own_release(slot) if self.pool is not None else None
-        return private_view(slot.segment, nbytes, release, word)
+        return private_view(slot.segment, nbytes, release, word, prefault=self.prefault)
 
     def fail(self, it: int, exc: BaseException) -> None:
         """Tell every reader (and the leader's writer, every node leader first) that this

@@ -195,6 +195,7 @@ def _make_role(
         hub = Hub(topo.socket_path)
         made.hub = hub.close
         writer = NodeWriter(ctx, topo, ring, hub, xnode, pool)
+        writer.prefault = ahead is not None  # its thread faults the user's pages in
         reporter.writer = writer
         if topo.is_leader:
             source = Source(loader, shared.cursor, shared.boundary)  # type: ignore[arg-type]
@@ -209,6 +210,7 @@ def _make_role(
         # a node leader's loop always runs ahead, the group leader's as it said
         writer_ahead = leader_ahead if topo.writer == topo.leader else config.ahead
         ring_reader = RingReader(topo.ring_token, topo.me)
+        ring_reader.prefault = ahead is not None  # its thread faults the user's pages in
         made.reader = ring_reader.close
         spoke = Spoke(topo.socket_path, topo.me)
         made.spoke = spoke.close

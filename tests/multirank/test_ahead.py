@@ -414,3 +414,39 @@ def test_a_resume_inside_the_window_that_opens_an_epoch_is_exact(tmp_path):
         # the resume repeats the window's first micro-batch (the boundary is before it)
         assert first[rank]["seen"][:6] + rest[rank]["seen"] == whole[rank]["seen"], rank
         assert first[rank]["drawn"][:6] + rest[rank]["drawn"] == whole[rank]["drawn"], rank
+
+
+def resident_at_hand_over(rank: int, world: int, *, ahead: bool) -> dict:
+    """kB of each handed batch's mapping already in this process's page tables, before
+    the user reads a byte of it (1 MiB batches; the loops had 0.2 s to run ahead)."""
+    from tests.support.ranks import mapping_kb
+
+    loader = ShmLoader(
+        lambda: DataLoader(Big(), batch_size=None, num_workers=2),
+        dist.group.WORLD,
+        config=Config.from_env(enabled=True, ahead=ahead),
+    )
+    resident = []
+    for batch in loader:
+        resident.append(mapping_kb(batch.data_ptr())["rss"])
+        time.sleep(0.2)
+    loader.close()
+    return {"resident": resident}
+
+
+class Big(Dataset):
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((1 << 18,), float(i))  # 1 MiB
+
+
+def test_a_loop_ahead_faults_the_pages_in_before_the_user_reads():
+    ahead = run_ranks(resident_at_hand_over, 2, kwargs={"ahead": True})
+    step = run_ranks(resident_at_hand_over, 2, kwargs={"ahead": False})
+    for rank in range(2):
+        # every page of the 1 MiB payload is mapped at the hand-over (MADV_POPULATE_READ);
+        # in step, only what decoding touched
+        assert all(kb >= 1024 for kb in ahead[rank]["resident"][1:]), (rank, ahead[rank])
+        assert all(kb < 512 for kb in step[rank]["resident"][1:]), (rank, step[rank])

@@ -46,12 +46,21 @@ NOTE [running ahead]
     loader puts the cursor back where the user was. One wait cannot be cut
     short: a node leader's gloo receive of the leader's next header (gloo
     has no receive that can be polled or cancelled). A node leader's
-    ``settle`` therefore does not wait (``wait=False``): the halted thread
-    keeps the header it gets as the role's ``stash`` and ends at its next
-    check, and the next iteration's thread joins it before its loop starts,
-    so two threads never run one role's loop. ``close()`` from any thread
-    stops the thread through the gate (NOTE [close from any thread] in
-    ``base``); it is a daemon, so interpreter exit never waits for it.
+    ``settle`` therefore waits only until that thread is out of the gate
+    (``Gate.pass_through``): ended, or parked in that receive. There it
+    touches nothing of the next iteration's: the header it then gets is a
+    later iteration's (kept as the role's ``stash``) or a leftover, whose
+    payload it takes into nothing at once so that the leader's send of it
+    completes; the next iteration's thread joins every earlier one before
+    its loop starts, so two threads never run one role's loop, and each
+    loader's cross-node messages carry a tag of their own (``loader_tag``):
+    a receive a closed loader's thread left posted never takes a later
+    loader's header on the same group. An error the
+    leader's loop raised past where every user left (its user never reached
+    it) is dropped by the readers, as the leader's own user never sees it.
+    ``close()`` from any thread stops the thread through the gate (NOTE
+    [close from any thread] in ``base``); it is a daemon, so interpreter
+    exit never waits for it.
 """
 
 from __future__ import annotations
@@ -130,6 +139,7 @@ class Ahead:
         #: over; None outside an iteration (checkpoints read the live cursor then)
         self.position: Any = None
         self._run: _Run | None = None
+        self._earlier: list[threading.Thread] = []  # threads of earlier runs (a node leader's)
         self._local = threading.local()  # .run: the run the calling thread produces for
 
     @property
@@ -163,7 +173,7 @@ class Ahead:
         capture), before anything is handed over. ``waited(t0)``: the user
         waited for a batch since ``perf_counter()`` ``t0``.
         """
-        previous = self._run.thread if self._run is not None else None
+        previous = [t for t in self._earlier if t.is_alive()]
         self.settle()
         self.position = position()
         run = self._run = _Run()
@@ -174,6 +184,7 @@ class Ahead:
             daemon=True,
         )
         run.thread.start()
+        self._earlier = [*previous, run.thread]
         return self._hand_over(run, request, waited)
 
     def _hand_over(
@@ -224,14 +235,15 @@ class Ahead:
         run: _Run,
         inner: Iterator[Any],
         position: Callable[[], Any],
-        previous: threading.Thread | None,
+        previous: list[threading.Thread],
     ) -> None:
         gate = self.gate
         self._local.run = run
         try:
-            while previous is not None and previous.is_alive():  # NOTE [running ahead]
-                gate()
-                previous.join(SLICE_S)
+            for thread in previous:  # NOTE [running ahead]: one loop at a time, ever
+                while thread.is_alive():
+                    gate()
+                    thread.join(SLICE_S)
             with gate.hold():
                 while True:
                     box = []  # NOTE [no batch in the frame] (base)
@@ -292,7 +304,7 @@ class Ahead:
         """Halt the running iteration and wait for its thread, at most ``timeout`` seconds.
 
         ``timeout``: default the gate's limit, with a warning when it is
-        over; none at all for a node leader's (``wait=False``), unless given.
+        over; a node leader's (``wait=False``) only until it is out of the gate.
 
         Returns the position the user was at (None: no iteration ran ahead
         since the last ``settle``). Once it waited, the role's loop is not
@@ -305,7 +317,11 @@ class Ahead:
         thread = run.thread
         if timeout is not None:
             thread.join(timeout)
-        elif self.wait:
+        elif not self.wait:
+            # a node leader's: the thread either ended or is parked in the header receive,
+            # outside the gate, where it touches nothing the caller will (NOTE [running ahead])
+            self.gate.pass_through()
+        else:
             thread.join(self.gate.limit)
             if thread.is_alive():
                 log.warning(

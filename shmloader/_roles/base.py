@@ -131,6 +131,11 @@ class Gate:
             if self.inside():
                 self._leave()
 
+    def pass_through(self) -> None:
+        """Wait (at most ``limit``) until no thread is inside; enter nothing."""
+        if self._lock.acquire(timeout=self.limit):
+            self._lock.release()
+
     def inside(self) -> bool:
         """Whether the calling thread is inside the gate."""
         return self._holder == threading.get_ident()

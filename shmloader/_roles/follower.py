@@ -268,6 +268,9 @@ class Follower:
         if msg_it == it:
             return True
         closed = msg.kind == Kind.STOP and msg["closed"]
+        ahead = self.receiver.writer_ahead and msg_it in self.ctx.cursor.left
+        if msg.kind == Kind.ERROR and msg_it < it and ahead:
+            return False  # NOTE [running ahead]: raised past where every user left; ACKed
         if terminal and (msg_it < it or closed):  # the writer's last word, in any iteration
             return True
         if msg_it > it:  # the writer moved on: keep the message for the next iteration

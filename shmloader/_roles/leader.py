@@ -130,7 +130,11 @@ class Leader:
     #     loader whose ``next()`` draws nothing runs ahead: a ``DataLoader``
     #     with workers (its samplers draw their seed when ``iter()`` primes the
     #     workers, on the caller's thread; a worker's draws are its own
-    #     process's). Its draws per batch are 0 by that rule, and what
+    #     process's) whose samplers are torch's, torchdata's or shmloader's: a
+    #     sampler of the user's own may draw from the default generator for
+    #     each index, in this process, inside ``next()``; with one the leader
+    #     stays in step and counts (``_setup.build.leads_ahead``). Its draws per
+    #     batch are 0 by that rule, and what
     #     ``iter()`` drew goes with the first batch, as in every loop. A loader
     #     without workers runs its dataset in this process, on the caller's
     #     thread, where its draws land exactly as with sharing off.

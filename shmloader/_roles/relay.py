@@ -20,7 +20,7 @@ from .._proto.bodies import error_fields, json_body, leader_error
 from .._proto.wire import Kind
 from .._transport.xnode import CrossNode, Event
 from ..errors import LeaderError
-from .base import Context
+from .base import Context, Halted
 from .node_writer import NodeWriter
 from .receiver import Receiver
 
@@ -95,9 +95,13 @@ class Relay:
                 self._skip_payload(event)
                 raise receiver.diverged("batch", theirs, mine)
             t0 = time.perf_counter_ns()
-            yield receiver.deliver(
-                event.meta, writer.publish(it, event, head.draws), head.draws, t0
-            )
+            try:
+                view = writer.publish(it, event, head.draws)
+            except Halted:  # in the wait for this node's readers, before the payload came
+                self._skip_payload(event)  # NOTE [running ahead]: the leader's send completes
+                raise
+            yield receiver.deliver(event.meta, view, head.draws, t0)
+            del view  # NOTE [no batch in the frame] (base)
 
     def _next_event(self, it: int) -> Event:
         """The leader's next event of iteration ``it``, or its last word (ERROR, STOP).
@@ -111,13 +115,19 @@ class Relay:
             ctx.check_open()
             t_wait = time.perf_counter()
             if self.stash is None:
-                # gloo only: close() need not wait for the leader's next header
-                # (NOTE [close from any thread] in base)
-                with ctx.check_open.outside():
-                    self.stash = xnode.receive_header()
+                try:
+                    # gloo only: close() need not wait for the leader's next header
+                    # (NOTE [close from any thread] in base)
+                    with ctx.check_open.outside():
+                        self.stash = xnode.receive_header()
+                except Halted:
+                    self._drop_halted(it)
+                    raise
             event, self.stash = self.stash, None
             ctx.stats.note_wait(t_wait)
             head = event.head
+            if head.it < it and head.kind == Kind.ERROR and self._published_ahead(head.it):
+                continue  # NOTE [running ahead]: an error its user never reached
             if head.it < it and head.kind not in (Kind.ERROR, Kind.STOP):
                 self._skip_payload(event)  # this node left that iteration early
                 receiver.left_behind(head.it, head.pos, head.kind == Kind.END)
@@ -128,6 +138,20 @@ class Relay:
                     "left", (head.it, head.epoch, head.pos), ctx.cursor.mine(it)
                 )
             return event
+
+    def _published_ahead(self, it: int) -> bool:
+        """Whether the leader's loop ran ahead into iteration ``it``, which this node left:
+        what it raised there was past where every user stopped (NOTE [running ahead])."""
+        return self.receiver.writer_ahead and it in self.ctx.cursor.left
+
+    def _drop_halted(self, it: int) -> None:
+        """A halted loop got the header of a batch of the iteration its user left: take its
+        payload into nothing now, or the leader's send of it waits for this node's next
+        iteration (NOTE [running ahead]). A later iteration's event stays in ``stash``."""
+        event = self.stash
+        if event is not None and event.head.it <= it and event.head.kind == Kind.BATCH:
+            self.stash = None
+            self._skip_payload(event)
 
     def _skip_payload(self, event: Event) -> None:
         """Receive (and drop) the payload of a batch this node will not publish."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import struct
+import zlib
 from typing import NamedTuple
 
 import numpy as np
@@ -78,14 +79,27 @@ class Event(NamedTuple):
         return self.head.crc
 
 
+def loader_tag(token: str) -> int:
+    """The point-to-point tag of one loader's cross-node messages, from its leader's random
+    token (every rank of the group knows it): loaders on one group never share a tag."""
+    return zlib.crc32(token.encode()) & 0x7FFFFFFF
+
+
 class CrossNode:
     """The leader's sends to node leaders, and a node leader's receives."""
 
     def __init__(
-        self, group: dist.ProcessGroup, leader: int, node_leaders: tuple[int, ...]
+        self,
+        group: dist.ProcessGroup,
+        leader: int,
+        node_leaders: tuple[int, ...],
+        tag: int = 0,
     ) -> None:
         self.group = group
         self.leader = leader
+        #: this loader's messages on the group (``loader_tag``): a node leader's receive
+        #: still posted by a closed loader never takes a later loader's on the same group
+        self.tag = tag
         self.peers = tuple(r for r in node_leaders if r != leader)
         self.bytes_sent = 0
         #: set when a transfer failed: the link, not the data, is what broke
@@ -118,7 +132,9 @@ class CrossNode:
             tensors.append(torch.from_numpy(payload))
         try:
             works = [
-                dist.isend(t, dst=peer, group=self.group) for t in tensors for peer in self.peers
+                dist.isend(t, dst=peer, group=self.group, tag=self.tag)
+                for t in tensors
+                for peer in self.peers
             ]
             for work in works:
                 work.wait()  # type: ignore[union-attr]  # None only off the group
@@ -133,7 +149,7 @@ class CrossNode:
 
     def _recv(self, tensor: torch.Tensor) -> None:
         try:
-            dist.recv(tensor, src=self.leader, group=self.group)
+            dist.recv(tensor, src=self.leader, group=self.group, tag=self.tag)
         except (RuntimeError, dist.DistBackendError) as exc:
             raise self._failed(exc, f"leader rank {self.leader}") from None
 

@@ -162,6 +162,7 @@ def break_and_go_on(rank: int, world: int) -> dict:
     del batch
     dropped = loader.stats().get("ahead_ready")  # the queue went with the iteration
     loader.set_epoch(1)
+    dist.barrier()  # a collective between epochs: no rank's set_epoch may wait for another's
     second = [int(b[0, 0]) for b in loader]
     state = loader.state_dict()
     loader.close()
@@ -236,16 +237,23 @@ def iter_then_draw(rank: int, world: int, *, share: bool) -> dict:
 # ------------------------------------------------------------------ tests
 
 
-@pytest.mark.parametrize("nodes", NODES.values(), ids=NODES.keys())
-def test_every_rank_has_the_next_batch_before_it_asks(nodes):
-    world = 4 if nodes else 2
-    out = run_ranks(ready_before_asked, world, kwargs={"ahead": True}, nodes=nodes)
+def test_every_rank_has_the_next_batch_before_it_asks():
+    out = run_ranks(ready_before_asked, 2, kwargs={"ahead": True})
     for rank, o in enumerate(out):
         assert o["seen"] == list(range(8)), (rank, o)
         # while the user computed on batch k, batch k+1 was received (or published) and
         # decoded: it waits, ready, in the queue
         assert all(n >= 1 for n in o["ready"][:-1]), (rank, o)
         assert all(c >= k + 2 for k, c in enumerate(o["counted"][:-1])), (rank, o)
+
+
+def test_a_group_over_two_nodes_stays_in_step():
+    # NOTE [cross-node lookahead is off] (shmloader/_setup/build.py): no leader, node leader
+    # or follower of a group that spans nodes has a batch before its user asks
+    out = run_ranks(ready_before_asked, 4, kwargs={"ahead": True}, nodes=[0, 0, 1, 1])
+    for rank, o in enumerate(out):
+        assert o["seen"] == list(range(8)), (rank, o)
+        assert o["counted"] == list(range(1, 9)), (rank, o)
 
 
 def test_without_ahead_nothing_is_taken_before_it_is_asked_for():
@@ -283,7 +291,8 @@ def test_a_resume_saved_while_batches_are_ahead_is_exact(nodes, tmp_path):
     whole = run_ranks(resume_in_flight, world, kwargs={"stop": None, "ckpt": ckpt}, nodes=nodes)
     first = run_ranks(resume_in_flight, world, kwargs={"stop": 5, "ckpt": ckpt}, nodes=nodes)
     for rank, o in enumerate(first):
-        assert o["in_flight"] >= 1, (rank, o)  # the save really found batches ahead
+        if not nodes:  # over two nodes every loop is in step (NOTE [cross-node lookahead is off])
+            assert o["in_flight"] >= 1, (rank, o)  # the save really found batches ahead
         assert o["batches"] == 5, (rank, o)
     rest = run_ranks(resume_in_flight, world, kwargs={"stop": None, "ckpt": ckpt}, nodes=nodes)
     for rank in range(world):
@@ -291,13 +300,17 @@ def test_a_resume_saved_while_batches_are_ahead_is_exact(nodes, tmp_path):
         assert first[rank]["drawn"] + rest[rank]["drawn"] == whole[rank]["drawn"], rank
 
 
-def test_breaking_out_early_on_every_rank_is_quiet_and_exact():
-    out = run_ranks(break_and_go_on, 2)
+@pytest.mark.parametrize("nodes", NODES.values(), ids=NODES.keys())
+def test_breaking_out_early_on_every_rank_is_quiet_and_exact(nodes):
+    # over two nodes the node leader's loop may be anywhere when its user breaks: in the
+    # wait for its readers with a header taken, or in the receive of the next header
+    out = run_ranks(break_and_go_on, 4 if nodes else 2, nodes=nodes)
     for rank, o in enumerate(out):
         assert o["first"] == [0, 1, 2], (rank, o)
         assert o["second"] == list(range(10)), (rank, o)
         assert o["state"] == 10, (rank, o)
-        assert o["dropped"] == 0, (rank, o)
+        writer_in_step = nodes is not None and rank % 2 == 0  # NOTE [cross-node lookahead is off]
+        assert o["dropped"] == (None if writer_in_step else 0), (rank, o)
         assert not [m for m in o["warnings"] if "left iteration" in m], (rank, o)
 
 
@@ -309,7 +322,6 @@ def test_a_slow_node_leader_holds_the_leader_within_the_ring_depth():
     # lookahead, the cross-node send in flight and the node leader's lookahead, no more
     gaps = [k + 1 - sum(t <= at for t in slow) for k, at in enumerate(leader)]
     assert max(gaps) <= 2 * slots + 2, gaps
-    assert max(gaps) >= 2, gaps  # ...and it did run ahead, not in lockstep
 
 
 def test_the_leaders_loader_is_opened_at_the_users_iter():
@@ -450,3 +462,101 @@ def test_a_loop_ahead_faults_the_pages_in_before_the_user_reads():
         # in step, only what decoding touched
         assert all(kb >= 1024 for kb in ahead[rank]["resident"][1:]), (rank, ahead[rank])
         assert all(kb < 512 for kb in step[rank]["resident"][1:]), (rank, step[rank])
+
+
+class DrawingSampler(torch.utils.data.Sampler):
+    """A sampler of the user's own that draws each index from the default generator, lazily,
+    in the main process, inside the DataLoader's ``next()``."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __iter__(self):
+        for _ in range(6):
+            yield int(torch.empty((), dtype=torch.int64).random_()) % 6
+
+
+def own_sampler_steps(rank: int, world: int, *, share: bool) -> dict:
+    torch.manual_seed(5 + rank)
+    loader = ShmLoader(
+        lambda: DataLoader(Numbered(6), batch_size=1, sampler=DrawingSampler(), num_workers=2),
+        dist.group.WORLD,
+        config=Config.from_env(enabled=share),
+    )
+    seen, drawn = [], []
+    for batch in loader:
+        seen.append(int(batch[0, 0]))
+        time.sleep(0.05)
+        drawn.append(torch.rand(2))
+    stats = loader.stats()
+    loader.close()
+    return {"seen": seen, "drawn": torch.stack(drawn), "ahead": "ahead_ready" in stats}
+
+
+def test_a_sampler_of_the_users_own_keeps_the_leader_in_step_and_rng_exact():
+    shared = run_ranks(own_sampler_steps, 2, kwargs={"share": True})
+    alone = run_ranks(own_sampler_steps, 2, kwargs={"share": False})
+    assert not shared[0]["ahead"] and shared[1]["ahead"]  # the leader counts its draws
+    assert shared[0]["seen"] == shared[1]["seen"] == alone[0]["seen"]
+    for rank in range(2):
+        assert torch.equal(shared[rank]["drawn"], alone[rank]["drawn"]), rank
+
+
+class SlowlyBroken(Numbered):
+    """Sample 4 fails, 0.3 s after it was asked for."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 4:
+            time.sleep(0.3)
+        return super().__getitem__(i)
+
+
+def error_past_the_break(rank: int, world: int) -> dict:
+    """Every user breaks after batch 3 of each epoch; the followers at once, the leader a
+    second later. Meanwhile the leader's loop, running ahead, fails on sample 4 and tells
+    the followers, whose loops were halted already: nobody's user ever reaches it."""
+    loader = ShmLoader(
+        lambda: DataLoader(SlowlyBroken(12, fail_at=4), batch_size=1, num_workers=2),
+        dist.group.WORLD,
+        config=Config.from_env(enabled=True),
+    )
+    taken = []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            taken.append(int(batch[0, 0]))
+            if len(taken) % 3 == 0:
+                if rank == 0:
+                    time.sleep(1.0)  # its loop fails meanwhile, and says so
+                break
+        del batch
+        dist.barrier()
+    loader.close()
+    return {"taken": taken}
+
+
+@pytest.mark.parametrize("nodes", NODES.values(), ids=NODES.keys())
+def test_an_error_past_where_every_user_left_is_raised_nowhere(nodes):
+    out = run_ranks(error_past_the_break, 4 if nodes else 2, nodes=nodes)
+    for rank, o in enumerate(out):
+        assert o["taken"] == [0, 1, 2, 0, 1, 2], (rank, o)
+
+
+def two_loaders_in_a_row(rank: int, world: int) -> dict:
+    """A loader left after 3 batches and closed, then another on the same group: the first
+    node leader's loop may still wait in its receive of the leader's next header."""
+    first = _loader(10)
+    for k, _ in enumerate(first):
+        if k == 2:
+            break
+    first.close()
+    second = _loader(6)
+    seen = [int(b[0, 0]) for b in second]
+    second.close()
+    return {"seen": seen}
+
+
+def test_a_closed_loaders_receive_never_takes_the_next_loaders_batch():
+    out = run_ranks(two_loaders_in_a_row, 4, nodes=[0, 0, 1, 1])
+    for rank, o in enumerate(out):
+        assert o["seen"] == list(range(6)), (rank, o)

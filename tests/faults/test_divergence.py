@@ -183,7 +183,8 @@ def test_a_prefetch_thread_iterates_while_the_main_thread_drops_batches():
     for o in out:
         assert o["got"] == list(range(24)) * 2, o
     # releases from the main thread reach the writer: the ring stays near its depth
-    assert out[0]["slots"] <= 6, out[0]
+    # (+ 2: the SLOTS the followers' loops hold ahead of their users, NOTE [running ahead])
+    assert out[0]["slots"] <= 6 + 2, out[0]
 
 
 def test_releases_queued_by_other_threads_leave_during_the_wait():

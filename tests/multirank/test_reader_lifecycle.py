@@ -210,7 +210,8 @@ def breaks_early(rank: int, world: int) -> list[int]:
 def test_batches_a_follower_left_behind_are_released():
     slots, _ = run_ranks(breaks_early, 2)
     cfg = Config.from_env()
-    assert max(slots) <= cfg.slots + 2, f"the leader's ring grew: {slots}"
+    # + SLOTS: what the follower's loop took ahead of its user (NOTE [running ahead])
+    assert max(slots) <= 2 * cfg.slots + 2, f"the leader's ring grew: {slots}"
 
 
 def epochs_disagree(rank: int, world: int) -> str:

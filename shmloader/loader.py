@@ -260,7 +260,10 @@ class ShmLoader:
         """No loop runs ahead now; the cursor is back where the user is (NOTE [running ahead])."""
         if self._ahead is None:
             return
-        handed = self._ahead.settle()
+        self._rewind(self._ahead.settle())
+
+    def _rewind(self, handed: Any) -> None:
+        """The cursor back at the last batch handed over (``Ahead.settle``'s position)."""
         if handed is not None:
             self._cursor.delivered, self._cursor.exhausted = handed[0], handed[1]
 
@@ -288,7 +291,8 @@ class ShmLoader:
         hand = self._hand.stop() if self._hand is not None else False
         try:
             if self._ahead is not None:  # it left the gate: it ends at its next check
-                self._ahead.stop()
+                # a state_dict() after close describes what the user took (NOTE [running ahead])
+                self._rewind(self._ahead.stop())
             if self._built.reporter is not None:
                 self._built.reporter.close()
             if self._stage is not None:

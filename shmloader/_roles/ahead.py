@@ -295,10 +295,11 @@ class Ahead:
             run.ready.notify_all()
         del dropped
 
-    def stop(self) -> None:
+    def stop(self) -> Any:
         """``close()``: halt, and give the thread two slices to end (it left the gate;
-        close never waits for the user's code, which the thread may be in)."""
-        self.settle(2 * SLICE_S)
+        close never waits for the user's code, which the thread may be in). Returns
+        ``settle``'s position."""
+        return self.settle(2 * SLICE_S)
 
     def settle(self, timeout: float | None = None) -> Any:
         """Halt the running iteration and wait for its thread, at most ``timeout`` seconds.

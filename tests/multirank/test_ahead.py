@@ -97,6 +97,8 @@ def close_mid_lookahead(rank: int, world: int, *, how: str) -> dict:
                 time.sleep(0.3)  # batches queue up ahead
                 loader.close()
                 break
+        # a checkpoint after close() describes the 3 batches taken, not what ran ahead
+        outcome = f"state at {loader.state_dict()['batches']}"
     else:
         closer = threading.Timer(1.0, loader.close)
         try:
@@ -283,6 +285,7 @@ def test_close_mid_lookahead_stops_every_thread(how):
         assert o["threads"] == 0, (rank, o)
         if how == "inside":
             assert o["seen"] == [0, 1, 2], (rank, o)
+            assert o["outcome"] == "state at 3", (rank, o)
         else:
             assert o["outcome"] == "this ShmLoader is closed; make a new one", (rank, o)
             assert 3 <= len(o["seen"]) < 40, (rank, o)

@@ -43,19 +43,20 @@ NOTE [running ahead]
     without telling the peers anything (as a loop left at a ``yield`` tells
     them nothing) and drops what it queued; ``settle`` (before the next
     ``iter()``, ``set_epoch`` or ``close``) waits for it to end, and the
-    loader puts the cursor back where the user was. One wait cannot be cut
-    short: a node leader's gloo receive of the leader's next header (gloo
-    has no receive that can be polled or cancelled). A node leader's
-    ``settle`` therefore waits only until that thread is out of the gate
-    (``Gate.pass_through``): ended, or parked in that receive. There it
-    touches nothing of the next iteration's: the header it then gets is a
-    later iteration's (kept as the role's ``stash``) or a leftover, whose
-    payload it takes into nothing at once so that the leader's send of it
-    completes; the next iteration's thread joins every earlier one before
-    its loop starts, so two threads never run one role's loop, and each
-    loader's cross-node messages carry a tag of their own (``loader_tag``):
-    a receive a closed loader's thread left posted never takes a later
-    loader's header on the same group. An error the
+    loader puts the cursor back where the user was. Two waits cannot be cut
+    short: a node leader's gloo receive of the leader's next header and the
+    leader's wait for a send to be received (gloo has no receive or send
+    that can be polled or cancelled). ``settle`` therefore waits until the
+    thread ended *or is parked* in one of them (``Gate.parked``), where it
+    touches nothing and from where its next step is a check: it ends as
+    soon as its peer takes the message. A header a halted node leader then
+    gets is a later iteration's (kept as the role's ``stash``) or a
+    leftover, whose payload it takes into nothing at once so that the
+    leader's send of it completes; the next iteration's thread joins every
+    earlier one before its loop starts, so two threads never run one role's
+    loop, and each loader's cross-node messages carry a tag of their own
+    (``loader_tag``). What is left in flight at ``close()`` is drained
+    there (NOTE [closing across nodes] in ``_transport.xnode``). An error the
     leader's loop raised past where every user left (its user never reached
     it) is dropped by the readers, as the leader's own user never sees it.
     ``close()`` from any thread stops the thread through the gate (NOTE
@@ -120,7 +121,6 @@ class Ahead:
         depth: int,
         *,
         idle: Callable[[], None] | None = None,
-        wait: bool = True,
         timeout: float = float("inf"),
     ) -> None:
         self.gate = gate
@@ -132,9 +132,6 @@ class Ahead:
         #: run once per slice while the thread waits to queue (a follower flushes the
         #: RELEASEs that the user's thread queued: NOTE [one thread per socket])
         self.idle = idle
-        #: whether ``settle`` waits for a halted thread (False: a node leader's,
-        #: NOTE [running ahead])
-        self.wait = wait
         #: (delivered, exhausted, boundary state, loader state) of the last batch handed
         #: over; None outside an iteration (checkpoints read the live cursor then)
         self.position: Any = None
@@ -305,7 +302,8 @@ class Ahead:
         """Halt the running iteration and wait for its thread, at most ``timeout`` seconds.
 
         ``timeout``: default the gate's limit, with a warning when it is
-        over; a node leader's (``wait=False``) only until it is out of the gate.
+        over. A thread parked in a cross-node wait (``Gate.parked``) is not
+        waited for (NOTE [running ahead]).
 
         Returns the position the user was at (None: no iteration ran ahead
         since the last ``settle``). Once it waited, the role's loop is not
@@ -316,20 +314,19 @@ class Ahead:
             return None
         self._halt(run)
         thread = run.thread
-        if timeout is not None:
-            thread.join(timeout)
-        elif not self.wait:
-            # a node leader's: the thread either ended or is parked in the header receive,
-            # outside the gate, where it touches nothing the caller will (NOTE [running ahead])
-            self.gate.pass_through()
-        else:
-            thread.join(self.gate.limit)
-            if thread.is_alive():
-                log.warning(
-                    "shmloader: the loader's background thread did not stop within %.0f s "
-                    "(it is inside the user's loader); going on without it",
-                    self.gate.limit,
-                )
+        limit = self.gate.limit if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while thread.is_alive() and thread not in self.gate.parked_threads:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            thread.join(min(left, SLICE_S))
+        if timeout is None and thread.is_alive() and thread not in self.gate.parked_threads:
+            log.warning(
+                "shmloader: the loader's background thread did not stop within %.0f s "
+                "(it is inside the user's loader); going on without it",
+                self.gate.limit,
+            )
         if not thread.is_alive():
             self.gate.halted.discard(thread)
         position, self.position = self.position, None

@@ -55,12 +55,11 @@ class Gate:
         loop (``guard``, around the outermost iterator ``ShmLoader.__iter__``
         returns) until it yields, returns or raises. A loop steps *outside*
         (``outside``) only around what uses none of those: the user's loader
-        (the leader's and a local rank's ``next()`` of it) and a node
-        leader's gloo receive of the leader's next header. A cross-node send
-        stays inside (gloo reads the slot): ``close()`` waits for it, as for
-        any wait, at most the gate's ``limit`` (a role's timeout and then
-        some), then warns and closes anyway; the thread then stops at the
-        next check.
+        (the leader's and a local rank's ``next()`` of it) and the
+        cross-node waits gloo cannot cut short (``parked``: a node leader's
+        receive of the leader's next header, the leader's wait for its sends
+        to be received; NOTE [closing across nodes] in ``_transport.xnode``):
+        ``close()`` never waits for those; the thread stops once it is back.
 
         ``close()`` (and the finalizer) first marks the loader closed, then
         takes the gate (``stop``): an iterating thread in one of its waits
@@ -93,6 +92,8 @@ class Gate:
         #: background threads told to stop: their next check raises ``Halted`` (thread
         #: objects, not idents: an ident is reused once its thread ended)
         self.halted: set[threading.Thread] = set()
+        #: threads outside in a wait gloo cannot cut short (``parked``)
+        self.parked_threads: set[threading.Thread] = set()
 
     def __call__(self) -> None:
         """Raise ``ShmLoaderError`` once ``close()`` began (in every thread but the closer),
@@ -131,11 +132,6 @@ class Gate:
             if self.inside():
                 self._leave()
 
-    def pass_through(self) -> None:
-        """Wait (at most ``limit``) until no thread is inside; enter nothing."""
-        if self._lock.acquire(timeout=self.limit):
-            self._lock.release()
-
     def inside(self) -> bool:
         """Whether the calling thread is inside the gate."""
         return self._holder == threading.get_ident()
@@ -168,6 +164,19 @@ class Gate:
         finally:
             self._enter()
             self()  # whatever the body raised, the loader closed: that is the error
+
+    @contextlib.contextmanager
+    def parked(self) -> Iterator[None]:
+        """``outside``, around a cross-node wait that nothing can cut short (gloo has no
+        cancel): ``Ahead.settle`` does not wait for a thread parked here, whose every
+        step after it is a check (NOTE [closing across nodes] in ``_transport.xnode``)."""
+        me = threading.current_thread()
+        self.parked_threads.add(me)
+        try:
+            with self.outside():
+                yield
+        finally:
+            self.parked_threads.discard(me)
 
     def stop(self) -> bool:
         """Mark the loader closed and wait (bounded) until no thread is inside.

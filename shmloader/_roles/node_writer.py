@@ -125,8 +125,9 @@ class NodeWriter:
         crc = self._checksum(batch, payload)
         if self.sends:
             assert self.xnode is not None
-            self.xnode.send(Kind.BATCH, it, batch.meta, payload, draws=draws, crc=crc)
-            self.ctx.check_open()  # a close() that gave up waiting for this send
+            # NOTE [closing across nodes] (xnode): close() never waits for this send
+            with self.ctx.check_open.parked():
+                self.xnode.send(Kind.BATCH, it, batch.meta, payload, draws=draws, crc=crc)
         self.announce(it, batch.meta, batch.nbytes, slot, draws, write_ns, crc)
         self._count(batch, t0, write_ns)
         if view:
@@ -192,7 +193,8 @@ class NodeWriter:
         """The iteration ended: END to the node leaders (the leader's), then to this node."""
         if self.sends:
             assert self.xnode is not None
-            self.xnode.send(Kind.END, it, b"", draws=draws)
+            with self.ctx.check_open.parked():  # NOTE [closing across nodes] (xnode)
+                self.xnode.send(Kind.END, it, b"", draws=draws)
         self.await_readers(window=False)
         self.tell_readers(self.stamped(Kind.END, it, draws=draws))
 
@@ -222,7 +224,8 @@ class NodeWriter:
                 kind, body = Kind.ERROR, error_body(it, exc)
                 parts = wire.frames(Kind.ERROR, self.seq, **body)
             if self.sends and self.xnode is not None and not self.xnode.broken:
-                self.xnode.send_json(kind, it, body)
+                with self.ctx.check_open.parked():  # NOTE [closing across nodes] (xnode)
+                    self.xnode.send_json(kind, it, body)
             with contextlib.suppress(PeerLostError):
                 self.await_readers(window=False, timeout=min(self.config.timeout, CLOSE_WAIT_S))  # type: ignore[type-var]
             self.tell_last(parts)
@@ -514,8 +517,12 @@ class NodeWriter:
             log.warning("shmloader: closing without every follower's last batch: %s", exc)
 
     def say_closed(self, it: int) -> None:
-        """At close: let readers map what they were told about, then STOP (closed); never raises."""
+        """At close: let readers map what they were told about, then STOP (closed); the
+        leader's closing STOP to node leaders (NOTE [closing across nodes] in ``xnode``);
+        never raises."""
         with contextlib.suppress(Exception):
             self.await_attach()
             stop = self.stamped(Kind.STOP, it, reason="the writer closed", closed=1)
             self.tell_readers(stop, best_effort=True)
+        if self.sends and self.xnode is not None:
+            self.xnode.say_closed(it)

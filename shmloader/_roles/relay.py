@@ -9,11 +9,11 @@ on a node leader, drawn: ``docs/internals/datapath.md``.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
-
-import numpy as np
 
 from .._proto import wire
 from .._proto.bodies import error_fields, json_body, leader_error
@@ -38,6 +38,11 @@ class Relay:
         self.writer = writer
         self.xnode = xnode
         self.stash: Event | None = None  # an event of the next iteration
+        #: held while a thread receives a header into ``stash`` (the loop's, or the drain's)
+        self._rx = threading.Lock()
+        #: the loop got the leader's closing STOP: nothing is left to drain
+        self.leader_closed = False
+        self.drainer: threading.Thread | None = None
 
     def ready(self) -> None:
         pass
@@ -51,6 +56,24 @@ class Relay:
 
     def close(self) -> None:
         self.writer.say_closed(self.ctx.cursor.it)
+        if not self.leader_closed and not self.xnode.broken:  # NOTE [closing across nodes]
+            self.drainer = threading.Thread(target=self.drain, name="shmloader-drain", daemon=True)
+            self.drainer.start()
+
+    def drain(self) -> None:
+        """After ``close()``: receive the leader's events into nothing up to its closing STOP,
+        so that every send of the leader completes (NOTE [closing across nodes] in ``xnode``).
+        A loop still parked in a header receive gets its header first (``_rx``); a broken
+        link ends the drain."""
+        with contextlib.suppress(Exception):
+            while True:
+                with self._rx:
+                    event, self.stash = self.stash, None
+                    if event is None:
+                        event = self.xnode.receive_header()
+                    self.xnode.skip_payload()
+                if _closing(event):
+                    return
 
     def closers(self) -> list[Callable[[], None]]:
         return self.writer.closers()
@@ -84,6 +107,7 @@ class Relay:
                 ctx.cursor.finish()
                 return
             if head.kind == Kind.STOP:
+                self.leader_closed = _closing(event)
                 reason = str(json_body(event.meta).get("reason", ""))
                 writer.tell_last(writer.stamped(Kind.STOP, it, reason=reason, closed=0))
                 raise receiver.stopped(reason, theirs, mine)
@@ -118,7 +142,7 @@ class Relay:
                 try:
                     # gloo only: close() need not wait for the leader's next header
                     # (NOTE [close from any thread] in base)
-                    with ctx.check_open.outside():
+                    with ctx.check_open.parked(), self._rx:
                         self.stash = xnode.receive_header()
                 except Halted:
                     self._drop_halted(it)
@@ -154,6 +178,11 @@ class Relay:
             self._skip_payload(event)
 
     def _skip_payload(self, event: Event) -> None:
-        """Receive (and drop) the payload of a batch this node will not publish."""
-        if event.nbytes:
-            self.xnode.receive_payload(np.empty(event.nbytes, np.uint8))
+        """Receive (and drop) the payload of a batch this node will not publish: the last
+        header received is always ``event``'s (``stash`` holds one only while empty)."""
+        self.xnode.skip_payload()
+
+
+def _closing(event: Event) -> bool:
+    """Whether ``event`` is the leader's closing STOP (NOTE [closing across nodes] in ``xnode``)."""
+    return event.head.kind == Kind.STOP and bool(json_body(event.meta).get("closed"))

@@ -208,9 +208,8 @@ def _make_role(
             assert xnode is not None
             role = Relay(ctx, Receiver(ctx, topo, leader_ahead), writer, xnode)
     else:
-        # a node leader's loop runs ahead as CROSS_NODE_AHEAD says, the group leader's as it said
+        # a node leader's loop runs ahead as the config says, the group leader's as it said
         writer_ahead = leader_ahead if topo.writer == topo.leader else config.ahead
-        writer_ahead = writer_ahead and (topo.writer == topo.leader or CROSS_NODE_AHEAD)
         ring_reader = RingReader(topo.ring_token, topo.me)
         ring_reader.prefault = ahead is not None  # its thread faults the user's pages in
         made.reader = ring_reader.close
@@ -246,32 +245,13 @@ def _ahead(config: Config, topo: GroupTopology, leader_ahead: bool, gate: Gate) 
     """
     if not config.ahead or (topo.is_leader and not leader_ahead):
         return None
-    relay = topo.is_writer and not topo.is_leader
-    if relay and not CROSS_NODE_AHEAD:
-        return None
     timeout = config.timeout or DEFAULT_TIMEOUT_S
-    return Ahead(gate, max(1, config.slots - 1), wait=not relay, timeout=timeout)
+    return Ahead(gate, max(1, config.slots - 1), timeout=timeout)
 
 
-# NOTE [cross-node lookahead is off]
-#     The loops of a group that spans nodes stay in step with their users
-#     (only followers run ahead): a leader that runs ahead sends node leaders
-#     up to SHMLOADER_SLOTS batches past the point where every user leaves an
-#     iteration, and a gloo point-to-point message nobody receives blocks its
-#     pair: the leader's close() waits for its send, and every later message
-#     between those ranks (the next loader's set-up, the user's own collectives
-#     on a gloo group) waits behind it. Running ahead across nodes needs a
-#     drain at close (the leader's cross-node STOP, received by every node
-#     leader's loop or close) and the cross-node path on a group of its own;
-#     the node leader's side of it is built and tested with this switch on.
-CROSS_NODE_AHEAD = False
-
-
-def leads_ahead(config: Config, loader: object, spans_nodes: bool = False) -> bool:
+def leads_ahead(config: Config, loader: object) -> bool:
     """Whether the leader's loop runs ahead: only for a DataLoader with workers whose samplers
     are torch's, torchdata's or shmloader's (NOTE [draws ahead] in ``_roles.leader``)."""
-    if spans_nodes and not CROSS_NODE_AHEAD:  # NOTE [cross-node lookahead is off]
-        return False
     if not (
         config.ahead and isinstance(loader, torch.utils.data.DataLoader) and loader.num_workers > 0
     ):
@@ -340,7 +320,7 @@ def _agree_on_loader(
             with contextlib.suppress(TypeError):
                 report["length"] = len(loader)  # type: ignore[arg-type]
             report["draws"] = _mirrorable(draws)
-            report["ahead"] = leads_ahead(config, loader, len(topo.nodes) > 1)
+            report["ahead"] = leads_ahead(config, loader)
         except BaseException as exc:
             error = exc
             report = {"error": error_body(0, exc)}

@@ -747,7 +747,7 @@ def test_a_cross_node_header_with_a_huge_meta_len_is_refused_before_allocating()
 
     class Fake(xnode.CrossNode):
         def __init__(self, head: list[int]) -> None:
-            self.head, self.leader = head, 0
+            self.head, self.leader, self.owed = head, 0, 0
 
         def _recv(self, tensor: torch.Tensor) -> None:
             if tensor.numel() != len(self.head):

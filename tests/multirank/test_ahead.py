@@ -65,7 +65,9 @@ def ready_before_asked(rank: int, world: int, *, ahead: bool) -> dict:
     seen, ready, counted = [], [], []
     for batch in loader:
         seen.append(int(batch[0, 0]))
-        time.sleep(0.3)  # the step's compute: the next batch can arrive meanwhile
+        # the step's compute: the next batch can arrive meanwhile (the first step also
+        # waits for the second DataLoader worker to start, slow on a busy machine)
+        time.sleep(1.5 if len(seen) == 1 else 0.3)
         stats = loader.stats()
         ready.append(stats.get("ahead_ready", 0))
         counted.append(stats.get("received", stats.get("published", 0)))

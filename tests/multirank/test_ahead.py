@@ -125,26 +125,32 @@ def close_mid_lookahead(rank: int, world: int, *, how: str) -> dict:
 
 
 def closed_with_a_payload_owed(rank: int, world: int) -> dict:
-    """Over two nodes, a node leader's user takes every batch at once, its follower's user one
-    each 0.3 s: the node leader's loop waits for its reader with the leader's next header
-    taken and its payload not yet, when it closes from another thread (first: its loop can
-    take nothing more); the other ranks close a second later."""
+    """Over two nodes, a node leader's user takes every batch at once, its follower's user
+    one and then pauses 3 s: the node leader's loop waits for its reader with the leader's
+    next header taken and its payload not yet, when it closes from another thread (first:
+    its loop can take nothing more); the other ranks close a second later."""
     loader = _loader(40)
+    # timed from this rank's first batch: ranks start at different times on a busy machine
     closer = threading.Timer(1.5 if rank == 2 else 2.5, loader.close)
-    closer.start()
-    seen = []
+    seen: list[int] = []
+    counted: list[int] = []  # batches taken 1.5 s after the first (rank 2 then closes)
+    counter = threading.Timer(1.5, lambda: counted.append(len(seen)))
     with contextlib.suppress(ShmLoaderError):
         for batch in loader:
             seen.append(int(batch[0, 0]))
-            if rank == 3:
-                time.sleep(0.3)
+            if len(seen) == 1:
+                closer.start()
+                counter.start()
+            if rank == 3 and len(seen) == 1:
+                time.sleep(3.0)  # its loop fills its window, then the node leader's waits
     closer.join()
+    counter.join()
     deadline = time.monotonic() + 10
     while _ahead_threads() and time.monotonic() < deadline:
         time.sleep(0.05)
     left = [t.name for t in _ahead_threads()]
     dist.barrier()  # no rank exits (which would break a wait of its peers) before all looked
-    return {"seen": seen, "left": left}
+    return {"seen": seen, "left": left, "counted": counted[0]}
 
 
 def resume_in_flight(rank: int, world: int, *, stop: int | None, ckpt: str) -> dict:
@@ -325,7 +331,7 @@ def test_a_close_while_a_node_leader_owes_a_payload_leaves_no_send_waiting():
     for rank, o in enumerate(out):
         assert o["left"] == [], (rank, o)
         assert o["seen"] == list(range(len(o["seen"]))), (rank, o)
-    assert len(out[2]["seen"]) > len(out[3]["seen"]), out  # the node leader's user was ahead
+    assert out[2]["counted"] > out[3]["counted"], out  # the node leader's user was ahead
 
 
 @pytest.mark.parametrize("nodes", NODES.values(), ids=NODES.keys())

@@ -693,13 +693,27 @@ def test_idle_connections_of_one_user_do_not_take_the_daemon_down(
             )
             assert d.proc.poll() is None, d.output()
             assert b.call("stats")["daemon"]["tenants"] is True  # another user is served
-            held = d.stats()["daemon"]["uids"][str(a_uid)]["connections"]
+            # The client sees a shed connection end at the daemon's shutdown(); the
+            # daemon's count drops when libzmq reports the close to the guard's
+            # monitor, later on a busy machine (CI once read 142 in between).
+            wait_until(
+                lambda: _held(d, a_uid) <= 34,
+                20,
+                f"the daemon's count of uid {a_uid}'s connections fell to its bound (wave {wave})",
+                0.2,
+            )
+            held = _held(d, a_uid)
             assert 32 <= held <= 34, held  # its bound (and the two of its own clients)
         assert a.call("flood_closed") <= 600 - 32  # the first 32 stay: the bound, not a ban
         a.call("flood_end")
         assert "closed a connection of uid" in d.output()
         assert d.stats()["daemon"]["connections_shed"] >= 600 - 32
     _reaped(a_uid, b_uid)
+
+
+def _held(d, uid: int) -> int:
+    """The connections the daemon counts for ``uid`` now."""
+    return d.stats()["daemon"]["uids"][str(uid)]["connections"]
 
 
 def _low_fd_limit() -> None:

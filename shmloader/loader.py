@@ -226,25 +226,32 @@ class ShmLoader:
         self._boundary.begin(cursor)  # NOTE [RNG at the step boundary] (rng)
         inner = self._role.iterate(self._cursor.it, cursor, skip)
         stage = self._stage
+        on_device = stage is not None and stage.on_device
+        reporter = self._built.reporter
+        settled = reporter.now if reporter is not None else None
+        if stage is not None:
+            stage.position = None
         if self._ahead is not None:  # NOTE [running ahead] (_roles.ahead)
-            on_device = stage is not None and stage.on_device  # the stage calls request
+            if on_device:  # NOTE [copies issued by the loop ahead] (device.stage)
+                assert stage is not None
+                inner = stage.issue(inner, self._gate, self._ahead.idle, start=cursor)
             inner = self._ahead.run(
                 inner,
                 self._checkpoints.live_position,
-                None if on_device else self._checkpoints.user_request,
+                self._checkpoints.user_request,
                 self._user_waited,
             )
-        if stage is not None:
-            stage.position = None
-        if stage is not None and not stage.on_device:
+            if on_device:
+                assert stage is not None
+                inner = stage.deliver(inner, settled)
+        if stage is not None and not on_device:
             inner = stage.wrap(inner, start=cursor)
-        elif stage is not None:
-            reporter = self._built.reporter
+        elif stage is not None and self._ahead is None:
             inner = stage.wrap(
                 inner,
                 self._checkpoints.position,
                 self._checkpoints.user_request,
-                reporter.now if reporter is not None else None,
+                settled,
                 start=cursor,
             )
         # every next() runs inside the gate (NOTE [close from any thread] in _roles.base)

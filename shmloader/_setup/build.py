@@ -164,7 +164,8 @@ def _make_role(
         job=config.job,
         device=functools.partial(device_fields, shared.stage),
     )
-    ahead = _ahead(config, topo, leader_ahead, shared.check_open)
+    on_device = shared.stage is not None and shared.stage.on_device
+    ahead = _ahead(config, topo, leader_ahead, shared.check_open, on_device)
     ctx = _context(shared, reporter.report, ahead)
     xnode = None
     if len(topo.nodes) > 1 and topo.me in topo.node_leaders:
@@ -234,19 +235,26 @@ def _make_role(
     return Built(role, source, topo, lengths, reporter, closers, ahead)
 
 
-def _ahead(config: Config, topo: GroupTopology, leader_ahead: bool, gate: Gate) -> Ahead | None:
+def _ahead(
+    config: Config, topo: GroupTopology, leader_ahead: bool, gate: Gate, on_device: bool = False
+) -> Ahead | None:
     """This rank's loop on its own thread, or None (NOTE [running ahead] in ``_roles.ahead``).
 
     Every node leader and follower; the leader as it said at set-up
     (``leads_ahead``). The queue holds ``slots - 1`` batches: with the one the
     thread is about to queue, the loop is ``slots`` batches ahead of the user,
     the ring's depth, which NOTE [ring growth] already counts
-    (``_roles.node_writer``).
+    (``_roles.node_writer``). On a device (``on_device``) the loop also issues
+    each batch's copy (NOTE [copies issued by the loop ahead] in
+    ``device.stage``) and what it queues are batches on the device, whose
+    slots are free once their copy completed; the stage keeps it
+    ``Config.prefetch`` batches ahead, so the queue only has to hold that many.
     """
     if not config.ahead or (topo.is_leader and not leader_ahead):
         return None
     timeout = config.timeout or DEFAULT_TIMEOUT_S
-    return Ahead(gate, max(1, config.slots - 1), timeout=timeout)
+    depth = config.prefetch if on_device else config.slots - 1
+    return Ahead(gate, max(1, depth), timeout=timeout)
 
 
 def leads_ahead(config: Config, loader: object) -> bool:

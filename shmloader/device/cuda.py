@@ -33,7 +33,10 @@ DELETED = " (deleted)"
 class DeviceOps(Protocol):
     """The seam between the stage and a device: byte copies on a side stream, events.
 
-    Every call happens in the consuming thread. ``empty`` and ``copy`` are
+    ``wait`` and ``hand_over`` happen in the consuming thread (its current
+    stream); the rest in the thread that issues the copies, which is the
+    consuming one or a role's loop ahead (NOTE [copies issued by the loop
+    ahead] in ``stage``), never two at once. ``empty`` and ``copy`` are
     issued inside ``side()`` so that they run on the side stream in order.
     ``pinned`` gives a page-locked host buffer of exactly ``nbytes`` that the
     stage owns until it passes it to ``unpin`` (NOTE [pinned staging] in

@@ -1,8 +1,10 @@
 """Device delivery: every tensor of a delivered batch arrives on the GPU.
 
 It owns which GPU ``cuda`` is (NOTE [which GPU]) and :class:`DeviceStage`, which
-wraps the delivered-batch iterator of every role in the consuming thread (no
-thread of its own: NOTE [prompt release] in ``shmloader._roles.follower``):
+wraps the delivered-batch iterator of every role; no thread of its own: where
+the role's loop runs ahead its thread issues the copies and the consuming
+thread hands them over (NOTE [copies issued by the loop ahead]), elsewhere all
+of it runs in the consuming thread:
 ``select``, side-stream prefetch with a bounded number of copies in flight, the
 walk over a batch's containers, slot release on copy completion and the
 hand-over position checkpoints read (NOTE [checkpoints under prefetch]). It
@@ -22,12 +24,14 @@ import itertools
 import logging
 import math
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 
+from .._transport.channel import SLICE_S
 from ..config import _DEVICE_ACCEPTED, valid_device
 from ..errors import ConfigError, ShmLoaderError
 from .cuda import CudaOps, DeviceOps
@@ -244,6 +248,11 @@ class DeviceStage:
         # a Counter of ints and float milliseconds (typeshed's Counter: int values only)
         self._stats = cast("dict[str, Any]", collections.Counter())
         self._closed = False
+        #: the stage's state (copies in flight, registrar, staging, counters), shared by
+        #: the thread that issues and the one that hands over;
+        #: NOTE [copies issued by the loop ahead]. Reentrant: ``_stage`` reaps in ``_start``
+        self._lock = threading.RLock()
+        self._room = threading.Condition(self._lock)  # a hand-over made room for one more
         #: batches pulled from the role's iterator and not yet handed to the user
         self.ahead = 0
         #: what ``position()`` returned when the last handed-over batch was pulled
@@ -373,6 +382,149 @@ class DeviceStage:
             self._settle()
             if settled is not None:
                 settled()
+
+    # NOTE [copies issued by the loop ahead]
+    #     Where a role's loop runs ahead on its own thread (NOTE [running ahead]
+    #     in ``shmloader._roles.ahead``), the stage is split in two halves so that
+    #     a batch's copy to the device starts as soon as the loop has the batch,
+    #     not when the user asks for the one before it:
+    #
+    #         the loop's thread (inside the gate)        the user's thread
+    #         -----------------------------------        -----------------
+    #         issue: reap, bound, next() of the role,    deliver: reap, wait for the
+    #         select, plan, register, stage, copy on     batch's end event on the
+    #         the side stream, record  -> _Ready  ->     consumer's stream, record_stream
+    #                                  (Ahead's queue)   -> the batch on the device
+    #
+    #     - What crosses threads: ``_Ready`` (device tensors and the end event)
+    #       through ``Ahead``'s queue, and the copies in flight (``_inflight``,
+    #       with the registrar, the staging buffers and the counters), which
+    #       both halves touch only under ``_lock``. The loop's thread does not
+    #       hold it while it waits (host) for the oldest copy (``_bound_ahead``),
+    #       so a hand-over never waits for a DMA.
+    #     - What stays on the user's thread: the consumer stream's wait and
+    #       ``record_stream`` (a thread's current stream is its own), the step
+    #       boundary's capture (``Ahead``'s ``request``) and the hand-over
+    #       position (``Ahead.position``, snapshotted on the loop's thread right
+    #       after each batch was issued: NOTE [checkpoints under prefetch]).
+    #     - Bounds: the loop pulls a batch only while fewer than ``prefetch``
+    #       issued batches wait for the user (``_room_ahead``, in slices that
+    #       check the gate), so ``prefetch`` batches are on the device ahead of
+    #       the one the user holds, as on the user's thread; at most
+    #       ``prefetch + 1`` batches' copies are in flight (NOTE [copies in
+    #       flight]). Once a copy completed its slot is released: a batch
+    #       waiting on the device holds none.
+    #     - An error of the copy is the loop's error: queued behind the batches
+    #       issued before it and raised at its step. ``close()`` stops the loop
+    #       through the gate before it closes the stage, so no copy is issued
+    #       on a closed stage (checked again under the lock).
+    #
+    #     Where no loop runs ahead (a leader whose ``next()`` of its loader may
+    #     draw: NOTE [draws ahead]; sharing off) the stage pulls on the user's
+    #     thread as before (``_prefetching``).
+    def issue(
+        self,
+        inner: Iterator[Any],
+        check: Callable[[], None],
+        idle: Callable[[], None] | None = None,
+        *,
+        start: int = 0,
+    ) -> Iterator[_Ready]:
+        """The loop's half (NOTE [copies issued by the loop ahead]): ``inner``'s batches
+        with their copies issued, as ``_Ready``, at most ``prefetch`` of them not yet
+        handed over. ``check()`` raises once the loop must stop (the gate) and
+        ``idle()`` runs while it waits for room (``Ahead.idle``); ``start`` as in
+        ``wrap``."""
+        if self._ops is None:
+            raise ShmLoaderError("issue() is the device path's; a host stage wraps (a bug)")
+        step = start
+        try:
+            while True:
+                self._room_ahead(check, idle)
+                self._bound_ahead()
+                box = []  # NOTE [no batch in the frame] (_roles.base)
+                try:
+                    box.append(next(inner))
+                except StopIteration:
+                    return
+                with self._lock:
+                    if self._closed:
+                        raise ShmLoaderError("this ShmLoader was closed while iterating")
+                    ready = self._start(box.pop(), None, step)
+                    self.ahead += 1
+                step += 1
+                yield ready
+        finally:
+            with contextlib.suppress(Exception):
+                inner.close()  # type: ignore[attr-defined]
+
+    def deliver(
+        self, issued: Iterator[_Ready], settled: Callable[[], None] | None = None
+    ) -> Iterator[Any]:
+        """The user's half (NOTE [copies issued by the loop ahead]): each issued batch
+        handed over on the consumer's stream; ``settled`` as in ``wrap``."""
+        self.position = None  # the loop's hand-over position is Ahead's
+        try:
+            while True:
+                if self._closed:
+                    raise ShmLoaderError("this ShmLoader was closed while iterating")
+                self._reap_quietly()
+                box = []  # NOTE [no batch in the frame] (_roles.base)
+                try:
+                    box.append(next(issued))
+                except StopIteration:
+                    return
+                with self._room:
+                    self.ahead = max(0, self.ahead - 1)
+                    self._room.notify_all()
+                    batch = self._hand_over(box.pop())
+                yield batch
+        finally:
+            with contextlib.suppress(Exception):
+                issued.close()  # type: ignore[attr-defined]
+            with self._room:
+                self.ahead = 0
+                self._room.notify_all()
+                self._settle()
+            if settled is not None:
+                settled()
+
+    def _reap_quietly(self) -> None:
+        """Reap on the user's thread unless the loop's thread is in the stage now: the
+        user never waits for the loop's host work (it reaps itself before each pull)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._reap()
+            finally:
+                self._lock.release()
+
+    def _room_ahead(self, check: Callable[[], None], idle: Callable[[], None] | None) -> None:
+        """Wait, in slices, until fewer than ``prefetch`` issued batches wait for the user."""
+        while True:
+            with self._room:
+                if self._closed or self.ahead < self.prefetch:
+                    return
+                self._room.wait(SLICE_S)
+            check()
+            if idle is not None:
+                idle()
+
+    def _bound_ahead(self) -> None:
+        """``_bound`` on the loop's thread: its host wait for the oldest copy outside the
+        lock (NOTE [copies issued by the loop ahead]); the copy is reaped after it."""
+        ops = self._ops
+        assert ops is not None
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                self._reap()
+                if len(self._inflight) <= self.prefetch:
+                    return
+                oldest = self._inflight[0].end
+                self._stats["device_copy_waits"] += 1
+            if oldest is not None:
+                ops.synchronize(oldest)
 
     def _bound(self) -> None:
         """Wait for the oldest copies beyond ``prefetch`` in flight, before pulling one more.
@@ -575,7 +727,7 @@ class DeviceStage:
             ops.wait(ready.end)  # the consumer's stream waits; the host does not
         for tensor in ready.tensors:
             ops.hand_over(tensor)
-        self.position = ready.position
+        self.position = ready.position  # None from ``issue``: Ahead keeps the position
         self._stats["device_batches"] += 1
         return ready.batch
 
@@ -627,6 +779,10 @@ class DeviceStage:
         """Device counters of this rank (``{"device": "cpu"}`` on host delivery)."""
         if self._ops is None:
             return {"device": "cpu"}
+        with self._lock:
+            return self._stats_now()
+
+    def _stats_now(self) -> dict[str, Any]:
         s = self._stats
         ms = s["device_copy_ms_total"]
         reg, staging = self._registrar, self._staging
@@ -657,18 +813,20 @@ class DeviceStage:
 
     def reset_stats(self) -> None:
         """Zero the copy counters (after a warm-up); registrations and buffers are kept."""
-        self._stats.clear()
+        with self._lock:
+            self._stats.clear()
 
     def close(self) -> None:
         """Wait for copies in flight, release their slots, unregister and unmap. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._settle()
-        if self._registrar is not None:
-            self._registrar.close()
-        if self._staging is not None:
-            self._staging.close()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._settle()
+            if self._registrar is not None:
+                self._registrar.close()
+            if self._staging is not None:
+                self._staging.close()
 
 
 # ----------------------------------------------------------------- helpers

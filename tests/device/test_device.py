@@ -550,6 +550,114 @@ def test_select_on_every_path_gives_the_same_shards():
     assert shared[0]["batches"][0]["ids"].shape[1] == 8
 
 
+def copies_issued_before_asked(rank: int, world: int, *, prefetch: int) -> dict:
+    """Rank function: how many batches' copies were issued before the user asked."""
+    import time
+
+    import torch.distributed as dist
+
+    from tests.support import ranks
+
+    ops = FakeOps(auto=True)
+    group = dist.new_group(list(range(world)))
+    loader = ShmLoader(
+        ranks.make_loader_factory(2, n=16),  # workers: the leader's loop runs ahead too
+        group,
+        config=Config.from_env(enabled=True, small_copy_bytes=0, prefetch=prefetch),
+        device=ops,
+    )
+
+    def issued() -> int:
+        return len(ops.events) // 2  # a start and an end event per batch
+
+    def settle_at_least(n: int) -> int:
+        deadline = time.monotonic() + 60  # a hang guard, not a bound
+        while issued() < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # room for a loop that would go past its bound
+        return issued()
+
+    it = iter(loader)
+    out = {"role": loader.role, "before_first": settle_at_least(1)}
+    first = next(it)  # the user holds batch 0 (and never asks for more meanwhile)
+    out["holding_first"] = settle_at_least(1 + prefetch)
+    out["handed_first"] = len(ops.waits)
+    # the numpy leaf stays a view of the slot: keep plain copies, not the batches
+    out["values"] = [ranks.to_plain(first)] + [ranks.to_plain(b) for b in it]
+    out["stats"] = loader.stats()
+    del first
+    loader.close()
+    out["unregistered"] = ops.registered == {}
+    return out
+
+
+@pytest.mark.parametrize("prefetch", [1, 3])
+def test_a_loop_ahead_issues_the_copies_before_the_user_asks(prefetch):
+    """NOTE [copies issued by the loop ahead]: on a rank whose loop runs ahead, the
+    copy of the next batch to the device is issued by that loop as soon as it has
+    the batch, not at the user's next(): before the first next() of an epoch, and
+    ``prefetch`` batches past the one the user holds (no more), on every role."""
+    out = run_ranks(copies_issued_before_asked, 2, kwargs={"prefetch": prefetch})
+    assert [o["role"] for o in out] == ["leader", "follower"]
+    for o in out:
+        assert o["before_first"] >= 1, o["role"]  # issued before anything was asked
+        assert o["handed_first"] == 1
+        assert o["holding_first"] == 1 + prefetch, o["role"]  # ahead by prefetch, bounded
+        assert len(o["values"]) == o["stats"]["device_batches"] == 8
+        assert o["unregistered"]
+    assert same(out[0]["values"], out[1]["values"])
+
+
+class FailsAtBatch(FakeOps):
+    """A fake device whose copy of batch ``at`` (counted from 0) raises."""
+
+    def __init__(self, at: int, **kw) -> None:
+        super().__init__(**kw)
+        self.at = at
+
+    def copy(self, dst, src):
+        if len(self.events) // 2 == self.at:  # its start event not recorded yet: batch ``at``
+            raise RuntimeError(f"CUDA error: copy of batch {self.at} failed (a fake)")
+        super().copy(dst, src)
+
+
+def copy_error_at_its_step(rank: int, world: int) -> dict:
+    """Rank function: the follower's copy of batch 3 fails on its loop's thread, long
+    before the user asks for batch 3; every rank's user computes 0.2 s per step."""
+    import time
+
+    import torch.distributed as dist
+
+    from tests.support import ranks
+
+    ops = FailsAtBatch(3, auto=True) if rank == 1 else FakeOps(auto=True)
+    group = dist.new_group(list(range(world)))
+    loader = ShmLoader(
+        ranks.make_loader_factory(2, n=16),
+        group,
+        config=Config.from_env(enabled=True, small_copy_bytes=0),
+        device=ops,
+    )
+    seen, error = 0, None
+    try:
+        for _batch in loader:
+            seen += 1
+            time.sleep(0.2)
+    except RuntimeError as exc:
+        error = str(exc)
+    loader.close()
+    return {"seen": seen, "error": error}
+
+
+def test_a_copy_that_fails_on_the_loop_ahead_fails_at_its_own_step():
+    """NOTE [copies issued by the loop ahead]: an error of the copy is the loop's error,
+    raised after the batches issued before it, at the step it belongs to."""
+    out = run_ranks(copy_error_at_its_step, 2)
+    assert out[0] == {"seen": 8, "error": None}, out
+    assert out[1]["seen"] == 3, out  # batches 0-2, then the error at step 3
+    assert "copy of batch 3 failed" in out[1]["error"], out
+
+
 def test_gpu_benchmark_has_help_and_a_clear_error_without_cuda():
     import subprocess
     import sys

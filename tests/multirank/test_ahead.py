@@ -19,11 +19,19 @@ from torch.utils.data import DataLoader, Dataset
 
 from shmloader import Config, ShmLoader
 from shmloader.errors import LeaderError, ShmLoaderError
+from tests.support.fake_device import FakeOps
 from tests.support.harness import capture_warnings, run_ranks
 
 pytestmark = pytest.mark.timeout(180)
 
 NODES = {"one-node": None, "two-nodes": [0, 0, 1, 1]}
+#: where each rank's batches go: host memory, or a fake device the loop ahead copies to
+#: (one node only: the device stage is per rank, the cross-node path the same either way)
+PLACES = {
+    "one-node": (None, False),
+    "two-nodes": ([0, 0, 1, 1], False),
+    "one-node-device": (None, True),
+}
 
 
 class Numbered(Dataset):
@@ -41,11 +49,14 @@ class Numbered(Dataset):
         return torch.full((1 << 14,), float(i))
 
 
-def _loader(n: int = 12, fail_at: int | None = None, **config) -> ShmLoader:
+def _loader(n: int = 12, fail_at: int | None = None, device: bool = False, **config) -> ShmLoader:
+    """``device``: deliver through a fake device, so each loop ahead also issues the copies
+    (NOTE [copies issued by the loop ahead] in shmloader/device/stage.py)."""
     return ShmLoader(
         lambda: DataLoader(Numbered(n, fail_at), batch_size=1, num_workers=2),
         dist.group.WORLD,
         config=Config.from_env(enabled=True, **config),
+        device=FakeOps(auto=True) if device else None,
     )
 
 
@@ -75,9 +86,9 @@ def ready_before_asked(rank: int, world: int, *, ahead: bool) -> dict:
     return {"seen": seen, "ready": ready, "counted": counted, "role": loader.role}
 
 
-def error_at_its_step(rank: int, world: int) -> dict:
+def error_at_its_step(rank: int, world: int, *, device: bool = False) -> dict:
     """Sample 5 raises in the leader's worker: every rank gets batches 0-4, then the error."""
-    loader = _loader(12, fail_at=5)
+    loader = _loader(12, fail_at=5, device=device)
     seen: list[int] = []
     try:
         for batch in loader:
@@ -90,9 +101,9 @@ def error_at_its_step(rank: int, world: int) -> dict:
     return {"seen": seen, "error": error}
 
 
-def close_mid_lookahead(rank: int, world: int, *, how: str) -> dict:
+def close_mid_lookahead(rank: int, world: int, *, how: str, device: bool = False) -> dict:
     """The user closes while batches wait ahead: from its own loop or from another thread."""
-    loader = _loader(40)
+    loader = _loader(40, device=device)
     seen: list[int] = []
     outcome = "finished"
     if how == "inside":
@@ -153,7 +164,9 @@ def closed_with_a_payload_owed(rank: int, world: int) -> dict:
     return {"seen": seen, "left": left, "counted": counted[0]}
 
 
-def resume_in_flight(rank: int, world: int, *, stop: int | None, ckpt: str) -> dict:
+def resume_in_flight(
+    rank: int, world: int, *, stop: int | None, ckpt: str, device: bool = False
+) -> dict:
     """Save at batch ``stop`` while the next ones are already here; or, with ``stop``
     None and a saved state in ``ckpt``, resume from it (else run the whole epoch).
 
@@ -163,7 +176,7 @@ def resume_in_flight(rank: int, world: int, *, stop: int | None, ckpt: str) -> d
     import os
 
     torch.manual_seed(100 + rank)
-    loader = _loader(16)
+    loader = _loader(16, device=device)
     path = os.path.join(ckpt, f"rank{rank}.pt")
     if stop is None and os.path.exists(path):
         loader.load_state_dict(torch.load(path, weights_only=False))
@@ -187,10 +200,10 @@ def resume_in_flight(rank: int, world: int, *, stop: int | None, ckpt: str) -> d
     }
 
 
-def break_and_go_on(rank: int, world: int) -> dict:
+def break_and_go_on(rank: int, world: int, *, device: bool = False) -> dict:
     """Every rank breaks after 3 batches (the loops ran ahead), then iterates again."""
     warnings = capture_warnings()
-    loader = _loader(10)
+    loader = _loader(10, device=device)
     first = []
     for batch in loader:
         first.append(int(batch[0, 0]))
@@ -295,9 +308,9 @@ def test_without_ahead_nothing_is_taken_before_it_is_asked_for():
     assert out[1]["ready"] == [0] * 8, out[1]
 
 
-@pytest.mark.parametrize("nodes", NODES.values(), ids=NODES.keys())
-def test_a_leader_error_at_batch_k_surfaces_at_step_k_on_every_rank(nodes):
-    out = run_ranks(error_at_its_step, 4 if nodes else 2, nodes=nodes)
+@pytest.mark.parametrize("nodes, device", PLACES.values(), ids=PLACES.keys())
+def test_a_leader_error_at_batch_k_surfaces_at_step_k_on_every_rank(nodes, device):
+    out = run_ranks(error_at_its_step, 4 if nodes else 2, kwargs={"device": device}, nodes=nodes)
     assert out[0]["error"] == ("ValueError", False), out
     for rank, o in enumerate(out):
         assert o["seen"] == [0, 1, 2, 3, 4], (rank, o)  # not earlier, not later
@@ -305,13 +318,14 @@ def test_a_leader_error_at_batch_k_surfaces_at_step_k_on_every_rank(nodes):
             assert o["error"] == ("LeaderError", True), (rank, o)
 
 
-@pytest.mark.parametrize("nodes", NODES.values(), ids=NODES.keys())
+@pytest.mark.parametrize("nodes, device", PLACES.values(), ids=PLACES.keys())
 @pytest.mark.parametrize("how", ["inside", "another-thread"])
-def test_close_mid_lookahead_stops_every_thread(how, nodes):
+def test_close_mid_lookahead_stops_every_thread(how, nodes, device):
     # over two nodes the leader has sends in flight that no loop will take: each node
     # leader's close drains them up to the leader's closing STOP, so the leader's parked
     # thread, the drain and the wait for the STOP all end (NOTE [closing across nodes])
-    out = run_ranks(close_mid_lookahead, 4 if nodes else 2, kwargs={"how": how}, nodes=nodes)
+    kwargs = {"how": how, "device": device}
+    out = run_ranks(close_mid_lookahead, 4 if nodes else 2, kwargs=kwargs, nodes=nodes)
     for rank, o in enumerate(out):
         assert o["threads"] == 0, (rank, o)
         if how == "inside":
@@ -334,25 +348,26 @@ def test_a_close_while_a_node_leader_owes_a_payload_leaves_no_send_waiting():
     assert out[2]["counted"] > out[3]["counted"], out  # the node leader's user was ahead
 
 
-@pytest.mark.parametrize("nodes", NODES.values(), ids=NODES.keys())
-def test_a_resume_saved_while_batches_are_ahead_is_exact(nodes, tmp_path):
+@pytest.mark.parametrize("nodes, device", PLACES.values(), ids=PLACES.keys())
+def test_a_resume_saved_while_batches_are_ahead_is_exact(nodes, device, tmp_path):
     world, ckpt = (4 if nodes else 2), str(tmp_path)
-    whole = run_ranks(resume_in_flight, world, kwargs={"stop": None, "ckpt": ckpt}, nodes=nodes)
-    first = run_ranks(resume_in_flight, world, kwargs={"stop": 5, "ckpt": ckpt}, nodes=nodes)
+    kw = {"ckpt": ckpt, "device": device}
+    whole = run_ranks(resume_in_flight, world, kwargs={**kw, "stop": None}, nodes=nodes)
+    first = run_ranks(resume_in_flight, world, kwargs={**kw, "stop": 5}, nodes=nodes)
     for rank, o in enumerate(first):
         assert o["in_flight"] >= 1, (rank, o)  # the save really found batches ahead
         assert o["batches"] == 5, (rank, o)
-    rest = run_ranks(resume_in_flight, world, kwargs={"stop": None, "ckpt": ckpt}, nodes=nodes)
+    rest = run_ranks(resume_in_flight, world, kwargs={**kw, "stop": None}, nodes=nodes)
     for rank in range(world):
         assert first[rank]["seen"] + rest[rank]["seen"] == whole[rank]["seen"], rank
         assert first[rank]["drawn"] + rest[rank]["drawn"] == whole[rank]["drawn"], rank
 
 
-@pytest.mark.parametrize("nodes", NODES.values(), ids=NODES.keys())
-def test_breaking_out_early_on_every_rank_is_quiet_and_exact(nodes):
+@pytest.mark.parametrize("nodes, device", PLACES.values(), ids=PLACES.keys())
+def test_breaking_out_early_on_every_rank_is_quiet_and_exact(nodes, device):
     # over two nodes the node leader's loop may be anywhere when its user breaks: in the
     # wait for its readers with a header taken, or in the receive of the next header
-    out = run_ranks(break_and_go_on, 4 if nodes else 2, nodes=nodes)
+    out = run_ranks(break_and_go_on, 4 if nodes else 2, kwargs={"device": device}, nodes=nodes)
     for rank, o in enumerate(out):
         assert o["first"] == [0, 1, 2], (rank, o)
         assert o["second"] == list(range(10)), (rank, o)

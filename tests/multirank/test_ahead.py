@@ -622,3 +622,44 @@ def test_a_closed_loaders_receive_never_takes_the_next_loaders_batch():
     out = run_ranks(two_loaders_in_a_row, 4, nodes=[0, 0, 1, 1])
     for rank, o in enumerate(out):
         assert o["seen"] == list(range(6)), (rank, o)
+
+
+def stateful_saved_after_leaving(rank: int, world: int, *, how: str) -> dict:
+    """A StatefulDataLoader with workers (the leader's loop runs ahead): the user takes 3
+    batches, lets the loops run ahead, leaves (``break`` or ``close()``) and only then
+    saves; a new loader resumed from that state must go on at batch 3."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def make() -> StatefulDataLoader:
+        return StatefulDataLoader(Numbered(12), batch_size=1, num_workers=2)
+
+    loader = ShmLoader(make, dist.group.WORLD, config=Config.from_env(enabled=True))
+    first = []
+    for batch in loader:
+        first.append(int(batch[0, 0]))
+        if len(first) == 3:
+            time.sleep(0.5)  # the loops take the next batches meanwhile
+            break
+    del batch
+    if how == "close":
+        loader.close()
+    state = loader.state_dict()
+    loader.close()
+    dist.barrier()
+    resumed = ShmLoader(make, dist.group.WORLD, config=Config.from_env(enabled=True))
+    resumed.load_state_dict(state)
+    rest = [int(b[0, 0]) for b in resumed]
+    resumed.close()
+    return {"first": first, "rest": rest, "batches": state["batches"]}
+
+
+@pytest.mark.parametrize("how", ["break", "close"])
+def test_a_stateful_loaders_state_saved_after_leaving_is_where_the_user_left(how):
+    """A state_dict() taken after the user left an iteration (the loops had run ahead)
+    describes the batches the user took: the cursor and the StatefulDataLoader's own
+    state, which the leader's loop had advanced past them (NOTE [running ahead])."""
+    pytest.importorskip("torchdata")
+    out = run_ranks(stateful_saved_after_leaving, 2, kwargs={"how": how})
+    for rank, o in enumerate(out):
+        assert o["first"] == [0, 1, 2] and o["batches"] == 3, (rank, o)
+        assert o["rest"] == list(range(3, 12)), (rank, o)

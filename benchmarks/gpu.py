@@ -283,6 +283,9 @@ class HostOps:
     def side(self) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
+    def on_thread(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
     def empty(self, nbytes: int) -> Any:
         import torch
 

@@ -36,8 +36,10 @@ class DeviceOps(Protocol):
     ``wait`` and ``hand_over`` happen in the consuming thread (its current
     stream); the rest in the thread that issues the copies, which is the
     consuming one or a role's loop ahead (NOTE [copies issued by the loop
-    ahead] in ``stage``), never two at once. ``empty`` and ``copy`` are
-    issued inside ``side()`` so that they run on the side stream in order.
+    ahead] in ``stage``), never two at once; such a loop's thread enters
+    ``on_thread()`` first (the device current on that thread). ``empty`` and
+    ``copy`` are issued inside ``side()`` so that they run on the side stream
+    in order.
     ``pinned`` gives a page-locked host buffer of exactly ``nbytes`` that the
     stage owns until it passes it to ``unpin`` (NOTE [pinned staging] in
     ``registrar``); ``is_pinned`` says whether a host tensor is page-locked
@@ -49,6 +51,7 @@ class DeviceOps(Protocol):
     device: torch.device
 
     def side(self) -> contextlib.AbstractContextManager[Any]: ...
+    def on_thread(self) -> contextlib.AbstractContextManager[Any]: ...
     def empty(self, nbytes: int) -> torch.Tensor: ...
     def pinned(self, nbytes: int) -> torch.Tensor: ...
     def unpin(self, buffer: torch.Tensor) -> None: ...
@@ -78,6 +81,11 @@ class CudaOps:
 
     def side(self) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.stream(self.stream)
+
+    def on_thread(self) -> contextlib.AbstractContextManager[Any]:
+        # A thread starts on device 0; without this, entering and leaving the side
+        # stream's context there would make GPU 0 current and create its context.
+        return torch.cuda.device(self.device)
 
     def empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)

@@ -252,7 +252,9 @@ class DeviceStage:
         #: the thread that issues and the one that hands over;
         #: NOTE [copies issued by the loop ahead]. Reentrant: ``_stage`` reaps in ``_start``
         self._lock = threading.RLock()
-        self._room = threading.Condition(self._lock)  # a hand-over made room for one more
+        #: ``ahead`` alone (a hand-over takes only this one, never ``_lock``); taken
+        #: after ``_lock`` where both are held
+        self._room = threading.Condition(threading.Lock())
         #: batches pulled from the role's iterator and not yet handed to the user
         self.ahead = 0
         #: what ``position()`` returned when the last handed-over batch was pulled
@@ -399,9 +401,19 @@ class DeviceStage:
     #     - What crosses threads: ``_Ready`` (device tensors and the end event)
     #       through ``Ahead``'s queue, and the copies in flight (``_inflight``,
     #       with the registrar, the staging buffers and the counters), which
-    #       both halves touch only under ``_lock``. The loop's thread does not
-    #       hold it while it waits (host) for the oldest copy (``_bound_ahead``),
-    #       so a hand-over never waits for a DMA.
+    #       both halves touch only under ``_lock``; the count of issued batches
+    #       (``ahead``) has a lock of its own (``_room``), the only one a
+    #       hand-over takes, so it never waits for the loop's host work
+    #       (``select``, registration, staging) nor for a DMA; the user's reap
+    #       is skipped while the loop holds ``_lock``. The loop calls ``select``
+    #       outside both, and waits (host) for the oldest copy outside them
+    #       (``_bound_ahead``). A halt between the role's last check and the
+    #       copies is caught by a check under ``_lock``, so a user who left the
+    #       iteration finds nothing issued and counted after it reset the count.
+    #     - The loop's thread makes the stage's device current for as long as
+    #       it issues (``DeviceOps.on_thread``): a new thread's current device
+    #       is 0, and a CUDA call there would make a context on GPU 0 for a
+    #       rank that computes on another.
     #     - What stays on the user's thread: the consumer stream's wait and
     #       ``record_stream`` (a thread's current stream is its own), the step
     #       boundary's capture (``Ahead``'s ``request``) and the hand-over
@@ -435,25 +447,35 @@ class DeviceStage:
         handed over. ``check()`` raises once the loop must stop (the gate) and
         ``idle()`` runs while it waits for room (``Ahead.idle``); ``start`` as in
         ``wrap``."""
-        if self._ops is None:
+        ops = self._ops
+        if ops is None:
             raise ShmLoaderError("issue() is the device path's; a host stage wraps (a bug)")
         step = start
         try:
-            while True:
-                self._room_ahead(check, idle)
-                self._bound_ahead()
-                box = []  # NOTE [no batch in the frame] (_roles.base)
-                try:
-                    box.append(next(inner))
-                except StopIteration:
-                    return
-                with self._lock:
-                    if self._closed:
-                        raise ShmLoaderError("this ShmLoader was closed while iterating")
-                    ready = self._start(box.pop(), None, step)
-                    self.ahead += 1
-                step += 1
-                yield ready
+            with ops.on_thread():  # this loop's thread: the stage's device is current
+                with self._room:
+                    self.ahead = 0  # the previous iteration's loop has ended (Ahead joins it)
+                while True:
+                    self._room_ahead(check, idle)
+                    self._bound_ahead()
+                    box = []  # NOTE [no batch in the frame] (_roles.base)
+                    try:
+                        box.append(next(inner))
+                    except StopIteration:
+                        return
+                    batch = self._select(box.pop(), step)  # the user's code: outside the lock
+                    with self._lock:
+                        # a halt or close since the role's last check: issue nothing; from
+                        # here to the count, the user's deliver() cannot reset it
+                        check()
+                        if self._closed:
+                            raise ShmLoaderError("this ShmLoader was closed while iterating")
+                        ready = self._start(batch, None, step, selected=True)
+                        del batch
+                        with self._room:
+                            self.ahead += 1
+                    step += 1
+                    yield ready
         finally:
             with contextlib.suppress(Exception):
                 inner.close()  # type: ignore[attr-defined]
@@ -477,14 +499,16 @@ class DeviceStage:
                 with self._room:
                     self.ahead = max(0, self.ahead - 1)
                     self._room.notify_all()
-                    batch = self._hand_over(box.pop())
-                yield batch
+                # no lock: the consumer stream's wait, record_stream and a counter only
+                # the hand-over writes (NOTE [copies issued by the loop ahead])
+                yield self._hand_over(box.pop())
         finally:
             with contextlib.suppress(Exception):
-                issued.close()  # type: ignore[attr-defined]
-            with self._room:
-                self.ahead = 0
-                self._room.notify_all()
+                issued.close()  # type: ignore[attr-defined]  # halts the loop first
+            with self._lock:
+                with self._room:
+                    self.ahead = 0
+                    self._room.notify_all()
                 self._settle()
             if settled is not None:
                 settled()
@@ -557,7 +581,14 @@ class DeviceStage:
                 return True
         return False
 
-    def _start(self, batch: Any, position: Callable[[], Any] | None, step: int) -> _Ready:
+    def _start(
+        self,
+        batch: Any,
+        position: Callable[[], Any] | None,
+        step: int,
+        *,
+        selected: bool = False,
+    ) -> _Ready:
         """Issue the copies of one pulled batch on the side stream.
 
         Everything per leaf that is host work (finding and registering its
@@ -573,7 +604,8 @@ class DeviceStage:
         """
         ops = self._ops
         assert ops is not None
-        batch = self._select(batch, step)
+        if not selected:
+            batch = self._select(batch, step)
         copy = _Copy()
         tensors: list[torch.Tensor] = []
         plans: list[_Plan] = []

@@ -588,6 +588,7 @@ def copies_issued_before_asked(rank: int, world: int, *, prefetch: int) -> dict:
     del first
     loader.close()
     out["unregistered"] = ops.registered == {}
+    out["unbound_calls"] = ops.unbound_calls
     return out
 
 
@@ -605,6 +606,8 @@ def test_a_loop_ahead_issues_the_copies_before_the_user_asks(prefetch):
         assert o["holding_first"] == 1 + prefetch, o["role"]  # ahead by prefetch, bounded
         assert len(o["values"]) == o["stats"]["device_batches"] == 8
         assert o["unregistered"]
+        # the loop's thread made the device current before its first CUDA call
+        assert o["unbound_calls"] == 0, o["role"]
     assert same(out[0]["values"], out[1]["values"])
 
 

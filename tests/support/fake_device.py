@@ -15,6 +15,7 @@ shows up as wrong values.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 
 import torch
@@ -69,6 +70,27 @@ class FakeOps:
         self.copies_from_pinned_leaves = 0
         #: every call in order: ("empty"|"pinned"|"copy"|"record"|"sync"|"register"|"unregister", n)
         self.timeline: list[tuple[str, int]] = []
+        #: the thread that made this device (the consumer's, whose current device the
+        #: script chose) and the threads inside ``on_thread()`` now
+        self.owner = threading.get_ident()
+        self.bound: set[int] = set()
+        #: calls of the copy path (empty, copy, record, sync) from another thread that
+        #: had not made the device current (NOTE [copies issued by the loop ahead])
+        self.unbound_calls = 0
+
+    @contextlib.contextmanager
+    def on_thread(self):
+        me = threading.get_ident()
+        self.bound.add(me)
+        try:
+            yield
+        finally:
+            self.bound.discard(me)
+
+    def _note_thread(self) -> None:
+        me = threading.get_ident()
+        if me != self.owner and me not in self.bound:
+            self.unbound_calls += 1
 
     @contextlib.contextmanager
     def side(self):
@@ -80,6 +102,7 @@ class FakeOps:
 
     def empty(self, nbytes: int) -> torch.Tensor:
         assert self.in_side, "device memory allocated off the side stream"
+        self._note_thread()
         self.timeline.append(("empty", nbytes))
         return torch.full((nbytes,), STALE, dtype=torch.uint8)
 
@@ -113,6 +136,7 @@ class FakeOps:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         assert self.in_side, "copy issued off the side stream"
+        self._note_thread()
         assert src.dtype == torch.uint8 and src.dim() == 1 and src.is_contiguous()
         address = src.data_ptr()
         from_leaf = self.is_pinned(src)
@@ -137,6 +161,7 @@ class FakeOps:
         self.pending = keep
 
     def record(self) -> FakeEvent:
+        self._note_thread()
         event = FakeEvent(len(self.events))
         self.events.append(event)
         self.timeline.append(("record", event.n))
@@ -159,6 +184,7 @@ class FakeOps:
         self._land(event.n)
 
     def synchronize(self, event: FakeEvent) -> None:
+        self._note_thread()
         self.synced += 1
         self.timeline.append(("sync", event.n))
         self._done_upto(event.n)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import warnings
 
 import pytest
 
@@ -14,12 +17,71 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = os.path.join(ROOT, "examples", "train_sp.py")
 
 
+#: A fork after a gloo collective on Python 3.11. Once, in a full suite run, a
+#: rank's DataLoader worker never started: the forked child waited forever in
+#: CPython's PyOS_AfterFork_Child -> _PyEval_ReInitThreads ->
+#: _PyThreadState_DeleteExcept for the runtime's thread-state lock (gdb on the
+#: stuck child), which another thread of the parent held at the fork: a native
+#: thread (gloo's pt_gloo_runloop, say, releasing a finished collective's
+#: tensors) making a Python thread state without the GIL. CPython 3.8-3.11 take
+#: that lock in the child before re-initialising it (python/cpython#112275;
+#: 3.12 does it in the right order). It is no fault of the program under test,
+#: and plain torch with workers is exposed the same way; so on Python < 3.12 a
+#: run that hangs is run once more, with a warning, and a second hang fails.
+#: A hung attempt's processes are killed, every rank and worker.
+_RETRY_HANG = sys.version_info < (3, 12)
+
+
+def _kill_tree(root: int) -> None:
+    """SIGKILL ``root`` and every process descended from it."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    raw = f.read()
+                ppid = int(raw[raw.rindex(b")") + 2 :].split()[1])
+                children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _run(share: bool, log: str, *extra: str) -> list[dict]:
     env = {**os.environ, "SHMLOADER": "1" if share else "0", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
     cmd += [SCRIPT, "--sp", "2", "--samples", "24", "--workers", "1", "--losses", log, *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for attempt in (1, 2):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(log)  # what a hung attempt wrote
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            out, err = proc.communicate(timeout=150)
+            break
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc.pid)  # torchrun, every rank (each in a session of its own), workers
+            out, err = proc.communicate()
+            if attempt == 2 or not _RETRY_HANG:
+                raise AssertionError(
+                    f"hung past 150 s (attempt {attempt}): {err[-3000:]}"
+                ) from None
+            warnings.warn(
+                "examples/train_sp.py hung past 150 s; running it once more (a fork after a "
+                "gloo collective on Python 3.11: _RETRY_HANG in tests/tools/test_example.py)",
+                stacklevel=2,
+            )
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
     with open(log) as f:
         lines = [json.loads(line) for line in f]
     os.unlink(log)

@@ -41,6 +41,8 @@ import torch
 from shmloader import BalancedBatchSampler, ShardedSampler
 from shmloader.samplers.balanced import _greedy_bins
 
+from . import provenance
+
 TARGETS = {"tokens": 1.05, "attention": 1.10}
 PLAN_TARGET_MS = 50.0
 
@@ -127,6 +129,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         "# BalancedBatchSampler vs ShardedSampler + greedy packing",
         "",
+        *([*provenance.header(result["provenance"]), ""] if "provenance" in result else []),
         f"{s['samples']} samples, log-normal lengths (median {s['median']}, sigma {s['sigma']}, "
         f"clipped to [256, 131072]; mean {result['mean_length']:.0f} tokens), max_tokens "
         f"{s['max_tokens']}, seed {s['seed']}. Ratio = per-step max/mean cost over replicas; "
@@ -208,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.samples, args.dp, args.windows = 4000, [2, 8], [1, 4]
+    record = provenance.start("benchmarks.balance", argv)
     start = time.perf_counter()
     lengths = synthetic_lengths(args.samples, args.median, args.sigma, args.seed)
     rows = []
@@ -250,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "targets": verdicts(rows),
         "seconds": time.perf_counter() - start,
+        "provenance": provenance.finish(record),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from . import provenance
 from .rank import Case, Recorder, Shared, now_ns, read_all
 from .run import DEFAULT_OUT, launch
 from .workload import BatchSpec, TemplatedBatches, transport_loader
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--no-cache-effect", action="store_true", help="skip the cache-effect table")
     args = p.parse_args(argv)
+    record = provenance.start("benchmarks.breakdown", argv)
     missing = missing_targets()
     if missing:
         print(f"warning: not timed (gone from the library): {', '.join(missing)}", file=sys.stderr)
@@ -204,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED: {error}", file=sys.stderr)
         return 1
     ranks.sort(key=lambda r: r["rank"])
+    provenance.finish(record)
     text = (
+        "\n".join(provenance.header(record)) + "\n\n"
         f"shmloader breakdown: SP{args.sp}, {args.size} MiB, {args.steps} steps, "
         f"load average {os.getloadavg()[0]:.2f}\n\n{table(ranks, args.steps)}\n\n"
         f"cProfile of rank 1's next() calls:\n{ranks[1].get('cprofile', '')}\n"
@@ -215,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.out, f"breakdown_sp{args.sp}_{args.size}mib.txt"), "w") as f:
         f.write(text)
     with open(os.path.join(args.out, f"breakdown_sp{args.sp}_{args.size}mib.json"), "w") as f:
-        json.dump([{"rank": r["rank"], "breakdown": r.get("breakdown")} for r in ranks], f)
+        ranks_out = [{"rank": r["rank"], "breakdown": r.get("breakdown")} for r in ranks]
+        json.dump({"provenance": record, "ranks": ranks_out}, f)
     return 0
 
 

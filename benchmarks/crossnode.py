@@ -14,7 +14,6 @@ batch. Run: ``.venv/bin/python -m benchmarks.crossnode [--sizes MIB ...]
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import time
@@ -23,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 from shmloader import Config, ShmLoader
+
+from . import provenance
 
 MIB = 1 << 20
 
@@ -91,33 +92,30 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from tests.support.harness import run_ranks
 
-    with contextlib.ExitStack() as stack:
-        files = [sys.stdout]
-        if args.out is not None:
-            files.append(stack.enter_context(open(args.out, "w")))
+    record = provenance.start("benchmarks.crossnode", argv)
+    lines: list[str] = []
 
-        def emit(line: str) -> None:
-            for f in files:
-                print(line, file=f, flush=True)
+    def emit(line: str) -> None:
+        lines.append(line)
+        print(line, flush=True)
 
-        emit(
-            "| batch MiB | shmloader step ms | plain broadcast to 3 ranks ms | MiB between nodes |"
+    emit("| batch MiB | shmloader step ms | plain broadcast to 3 ranks ms | MiB between nodes |")
+    emit("| --- | --- | --- | --- |")
+    for size in args.sizes:
+        out = run_ranks(
+            bench,
+            4,
+            kwargs={"size_mib": size, "steps": args.steps},
+            nodes=[0, 0, 1, 1],
+            timeout=args.timeout,
+            node_shm_size=args.node_shm,
         )
-        emit("| --- | --- | --- | --- |")
-        for size in args.sizes:
-            out = run_ranks(
-                bench,
-                4,
-                kwargs={"size_mib": size, "steps": args.steps},
-                nodes=[0, 0, 1, 1],
-                timeout=args.timeout,
-                node_shm_size=args.node_shm,
-            )
-            s = out[0]["stats"]
-            sent = s["cross_node_bytes_sent"] / s["published"] / MIB
-            emit(
-                f"| {size} | {out[0]['shm'] * 1e3:.1f} | {out[0]['plain'] * 1e3:.1f} | {sent:.0f} |"
-            )
+        s = out[0]["stats"]
+        sent = s["cross_node_bytes_sent"] / s["published"] / MIB
+        emit(f"| {size} | {out[0]['shm'] * 1e3:.1f} | {out[0]['plain'] * 1e3:.1f} | {sent:.0f} |")
+    if args.out is not None:  # the table, under what made it (provenance's two lines)
+        with open(args.out, "w") as f:
+            f.write("\n".join([*provenance.header(provenance.finish(record)), "", *lines, ""]))
     return 0
 
 

@@ -66,6 +66,8 @@ import time
 import traceback
 from typing import Any
 
+from . import provenance
+
 MiB = 1 << 20
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 WAYS = ("base", "base_pinned", "shm_views", "shm_device")
@@ -641,6 +643,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         "# GPU delivery",
         "",
+        *([*provenance.header(result["provenance"]), ""] if "provenance" in result else []),
         f"{m['gpu']} x{m['gpus']}, {m['cpus']} CPUs, torch {m['torch']}; SP{result['sp']} on "
         f"one node; {sharing}; {result['workers']} workers per loading rank; "
         f"{result['gpu_ms']} ms of GPU work per step.",
@@ -734,6 +737,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from . import procstat
 
+    record = provenance.start("benchmarks.gpu", argv)
     if args.cpu_smoke:
         if args.out == DEFAULT_OUT:  # never overwrite real results with stand-in figures
             args.out = tempfile.mkdtemp(prefix="shml-gpu-smoke-")
@@ -762,6 +766,7 @@ def main(argv: list[str] | None = None) -> int:
             "targets": targets(rows),
             "skipped": skipped,
             "seconds": time.monotonic() - t_all,
+            "provenance": provenance.finish(dict(record)),  # as of this write
         }
 
     def write() -> None:

@@ -49,6 +49,8 @@ import tempfile
 import time
 from typing import Any
 
+from . import provenance
+
 CLONE_NEWNS = 0x00020000
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
@@ -284,10 +286,13 @@ MODES = {
 
 
 def markdown(result: dict[str, Any]) -> str:
+    record = result.get("provenance")
     lines = [
         "# Touching a delivered batch, per path",
         "",
-        f"`{result['command']}`: SP2 on one node, {result['mib']:g} MiB batches (one float32 "
+        *(provenance.header(record) if record else [f"Command: `{result['command']}`."]),
+        "",
+        f"SP2 on one node, {result['mib']:g} MiB batches (one float32 "
         f"tensor), {result['batches']} measured after {result['warmup']}; one byte read per "
         f"4 KiB of a mapping nothing has read yet, then the batch dropped (unmapped); "
         f"{result['cores']} cores, load average {result['loadavg'][0]:.1f} at start, "
@@ -352,10 +357,10 @@ def main(argv: list[str] | None = None) -> int:
     if "huge" in args.rings:
         huge_dir, why = mount(int(24 * args.mib * MiB))  # the worker pool, grown once
     print(f"benchmarks.hugedir: huge-page ring: {why}; results go to {args.out}", file=sys.stderr)
+    record = provenance.start("benchmarks.hugedir", argv)
     result: dict[str, Any] = {
-        "command": " ".join(
-            ["python -m benchmarks.hugedir", *(sys.argv[1:] if argv is None else argv)]
-        ),
+        "command": record["command"],
+        "provenance": record,
         "mib": args.mib,
         "batches": args.batches,
         "warmup": args.warmup,
@@ -399,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         unmount(huge_dir)
     result["loadavg"].append(os.getloadavg()[0])
+    provenance.finish(record)
     paths = [os.path.join(args.out, n) for n in ("hugedir.json", "hugedir.md")]
     with open(paths[0], "w") as fh:
         json.dump(result, fh, indent=1)

@@ -52,6 +52,8 @@ from typing import Any
 
 import numpy as np
 
+from . import provenance
+
 MiB = 1 << 20
 LABELS = {
     "base": "base (every rank loads)",
@@ -501,7 +503,11 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         "# shmloader benchmark results",
         "",
-        f"Command: `{result['command']}` ({result['wall_s']:.0f} s).",
+        *(
+            provenance.header(result["provenance"])
+            if "provenance" in result
+            else [f"Command: `{result['command']}` ({result['wall_s']:.0f} s)."]
+        ),
         "",
         f"Machine: {m['cores']} cores ({m['cpu_model']}), {m['ram_bytes'] / 2**30:.1f} GiB RAM, "
         f"{m['shm_bytes'] / 2**30:.1f} GiB /dev/shm, Linux {m['kernel']}, Python {m['python']}, "

@@ -38,7 +38,7 @@ import time
 from dataclasses import asdict, replace
 from typing import Any
 
-from . import hugedir, procstat, report
+from . import hugedir, procstat, provenance, report
 from .rank import Body, Case, body_for, rank_main
 
 MiB = 1 << 20
@@ -373,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     # training step is benchmarks.step's subject.
     os.environ.setdefault("SHMLOADER_AHEAD", "0")
     os.makedirs(args.out, exist_ok=True)
+    record = provenance.start("benchmarks.run", argv)
     machine = procstat.machine()
     cases = plan(args)
     print(
@@ -415,8 +416,9 @@ def main(argv: list[str] | None = None) -> int:
         progress(i, len(cases), case, _summary(row), time.monotonic() - t0)
     machine["loadavg_end"] = list(os.getloadavg())
     result = {
-        "command": "python -m benchmarks.run" + (" --quick" if args.quick else ""),
+        "command": record["command"],
         "argv": sys.argv[1:] if argv is None else argv,
+        "provenance": provenance.finish(record),
         "machine": machine,
         "loadavg_max": max(loads, default=0.0),
         "wall_s": time.monotonic() - started,

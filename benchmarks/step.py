@@ -66,7 +66,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import hugedir, procstat, report, transports
+from . import hugedir, procstat, provenance, report, transports
 from .rank import WAYS as RANK_WAYS
 from .rank import Broadcast, Case
 from .rank import read_per_page as rank_read_per_page
@@ -538,12 +538,16 @@ def _target(name: str, where: str, value: float, bound: float) -> dict[str, str]
 def markdown(result: dict[str, Any]) -> str:
     f = report._fmt
     m = result["machine"]
+    record = result.get("provenance")
     lines = [
         "# shmloader step benchmark",
         "",
-        f"`{result['command']}`: {result['wall_s']:.0f} s; {m.get('cores')} cores, "
+        *(provenance.header(record) if record else [f"Command: `{result['command']}`."]),
+        "",
+        f"{m.get('cores')} cores, "
         f"load average {result['loadavg_start']:.1f} at start, {result['loadavg_max']:.1f} at "
-        f"worst; compute `{result['compute']}`; one value read per {result['page']} bytes; "
+        f"worst (1 min, before each configuration); compute `{result['compute']}`; "
+        f"one value read per {result['page']} bytes; "
         f"{result['workers']} DataLoader worker(s) per loading rank; "
         f"huge-page ring: {result['huge_ring']}.",
         "",
@@ -713,6 +717,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.setdefault("SHMLOADER_QUIET", "1")  # no banner per launch of ranks
     os.makedirs(args.out, exist_ok=True)
+    record = provenance.start("benchmarks.step", argv)
     configs = plan(args)
     log(
         f"benchmarks.step: {len(configs)} configurations x {len(args.modes)} ways; "
@@ -726,7 +731,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"benchmarks.step: huge-page ring: {why}")
     started = time.monotonic()
     result: dict[str, Any] = {
-        "command": "python -m benchmarks.step" + (" --quick" if args.quick else ""),
+        "command": record["command"],
+        "provenance": record,
         "argv": sys.argv[1:] if argv is None else argv,
         "machine": procstat.machine(),
         "loadavg_start": os.getloadavg()[0],
@@ -753,6 +759,7 @@ def main(argv: list[str] | None = None) -> int:
     result["targets"] = targets(result["rows"])
     with contextlib.suppress(OSError):
         result["machine"]["loadavg_end"] = list(os.getloadavg())
+    provenance.finish(record)
     for path in write(result, args.out):
         log(f"wrote {path}")
     log(f"{len(configs)} configurations in {result['wall_s']:.0f} s")

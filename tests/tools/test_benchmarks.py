@@ -156,3 +156,74 @@ def test_quick_keeps_one_configuration_per_question():
     full = run.plan(run.parse_args([]))
     assert {c.mode for c in quick} == {c.mode for c in full} - {"shmloader-huge"}
     assert {c.run for c in quick} == {c.run for c in full}
+
+
+# --------------------------------------------- what a results file records of its run
+
+
+def _quiet_env(monkeypatch) -> None:
+    """The variables the benchmarks' mains set for their ranks, put back after the test."""
+    for name in ("OMP_NUM_THREADS", "SHMLOADER_AHEAD", "SHMLOADER_QUIET"):
+        monkeypatch.setenv(name, os.environ.get(name, "1"))
+
+
+def test_the_command_is_the_module_and_every_argument_as_run(monkeypatch):
+    from benchmarks import provenance
+
+    assert provenance.command("benchmarks.run", ["--sp", "2", "4", "--out", "a b"]) == (
+        "python -m benchmarks.run --sp 2 4 --out 'a b'"
+    )
+    monkeypatch.setattr(sys, "argv", ["benchmarks/step.py", "--sizes", "16", "--quick"])
+    assert provenance.command("benchmarks.step") == "python -m benchmarks.step --sizes 16 --quick"
+    record = provenance.finish(provenance.start("benchmarks.step", ["--quick"]))
+    text = "\n".join(provenance.header(record))
+    assert provenance.recorded_command(text) == "python -m benchmarks.step --quick"
+    for word in ("Recorded: commit ", " UTC; ", " cores (", "GiB RAM", "GiB /dev/shm", "Linux "):
+        assert word in text, text
+    assert "at the start" in text and "at the end" in text, text  # the load, both ends
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tool", ["run", "step", "balance", "hugedir", "crossnode"])
+def test_every_results_file_records_the_command_with_its_flags(tool, tmp_path, monkeypatch):
+    """Each writer, run with flags that change what it measures (nothing launched: the
+    plan is empty or the ranks are stood in for), records them all in its file."""
+    import tests.support.harness as harness
+    from benchmarks import balance, crossnode, hugedir, provenance, run, step
+
+    _quiet_env(monkeypatch)
+    out = tmp_path / tool
+    if tool == "run":
+        monkeypatch.setattr(run, "plan", lambda args: [])
+        argv = ["--sp", "2", "8", "--sizes", "256", "--runs", "transport", "--out", str(out)]
+        run.main(argv)
+        written = out / "results.md"
+    elif tool == "step":
+        monkeypatch.setattr(step, "plan", lambda args: [])
+        argv = ["--modes", "base", "shmloader", "--sizes", "16", "--out", str(out)]
+        step.main(argv)
+        written = out / "step.md"
+    elif tool == "balance":
+        argv = ["--samples", "400", "--dp", "2", "--windows", "1", "--out", str(out)]
+        balance.main(argv)
+        written = out / "balance.md"
+    elif tool == "hugedir":
+
+        def no_ranks(*args, **kwargs):
+            raise harness.RankFailure("stood in: no ranks")
+
+        monkeypatch.setattr(harness, "run_ranks", no_ranks)
+        argv = ["--rings", "shm", "--modes", "quiet", "--paths", "main", "--out", str(out)]
+        hugedir.main(argv)
+        written = out / "hugedir.md"
+    else:
+        stats = {"cross_node_bytes_sent": 1 << 20, "published": 1}
+        monkeypatch.setattr(
+            harness, "run_ranks", lambda *a, **k: [{"shm": 1e-3, "plain": 2e-3, "stats": stats}]
+        )
+        written = tmp_path / "crossnode.md"
+        argv = ["--sizes", "16", "--steps", "3", "--out", str(written)]
+        crossnode.main(argv)
+    text = written.read_text()
+    assert provenance.recorded_command(text) == provenance.command(f"benchmarks.{tool}", argv)
+    assert "\nRecorded: commit " in text and "load average" in text, text[:600]

@@ -24,6 +24,7 @@ from ._proto import codec, wire  # noqa: F401  (tests/faults patch loader.codec,
 from ._proto.wire import Kind  # noqa: F401  (tests/faults patch loader.wire.frames by kind)
 from ._roles.base import CLOSE_WAIT_S, Gate, Role
 from ._roles.cursor import Boundary, Cursor
+from ._roles.iteration import Iteration
 from ._roles.stats import RankStats
 from ._roles.topology import GroupTopology
 from ._setup import arrival, banner
@@ -108,6 +109,9 @@ class ShmLoader:
             accumulation_steps, prefetching=self._stage is not None and self._stage.on_device
         )
         self._stats = RankStats()
+        #: the pass in use, which a later iter() or set_epoch ends on a sharing rank
+        #: (NOTE [an iterator keeps its loader] in _roles.iteration)
+        self._pass: weakref.ref[Iteration] | None = None
         shared = Shared(
             self.config, self._cursor, self._boundary, self._stats, self._stage, self._gate
         )
@@ -205,6 +209,8 @@ class ShmLoader:
         """
         if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
             raise ConfigError("epoch", epoch, "an integer >= 0")
+        self._check_open()
+        self._end_pass(f"set_epoch({epoch})")
         self._settle()
         changed = self._cursor.set_epoch(epoch)
         if changed and self._stage is not None:
@@ -217,6 +223,7 @@ class ShmLoader:
         """One pass over the epoch set by ``set_epoch``: the same batches, in the same order,
         on every rank of the group; after ``load_state_dict``, from the saved position."""
         self._check_open()
+        self._end_pass("a later iter() of the same ShmLoader")
         self._settle()
         self._role.ready()
         if self._line is not None:
@@ -254,8 +261,19 @@ class ShmLoader:
                 settled,
                 start=cursor,
             )
-        # every next() runs inside the gate (NOTE [close from any thread] in _roles.base)
-        return (self._hand or self._gate).guard(inner)
+        # every next() runs inside the gate (NOTE [close from any thread] in _roles.base);
+        # the iterator keeps this loader alive (NOTE [an iterator keeps its loader])
+        current = Iteration((self._hand or self._gate).guard(inner), self)
+        if self.role != "local":
+            self._pass = weakref.ref(current)
+        return current
+
+    def _end_pass(self, call: str) -> None:
+        """A sharing rank's pass in use ends here (NOTE [an iterator keeps its loader])."""
+        current = self._pass() if self._pass is not None else None
+        self._pass = None
+        if current is not None:
+            current.end_by(call)
 
     def _user_waited(self, t0: float) -> None:
         """The user waited for a batch a loop ran ahead for (NOTE [running ahead])."""

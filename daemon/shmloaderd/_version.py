@@ -1,3 +1,5 @@
-"""The daemon's version (kept apart so it imports without the package ``__init__``)."""
+"""The daemon's version: the package's (one place, ``shmloader.__version__``)."""
 
-__version__ = "0.1.0"
+from shmloader import __version__
+
+__all__ = ["__version__"]

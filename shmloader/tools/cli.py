@@ -20,6 +20,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
     from . import demo
     from . import stat as stat_cli
 
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="One DataLoader per sequence-parallel group, batches shared once per node.",
     )
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    parser.add_argument("--version", action="version", version=f"shmloader {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="run a local multi-rank job and report what sharing saves")

@@ -111,8 +111,15 @@ def test_no_public_name_is_missing_from_all() -> None:
 
 
 def test_the_version_is_the_projects() -> None:
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    assert shmloader.__version__ == project["version"]
+    """One place: the distribution's version is read from ``shmloader.__version__``, which the
+    daemon re-exports (the built wheel's metadata: tests/tools/test_packaging.py)."""
+    import shmloaderd
+
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert "version" not in pyproject["project"] and "version" in pyproject["project"]["dynamic"]
+    dynamic = pyproject["tool"]["setuptools"]["dynamic"]["version"]
+    assert dynamic == {"attr": "shmloader.__version__"}
+    assert shmloaderd.__version__ == shmloader.__version__
 
 
 def test_the_exception_tree() -> None:

@@ -3,8 +3,9 @@
 It owns ``Config`` and ``Config.from_env()``: every ``SHMLOADER*`` variable,
 each optional, validated before anything else happens (a bad value is a
 :class:`~shmloader.errors.ConfigError` naming the variable, the value and what
-is accepted). It reads the environment and checks the ring directory
-(``ringdir``), and touches nothing else.
+is accepted), and where a job looks for the node's daemon (``daemon_socket``,
+NOTE [finding the daemon]). It reads the environment and checks the ring
+directory (``ringdir``), and touches nothing else.
 """
 
 from __future__ import annotations
@@ -46,6 +47,52 @@ DEFAULT_DEVICE = "cpu"
 DEFAULT_PREFETCH = 2
 _DEVICE_ACCEPTED = "'cpu', 'cuda', 'cuda:N' (N >= 0) or 'auto'"
 
+# -- the node daemon ---------------------------------------------------------------
+#: The control socket of the node's ``shmloaderd`` (the systemd unit's
+#: ``RuntimeDirectory``), where every job looks for it (NOTE [finding the daemon]).
+DAEMON_SOCKET = "/run/shmloader/control.sock"
+#: ``SHMLOADER_DAEMON`` values that keep a job from asking any daemon.
+DAEMON_OFF = ("off", "0", "false", "no")
+
+
+# NOTE [finding the daemon]
+#     A node daemon budgets only the jobs that ask it, so a job asks it without
+#     being told: with ``SHMLOADER_DAEMON`` unset, at the well-known socket
+#     ``/run/shmloader/control.sock`` (``$SHMLOADER_RUNTIME_DIR/shmloader/control.sock``
+#     where ``SHMLOADER_RUNTIME_DIR`` is set: the runtime directory moves it
+#     like every other socket of shmloader's, which is also how the test suite
+#     keeps its jobs away from a daemon the machine may run). A path in
+#     ``SHMLOADER_DAEMON`` asks that daemon instead; ``SHMLOADER_DAEMON=off`` asks
+#     none, and the sharing line says so. Finding costs nothing where no daemon
+#     runs: a socket file that does not exist is one ``stat()``, no connection,
+#     no wait, and nothing is logged. A job whose daemon is not there (yet) runs
+#     embedded and asks again: at once when the socket file appears, after the
+#     backoff of NOTE [daemon restarts] (``daemon_client``) when it exists but does
+#     not answer; once it answers, the job registers its ring as a restarted
+#     daemon is told it, and every admission from then on is checked.
+def well_known_socket(environ: Mapping[str, str] | None = None) -> str:
+    """Where a job looks for the node's daemon when ``SHMLOADER_DAEMON`` is unset
+    (NOTE [finding the daemon])."""
+    env = os.environ if environ is None else environ
+    base = (env.get("SHMLOADER_RUNTIME_DIR") or "").strip()
+    return os.path.join(base, "shmloader", "control.sock") if base else DAEMON_SOCKET
+
+
+def daemon_socket(environ: Mapping[str, str] | None = None) -> str | None:
+    """The daemon socket a job asks: ``SHMLOADER_DAEMON``, None for ``off``, else the
+    well-known socket (NOTE [finding the daemon])."""
+    env = os.environ if environ is None else environ
+    raw = env.get("SHMLOADER_DAEMON")
+    if raw is None or raw.strip() == "":
+        return well_known_socket(env)
+    if raw.strip().lower() in DAEMON_OFF:
+        return None
+    if "\0" in raw:
+        raise ConfigError(
+            "SHMLOADER_DAEMON", raw, "a socket path without NUL bytes, or off (no daemon)"
+        )
+    return raw
+
 
 def valid_device(value: object) -> bool:
     """Whether ``value`` names a device ``ShmLoader`` accepts (``_DEVICE_ACCEPTED``)."""
@@ -72,7 +119,10 @@ class Config:
         runtime_dir: parent of the per-job 0700 socket directory
             (``SHMLOADER_RUNTIME_DIR``; default ``$XDG_RUNTIME_DIR`` or ``/tmp``).
         node: node identity override (``SHMLOADER_NODE``), see ``topology``.
-        daemon: control socket of ``shmloaderd`` (``SHMLOADER_DAEMON``).
+        daemon: control socket of the node's ``shmloaderd``; ``None``: no daemon.
+            ``from_env``: ``SHMLOADER_DAEMON``, ``off`` for none, unset for the
+            well-known socket (NOTE [finding the daemon]). A ``Config`` built
+            directly asks no daemon unless given one.
         copy: followers receive owned copies instead of shared views (``SHMLOADER_COPY``).
         verify: checksum every payload end to end, CRC-32 (``SHMLOADER_VERIFY``).
         allow_pickle: pickle leaves the codec does not know. Off by default.
@@ -167,7 +217,7 @@ class Config:
             "timeout": _seconds(env, "SHMLOADER_TIMEOUT", None),
             "runtime_dir": _path(env, "SHMLOADER_RUNTIME_DIR"),
             "node": _name(env, "SHMLOADER_NODE"),
-            "daemon": _path(env, "SHMLOADER_DAEMON"),
+            "daemon": daemon_socket(env),
             "copy": _flag(env, "SHMLOADER_COPY"),
             "verify": _flag(env, "SHMLOADER_VERIFY"),
             "device": _device(env, "SHMLOADER_DEVICE"),

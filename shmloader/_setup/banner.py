@@ -1,7 +1,7 @@
 """The sharing line: one line at a loader's first ``iter()`` saying how batches travel.
 
 It owns the line's text (``line``: sharing on or off, the SP group and its
-nodes, the ring directory and its pages, daemon or embedded) and where it goes
+nodes, the ring directory and its pages, daemon or embedded and why) and where it goes
 (``show``: an INFO record where the application's logging shows one, else
 stderr; NOTE [the sharing line]). It reads the topology and the ring directory's
 facts and touches nothing else.
@@ -10,12 +10,13 @@ facts and touches nothing else.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
 from .._node import ringdir
 from .._roles.topology import GroupTopology
-from ..config import Config
+from ..config import Config, well_known_socket
 
 log = logging.getLogger("shmloader.loader")
 _HUSH = "SHMLOADER_QUIET=1 hides this line"
@@ -43,18 +44,25 @@ def line(
     nodes = " | ".join(str(list(n)) for n in topo.nodes)
     count = len(topo.nodes)
     facts = ringdir.describe(config.shm_dir)
-    if daemon is not None:
-        owner = f"daemon at {config.daemon}"
-    elif config.daemon:
-        owner = f"embedded (the daemon at {config.daemon} did not answer)"
-    else:
-        owner = "embedded (no daemon: SHMLOADER_DAEMON unset)"
+    owner = _owner(config, daemon)
     return (
         f"shmloader: sharing on: SP group {list(topo.ranks)} on {count} "
         f"node{'s' if count > 1 else ''} ({nodes}), leader rank {topo.leader}, "
         f"{world // len(topo.ranks)} group(s) in a world of {world}; ring in {facts.path} "
         f"({facts.why}); {owner}; {_HUSH}"
     )
+
+
+def _owner(config: Config, daemon: Any) -> str:
+    """Who owns the ring's memory: the daemon, or embedded and why (NOTE [finding the
+    daemon] in ``config``)."""
+    if config.daemon is None:
+        return "embedded (no daemon: SHMLOADER_DAEMON=off)"
+    if daemon is not None and getattr(daemon, "state", "up") == "up":
+        return f"daemon at {config.daemon}"
+    if config.daemon == well_known_socket() and not os.path.exists(config.daemon):
+        return f"embedded (no daemon at {config.daemon}; one started later is joined)"
+    return f"embedded (the daemon at {config.daemon} did not answer; asked again later)"
 
 
 # NOTE [the sharing line]

@@ -4,10 +4,11 @@ Optional by design. It owns ``DaemonClient`` (register, admit, adopt, report,
 stats: one JSON frame each way, protocol version 1; its states, up, down and
 retrying, are in docs/internals/state-machines.md) and the picklable
 ``Admitter`` a DataLoader worker asks with. Without a daemon, or while it is
-away, every call is a no-op (NOTE [daemon restarts]); the only exception raised
-on purpose is the ``ShmCapacityError`` of a refused ``admit`` (NOTE [a refusal
-is a refusal]). It touches only the daemon's socket and imports only ``segment``
-and ``errors``.
+away, every call is a no-op (NOTE [daemon restarts]); a daemon that appears
+later is asked at the next call (NOTE [finding the daemon] in ``config``); the
+only exception raised on purpose is the ``ShmCapacityError`` of a refused
+``admit`` (NOTE [a refusal is a refusal]). It touches only the daemon's socket
+and imports only ``segment``, ``errors`` and ``config``'s socket paths.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import zmq
 
 from .._node import segment
+from ..config import DAEMON_SOCKET, well_known_socket
 from ..errors import ShmCapacityError
 
 log = logging.getLogger(__name__)
@@ -34,7 +36,7 @@ PROTOCOL_VERSION = 1
 #: Largest request the daemon accepts (bytes of JSON).
 MAX_REQUEST = 1 << 20
 #: Default control socket of a system-wide daemon (systemd RuntimeDirectory).
-DEFAULT_SOCKET = "/run/shmloader/control.sock"
+DEFAULT_SOCKET = DAEMON_SOCKET
 #: Seconds a DOWN client waits before it tries the daemon again (then doubling).
 RETRY_FIRST_S = 1.0
 RETRY_MAX_S = 30.0
@@ -66,12 +68,15 @@ class DaemonClient:
         self.state = self.NEW
         self.daemon_info: dict[str, Any] = {}
         self.reconnects = 0  # times a DOWN client found the daemon again
+        self.seen = False  # a daemon answered this client once
         self._sock: zmq.Socket | None = None
         self._lock = threading.RLock()
         self._ctx: zmq.Context | None = None
         self._daemon_id: str | None = None
         self._retry_at = 0.0
         self._backoff = RETRY_FIRST_S
+        # the socket file at the last failure: another one is asked at once
+        self._down_id: tuple[int, int] | None = None
         self._closed = False
         # NOTE [daemon restarts]: what to tell a daemon that does not know us
         self._registration: dict[str, Any] | None = None
@@ -101,7 +106,7 @@ class DaemonClient:
 
     def _call(self, op: str, fields: dict[str, Any]) -> dict[str, Any] | None:
         """One request/reply; None (and DOWN) when the daemon did not answer."""
-        if not os.path.exists(self.path):  # nobody bound it: no need to wait
+        if _socket_id(self.path) is None:  # nobody bound it: no need to wait
             self._go_down(f"{self.path} does not exist")
             return None
         body = json.dumps({"v": PROTOCOL_VERSION, "op": op, **fields}).encode()
@@ -157,7 +162,9 @@ class DaemonClient:
     # NOTE [daemon restarts]
     #     A daemon that restarts (or whose loop was blocked past ``timeout``) must
     #     not leave its clients unchecked for the rest of the job. A DOWN client
-    #     retries on its next call after the backoff, and every reply carries the
+    #     retries on its next call after the backoff (at once when the socket file
+    #     appeared or was replaced since: NOTE [finding the daemon] in ``config``;
+    #     a missing one costs a ``stat()``), and every reply carries the
     #     daemon's ``daemon_id`` (random per daemon process): a new id, or a reply
     #     saying the daemon does not know our ring, makes the client re-register
     #     the ring (description and segments as last told) before it goes on. A
@@ -187,6 +194,8 @@ class DaemonClient:
         hello = self._call("hello", {"pid": os.getpid()})
         if hello is None:
             return
+        first = not self.seen
+        self.seen = True
         self.daemon_info = hello
         self._daemon_id = (
             hello.get("daemon_id") if isinstance(hello.get("daemon_id"), str) else None
@@ -196,21 +205,34 @@ class DaemonClient:
             if self._segments:
                 fields["segments"] = [{"name": n, "bytes": b} for n, b in self._segments.items()]
             self._call("register", fields)
-            log.warning("shmloader: %s; registered ring %s again", why, fields.get("token"))
+            if first:  # NOTE [finding the daemon]: a job that started before its daemon
+                log.info("shmloader: %s; registered ring %s", why, fields.get("token"))
+            else:
+                log.warning("shmloader: %s; registered ring %s again", why, fields.get("token"))
 
     def _reconnect(self) -> bool:
-        """DOWN -> UP if the backoff elapsed and the daemon answers now."""
-        if self._closed or time.monotonic() < self._retry_at:
+        """DOWN -> UP if the daemon answers now: asked at once when its socket file
+        is another than at the last failure, else once the backoff elapsed; a
+        missing socket file is not asked at all (NOTE [finding the daemon] in ``config``)."""
+        if self._closed:
+            return False
+        now_id = _socket_id(self.path)
+        if now_id is None:
+            self._down_id = None
+            return False
+        if now_id == self._down_id and time.monotonic() < self._retry_at:
             return False
         if not _listening(self.path):
+            self._down_id = now_id
             self._schedule_retry()
             return False
+        seen = self.seen
         self.state = self.NEW  # a failing call now goes DOWN without a second "lost"
-        self._reregister(f"shmloaderd at {self.path} answers again")
+        self._reregister(f"shmloaderd at {self.path} answers {'again' if seen else 'now'}")
         if self.state == self.DOWN:
             return False
         self.state = self.UP
-        self.reconnects += 1
+        self.reconnects += seen
         self._backoff = RETRY_FIRST_S
         self._granted_blind = False
         return True
@@ -222,36 +244,62 @@ class DaemonClient:
     def _go_down(self, why: str) -> None:
         was_up = self.state == self.UP
         self.state = self.DOWN
+        self._down_id = _socket_id(self.path)
         self._schedule_retry()
         if was_up:
             log.warning(
                 "shmloader: lost shmloaderd at %s (%s); going on without it and trying again "
-                "in %g s (no budget checks meanwhile)",
+                "in %d s, or as soon as its socket is made again (no budget checks meanwhile)",
                 self.path,
                 why,
-                self._retry_at - time.monotonic(),
+                max(1, round(self._retry_at - time.monotonic())),
             )
 
     # ------------------------------------------------------------------ ops
 
     def connect(self) -> bool:
-        """Say hello; False (logged once per process) when nobody answers."""
+        """Say hello. True when this client is worth keeping: the daemon answered
+        (``state`` UP), or nobody did and it is asked again at later calls (DOWN,
+        NOTE [finding the daemon] in ``config``); False when the daemon refused the
+        hello or the client is closed. A well-known socket that does not exist is
+        the usual node without a daemon: no wait, nothing logged; anything else
+        that does not answer is logged once per process."""
         with self._lock:
+            if self._closed:
+                return False
             if self.state == self.UP:
                 return True
             self.state = self.NEW
-            reply = self._call("hello", {"pid": os.getpid()})
-            if reply is None or not reply.get("ok"):
+            if _socket_id(self.path) is not None and not _listening(self.path):
+                self._go_down("nobody listens on it")  # a stale socket: no 1 s wait
+                reply = None
+            else:
+                reply = self._call("hello", {"pid": os.getpid()})
+            if reply is None:
+                if self._down_id is not None or self.path != well_known_socket():
+                    _warn_once(
+                        f"unreachable:{self.path}",
+                        "shmloader: shmloaderd at %s does not answer; running embedded and "
+                        "registering once it answers (start it with `systemctl start "
+                        "shmloaderd` or `shmloaderd --socket %s`; SHMLOADER_DAEMON=off asks "
+                        "no daemon)",
+                        self.path,
+                        self.path,
+                    )
+                return True
+            if not reply.get("ok"):
                 self.state = self.DOWN
+                self._closed = True
                 self._drop_socket()
                 _warn_once(
-                    f"unreachable:{self.path}",
-                    "shmloader: SHMLOADER_DAEMON=%s does not answer; running embedded (start "
-                    "it with `systemctl start shmloaderd` or `shmloaderd --socket %s`)",
+                    f"refused:{self.path}",
+                    "shmloader: shmloaderd at %s refused our hello (%s); running embedded "
+                    "without it",
                     self.path,
-                    self.path,
+                    reply.get("error"),
                 )
                 return False
+            self.seen = True
             self.state = self.UP
             self.daemon_info = reply
             self._daemon_id = (
@@ -313,7 +361,7 @@ class DaemonClient:
             shm_dir=os.path.realpath(segment.ring_dir()),
         )
         if reply is None:
-            if not self._granted_blind:
+            if self.seen and not self._granted_blind:  # a node without a daemon says nothing
                 self._granted_blind = True
                 log.warning(
                     "shmloader: shmloaderd at %s is away: %d bytes for ring %s taken without "
@@ -328,8 +376,8 @@ class DaemonClient:
                 int(nbytes),
                 None,
                 f"shmloaderd ({self.path}) refused ring {token}: {reply.get('error')}",
-                fix="nothing was admitted; fix what the daemon names, or run without "
-                "SHMLOADER_DAEMON (no budget) if the daemon is at fault",
+                fix="nothing was admitted; fix what the daemon names, or run with "
+                "SHMLOADER_DAEMON=off (no budget) if the daemon is at fault",
             )
         if reply.get("admitted", True):
             return
@@ -471,6 +519,15 @@ class Admitter:
             self._pid = os.getpid()
             self._client.connect()
         self._client.admit(token, nbytes)
+
+
+def _socket_id(path: str) -> tuple[int, int] | None:
+    """(device, inode) of the file at ``path``; None when there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
 
 
 def _listening(path: str) -> bool:

@@ -19,6 +19,7 @@ from .._node import ringdir
 from .._node.inventory import SCHEMA, node_ring_dirs, scan
 from .._node.reaping import collect_garbage
 from .._transport import daemon_client
+from ..config import daemon_socket, well_known_socket
 from ..errors import human_bytes
 
 
@@ -39,11 +40,14 @@ def daemon_ring_dirs(daemon: str | None = None, timeout: float = 1.0) -> list[st
 
 
 def daemon_path(daemon: str | None = None) -> str | None:
-    """The daemon socket ``stat``/``gc`` ask: ``--daemon``, ``SHMLOADER_DAEMON``, else
-    the system daemon's default socket when it exists."""
-    path = daemon or os.environ.get("SHMLOADER_DAEMON") or None
-    if path is None and os.path.exists(daemon_client.DEFAULT_SOCKET):
-        path = daemon_client.DEFAULT_SOCKET
+    """The daemon socket ``stat``/``gc`` ask: ``--daemon``, else the one a job asks
+    (``SHMLOADER_DAEMON``, none for ``off``, else the well-known socket when it
+    exists: NOTE [finding the daemon] in ``config``)."""
+    if daemon:
+        return daemon
+    path = daemon_socket()
+    if path is not None and path == well_known_socket() and not os.path.exists(path):
+        return None
     return path
 
 
@@ -132,7 +136,7 @@ def get_stats(daemon: str | None, timeout: float = 1.0) -> tuple[dict[str, Any],
     the writer's row carries its own ``device*`` fields; a follower's come
     with its reports to the daemon.
     """
-    default_socket = daemon_client.DEFAULT_SOCKET
+    default_socket = well_known_socket()
     path = daemon_path(daemon)
     if path:
         client = daemon_client.DaemonClient(path, timeout=timeout)
@@ -144,7 +148,13 @@ def get_stats(daemon: str | None, timeout: float = 1.0) -> tuple[dict[str, Any],
             return doc, f"from shmloaderd at {path}"
         return scan(), f"shmloaderd at {path} did not answer; scanning the ring directories"
     return scan(), (
-        f"no daemon (SHMLOADER_DAEMON unset, no {default_socket}); scanning the ring directories"
+        "no daemon ("
+        + (
+            "SHMLOADER_DAEMON=off"
+            if daemon_socket() is None
+            else f"SHMLOADER_DAEMON unset, no {default_socket}"
+        )
+        + "); scanning the ring directories"
     )
 
 
@@ -287,10 +297,16 @@ def format_table(doc: dict[str, Any]) -> str:
     if daemon:
         for uid, row in (daemon.get("uids") or {}).items():
             if row.get("budget_bytes") is not None:
+                over = row.get("over_budget_bytes") if row.get("over_budget") else None
                 lines.append(
                     f"uid {uid} ({row['user']}): {human_bytes(row['bytes'])} of its budget "
                     f"{human_bytes(row['budget_bytes'])} in use"
+                    + ("" if over is None else f": OVER BUDGET by {human_bytes(over)}")
                 )
+            last = row.get("last_refusal")
+            if last:  # NOTE [budget] in ``shmloaderd.registry``: the last refusal, and why
+                when = time.strftime("%H:%M:%S", time.localtime(last["unix"]))
+                lines.append(f"    last refusal ({last['reason']}) at {when}: {last['message']}")
     uids = {j.get("uid") for j in jobs} - {None}
     show_user = bool((daemon or {}).get("tenants") or len(uids) > 1 or uids - {os.geteuid()})
     if not jobs:
@@ -315,6 +331,16 @@ def format_table(doc: dict[str, Any]) -> str:
                 f"{human_bytes(j['bytes']):>10} {_dash(j['slots']):>5} "
                 f"{_dash(j['published']):>8} {_dash(j['publish_ms_avg'], '{:.2f}'):>7}"
             )
+            if j.get("over_budget"):  # NOTE [over budget] in ``shmloaderd.server``
+                lines.append(
+                    f"    OVER BUDGET: uid {_dash(j.get('uid'))} holds more than its budget"
+                    + (
+                        ""
+                        if j.get("registered")
+                        else " (this job is not registered with shmloaderd: it runs "
+                        "embedded, its memory was never admitted)"
+                    )
+                )
             ended = j.get("ended")
             if ended:
                 ago = max(0.0, doc.get("time_unix", time.time()) - ended["unix"])

@@ -434,17 +434,21 @@ def test_gc_reaps_sockets_of_recycled_pids_in_every_runtime_dir(no_leaks) -> Non
 
 @pytest.mark.timeout(20)
 def test_stat_finds_the_default_daemon_socket(capsys, monkeypatch, tmp_path) -> None:
-    from shmloader._transport import daemon_client
-
+    """``stat`` asks the socket a job asks without a variable (NOTE [finding the daemon]):
+    the well-known one, here moved by ``SHMLOADER_RUNTIME_DIR``; ``off`` asks none."""
     monkeypatch.delenv("SHMLOADER_DAEMON", raising=False)
-    missing = str(tmp_path / "none.sock")
-    monkeypatch.setattr(daemon_client, "DEFAULT_SOCKET", missing)
+    monkeypatch.setenv("SHMLOADER_RUNTIME_DIR", str(tmp_path))
+    missing = str(tmp_path / "shmloader" / "control.sock")
     code, out, _ = run_cli(["stat"], capsys)
     assert code == 0 and f"no {missing}" in out.splitlines()[0]
+    os.mkdir(tmp_path / "shmloader")
     with socket.socket(socket.AF_UNIX) as s:  # exists, but nobody answers
         s.bind(missing)
         code, out, _ = run_cli(["stat"], capsys)
-    assert code == 0 and f"shmloaderd at {missing} did not answer" in out
+        assert code == 0 and f"shmloaderd at {missing} did not answer" in out
+        monkeypatch.setenv("SHMLOADER_DAEMON", "off")
+        code, out, _ = run_cli(["stat"], capsys)
+        assert code == 0 and "no daemon (SHMLOADER_DAEMON=off)" in out.splitlines()[0]
     os.unlink(missing)
 
 

@@ -60,7 +60,8 @@ class Daemon:
 
     def client(self, timeout: float = 2.0) -> DaemonClient:
         c = DaemonClient(self.path, timeout=timeout)
-        assert c.connect(), f"daemon at {self.path} does not answer:\n{self.output()}"
+        ok = c.connect() and c.state == c.UP
+        assert ok, f"daemon at {self.path} does not answer:\n{self.output()}"
         return c
 
     def request(self, op: str, **fields) -> dict:
@@ -619,7 +620,10 @@ def test_restart_rediscovers_live_job_and_sigterm_is_prompt(daemons: Daemons) ->
 
 @pytest.mark.timeout(30)
 def test_client_survives_a_sigkilled_daemon(daemons: Daemons, caplog) -> None:
-    assert DaemonClient(os.path.join(daemons.dir, "nobody.sock"), timeout=0.3).connect() is False
+    # nobody there: kept, DOWN, and asked again at later calls (NOTE [finding the daemon])
+    nobody = DaemonClient(os.path.join(daemons.dir, "nobody.sock"), timeout=0.3)
+    assert nobody.connect() is True and nobody.state == DaemonClient.DOWN
+    nobody.close()
     d = daemons.start()
     wait_s = 2.0  # the client's bounded wait for an answer
     client = d.client(timeout=wait_s)

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from shmloader.config import DEFAULT_SLOTS, DEFAULT_SMALL_COPY_BYTES, Config
+from shmloader.config import DAEMON_SOCKET, DEFAULT_SLOTS, DEFAULT_SMALL_COPY_BYTES, Config
 from shmloader.errors import ConfigError, ShmLoaderError
 
 pytestmark = pytest.mark.timeout(60)
@@ -18,7 +18,8 @@ def from_env(**env: str) -> Config:
 
 def test_defaults_with_an_empty_environment() -> None:
     c = from_env()
-    assert c == Config()
+    # NOTE [finding the daemon]: the environment's default asks the node's daemon
+    assert c == Config(daemon=DAEMON_SOCKET)
     # timeout None: the loader follows its process group's timeout (test_lifecycle.py)
     assert (c.enabled, c.slots, c.timeout, c.copy, c.allow_pickle, c.small_copy_bytes) == (
         False,
@@ -28,7 +29,20 @@ def test_defaults_with_an_empty_environment() -> None:
         False,
         DEFAULT_SMALL_COPY_BYTES,
     )
-    assert c.runtime_dir is None and c.node is None and c.daemon is None
+    assert c.runtime_dir is None and c.node is None and c.daemon == DAEMON_SOCKET
+    assert Config().daemon is None  # built directly: exactly its arguments
+
+
+def test_the_daemon_is_found_without_a_variable_and_off_opts_out() -> None:
+    """NOTE [finding the daemon]: unset -> the well-known socket (moved by
+    SHMLOADER_RUNTIME_DIR), a path -> that one, off -> none."""
+    assert from_env().daemon == "/run/shmloader/control.sock"
+    assert from_env(SHMLOADER_RUNTIME_DIR="/tmp/rt").daemon == "/tmp/rt/shmloader/control.sock"
+    assert from_env(SHMLOADER_DAEMON="/x/c.sock", SHMLOADER_RUNTIME_DIR="/tmp/rt").daemon == (
+        "/x/c.sock"
+    )
+    for off in ("off", "OFF", " 0 ", "false", "no"):
+        assert from_env(SHMLOADER_DAEMON=off).daemon is None, off
 
 
 def test_from_env_reads_os_environ_by_default(monkeypatch) -> None:
@@ -49,7 +63,7 @@ def test_blank_values_mean_unset() -> None:
         SHMLOADER_COPY="",
         SHMLOADER_SMALL_COPY=" ",
     )
-    assert c == Config()
+    assert c == Config(daemon=DAEMON_SOCKET)
 
 
 @pytest.mark.parametrize("var, field", [("SHMLOADER", "enabled"), ("SHMLOADER_COPY", "copy")])

@@ -1,36 +1,38 @@
 """The command line of ``shmloaderd`` (also ``shmloader daemon``).
 
 It owns the flags (``shmloaderd --help``: socket, node and per-uid budgets,
-metrics port, reap interval, warm pool, node mode, ring directories, connection
-bound, log level), their parsing and checks (sizes, budgets, ring directories),
-and ``main``, which starts the ``server.Daemon`` and exits 0 after
-SIGTERM/SIGINT, 2 when it cannot start. It touches nothing before its arguments
-are valid.
+metrics address, reap interval, warm pool, node mode, ring directories,
+connection bound, log level and format), their parsing and checks (sizes,
+budgets, addresses, ring directories), and ``main``, which starts the
+``server.Daemon`` and exits 0 after SIGTERM/SIGINT, 2 when it cannot start. It
+touches nothing before its arguments are valid.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 # shmloader's package __init__ imports torch lazily, so the daemon loads only
 # the light modules it uses (segment, ring, admin, daemon_client, errors).
 from shmloader._node import ringdir, segment
 from shmloader._node.inventory import ring_dirs
-from shmloader._transport.daemon_client import DEFAULT_SOCKET
+from shmloader.config import well_known_socket
 from shmloader.errors import ConfigError, human_bytes
 
 from . import notify
 from ._version import __version__
 from .guard import DEFAULT_MAX_UID_CONNECTIONS, raise_fd_limit
 from .server import Daemon, StartError
-from .tenants import UidBudgets, parse_uid
+from .tenants import UidBudgets, parse_uid, user_name
 
 log = logging.getLogger("shmloaderd")
 
@@ -60,6 +62,28 @@ def parse_budget(text: str) -> tuple[str, float]:
             raise argparse.ArgumentTypeError(f"{text!r}: a percentage of /dev/shm in (0, 100]")
         return "pct", pct
     return "bytes", parse_size(text)
+
+
+def budget_text(spec: tuple[str, float] | None, budget: Callable[[], int | None]) -> str:
+    """``spec`` for the log: ``unlimited``, ``8.0 GiB`` or ``25% of /dev/shm (4.0 GiB)``."""
+    if spec is None:
+        return "unlimited"
+    if spec[0] == "pct":
+        return f"{spec[1]:g}% of /dev/shm ({human_bytes(budget() or 0)})"
+    return human_bytes(int(spec[1]))
+
+
+def uid_budgets_text(
+    per_uid: list[tuple[int, tuple[str, float]]], default: tuple[str, float] | None
+) -> str:
+    """The per-user budgets for the startup line: ``1001 (alice) 8.0 GiB, default 25% ...``."""
+    parts = [
+        f"{uid} ({user_name(uid)}) {budget_text(spec, budget_function(spec))}"
+        for uid, spec in per_uid
+    ]
+    if default is not None:
+        parts.append(f"default {budget_text(default, budget_function(default))}")
+    return ", ".join(parts)
 
 
 def budget_function(spec: tuple[str, float] | None) -> Callable[[], int | None]:
@@ -148,6 +172,36 @@ def _port(text: str) -> int:
     return int(text)
 
 
+def parse_addr(text: str) -> tuple[str, int]:
+    """``"0.0.0.0:9464"`` -> ("0.0.0.0", 9464); ``"[::]:9464"`` -> ("::", 9464)."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or (":" in host and not text.startswith("[")):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: use HOST:PORT, e.g. 0.0.0.0:9464, 127.0.0.1:9464 or [::]:9464"
+        )
+    return host, _port(port)
+
+
+class JsonFormatter(logging.Formatter):
+    """``--log-format json``: one JSON object per line (time, level, logger, pid, message)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S")
+            + f".{int(record.msecs):03d}"
+            + time.strftime("%z", time.localtime(record.created)),
+            "level": record.levelname,
+            "logger": record.name,
+            "pid": record.process,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="shmloaderd",
@@ -156,9 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--socket",
-        default=DEFAULT_SOCKET,
+        default=well_known_socket(),
         metavar="PATH",
-        help=f"control socket; its directory must be ours and 0700 (default {DEFAULT_SOCKET})",
+        help="control socket; its directory must be ours, 0700 (0755 in node mode); the "
+        "default is where jobs look for it without SHMLOADER_DAEMON: /run/shmloader/"
+        "control.sock, or $SHMLOADER_RUNTIME_DIR/shmloader/control.sock where that is set "
+        f"(here {well_known_socket()})",
     )
     p.add_argument(
         "--budget",
@@ -168,18 +225,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="node budget for shmloader jobs: bytes with K/M/G/T suffix, or a percentage "
         "of /dev/shm such as 50%% (default: no budget, only /dev/shm's own size)",
     )
-    p.add_argument(
+    metrics = p.add_mutually_exclusive_group()
+    metrics.add_argument(
+        "--metrics-addr",
+        type=parse_addr,
+        default=None,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics on HOST:PORT, e.g. 0.0.0.0:9464 for a scraper on "
+        "another machine (default: off; systemd/alerts.yml has alert rules)",
+    )
+    metrics.add_argument(
         "--metrics-port",
         type=_port,
         default=None,
         metavar="PORT",
-        help="serve Prometheus metrics on 127.0.0.1:PORT (default: off)",
+        help="the same as --metrics-addr 127.0.0.1:PORT",
     )
     p.add_argument(
         "--log-level",
         default="INFO",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         type=str.upper,
+    )
+    p.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        type=str.lower,
+        help="text lines (default) or one JSON object per line (time, level, logger, pid, "
+        "message) for a log collector",
     )
     p.add_argument(
         "--reap-interval",
@@ -265,11 +339,14 @@ def build_parser() -> argparse.ArgumentParser:
 # daemon already serving the socket, ...).
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level,
-        format="%(asctime)s shmloaderd[%(process)d] %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    if args.log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s shmloaderd[%(process)d] %(levelname)s %(message)s")
+        )
+    logging.basicConfig(level=args.log_level, handlers=[handler])
     soft, hard = raise_fd_limit()  # NOTE [connection bound] in ``guard``
     log.info("open files: up to %d (hard limit %d)", soft, hard)
     if soft < 4 * args.max_uid_connections:
@@ -288,12 +365,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shmloaderd: {exc}", file=sys.stderr)
         return 2
     budget = budget_function(args.budget)
-    if args.budget is None:
-        budget_text = "unlimited"
-    elif args.budget[0] == "pct":
-        budget_text = f"{args.budget[1]:g}% of /dev/shm ({human_bytes(budget() or 0)})"
-    else:
-        budget_text = human_bytes(int(args.budget[1]))
     tenants = node_mode(args, os.geteuid())
     if (args.uid_budget or args.default_uid_budget) and not tenants:
         print(
@@ -317,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     daemon = Daemon(
         args.socket,
         budget=budget,
-        budget_text=budget_text,
+        budget_text=budget_text(args.budget, budget),
+        uid_budget_text=uid_budgets_text(args.uid_budget, args.default_uid_budget),
         reap_interval=args.reap_interval,
         pool_bytes=args.pool,
         pool_segment=args.pool_segment,
@@ -330,11 +402,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             daemon.bind()
-            if args.metrics_port is not None:
+            addr = args.metrics_addr
+            if addr is None and args.metrics_port is not None:
+                addr = ("127.0.0.1", args.metrics_port)
+            if addr is not None:
                 from .metrics import MetricsServer
 
-                metrics = MetricsServer(args.metrics_port, daemon.snapshot)
-                log.info("metrics on http://127.0.0.1:%d/metrics", metrics.port)
+                metrics = MetricsServer(addr[1], daemon.snapshot, addr=addr[0])
+                host = f"[{addr[0]}]" if ":" in addr[0] else addr[0]
+                log.info("metrics on http://%s:%d/metrics", host, metrics.port)
         except (StartError, OSError) as exc:
             print(f"shmloaderd: cannot start: {exc}", file=sys.stderr)
             return 2

@@ -1,10 +1,12 @@
-"""Prometheus metrics (``--metrics-port``), served on 127.0.0.1 only.
+"""Prometheus metrics (``--metrics-addr HOST:PORT``, ``--metrics-port PORT`` on 127.0.0.1).
 
-It owns the exported series (listed in docs/internals/wire.md; every per-job
-series carries ``uid``, NOTE [whose job] in ``registry``) and a custom registry
-with one collector that renders the daemon's latest stats document, so a scrape
-never touches /dev/shm or the daemon's loop. It imports only
-``shmloader._proto.waits`` (the histogram's buckets).
+It owns the exported series (listed in docs/internals/wire.md and
+docs/operating.md; every per-job series carries ``uid``, NOTE [whose job] in
+``registry``; ``sample_names`` gives every name a scrape can show, which
+systemd/alerts.yml is checked against) and a custom registry with one
+collector that renders the daemon's latest stats document, so a scrape never
+touches /dev/shm or the daemon's loop. It imports only
+``shmloader._proto.waits`` (the histogram's buckets) and the daemon's version.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from prometheus_client.core import (
 from prometheus_client.utils import floatToGoString
 
 from shmloader._proto.waits import BOUNDS_MS, NBUCKETS
+
+from ._version import __version__
 
 #: The exported buckets: every 4th bound of ``waits.BOUNDS_MS`` (2**k ms), whose
 #: cumulative counts are exact (a bucket edge of the rank's histogram).
@@ -52,6 +56,12 @@ class _Collector:
             if value is not None:
                 yield GaugeMetricFamily(name, doc_text, value=value)
 
+        yield GaugeMetricFamily("shmloaderd_up", "1: this daemon answers scrapes", value=1)
+        info = GaugeMetricFamily(
+            "shmloaderd_build_info", "the daemon's version", labels=["version"]
+        )
+        info.add_metric([__version__], 1)
+        yield info
         yield from gauge("shmloaderd_budget_bytes", "node budget", daemon.get("budget_bytes"))
         yield from gauge("shmloaderd_in_use_bytes", "bytes held", daemon.get("in_use_bytes"))
         yield from gauge("shmloaderd_shm_size_bytes", "/dev/shm size", node["shm_size_bytes"])
@@ -80,8 +90,18 @@ class _Collector:
             "shmloaderd_rank_wait_share", "time waiting for data", labels=labels
         )
         wait = GaugeMetricFamily("shmloaderd_rank_wait_seconds_p50", "median wait", labels=labels)
+        over = GaugeMetricFamily(
+            "shmloaderd_job_over_budget",
+            "1: the job holds memory and its uid is over its budget (NOTE [over budget])",
+            labels=["token", "job", "uid"],
+        )
         for job in doc["jobs"]:
             token = job["token"]
+            if job.get("uid") is not None:
+                over.add_metric(
+                    [token, job.get("job") or "", str(job["uid"])],
+                    int(bool(job.get("over_budget"))),
+                )
             for rank, row in job.get("ranks", {}).items():
                 uid = "" if job.get("uid") is None else str(job["uid"])
                 key = [token, job.get("job") or "", uid, str(rank), row.get("role") or ""]
@@ -109,7 +129,7 @@ class _Collector:
                 wait_buckets(w["counts"]),
                 sum_value=w["sum_ms"] / 1e3,
             )
-        yield from (job_bytes, published, pub_s, lag, recv, share, wait, hist)
+        yield from (job_bytes, published, pub_s, lag, recv, share, wait, hist, over)
         yield from _per_uid(daemon.get("uids") or {})
         yield CounterMetricFamily(
             "shmloaderd_reaped_segments", "segments reaped", value=counters["reaped_segments"]
@@ -119,6 +139,11 @@ class _Collector:
         )
         yield CounterMetricFamily(
             "shmloaderd_reaped_sockets", "stale sockets reaped", value=counters["reaped_sockets"]
+        )
+        yield CounterMetricFamily(
+            "shmloaderd_reap_failures",
+            "reap passes that failed and files the reaper could not remove",
+            value=counters.get("reap_failures", 0),
         )
         adm = CounterMetricFamily("shmloaderd_admissions", "admit answers", labels=["result"])
         adm.add_metric(["granted"], counters["granted"])
@@ -141,6 +166,12 @@ def _per_uid(uids: dict[str, Any]) -> Iterator[Metric]:
     adm = CounterMetricFamily(
         "shmloaderd_uid_admissions", "admit answers", labels=[*labels, "result"]
     )
+    over = GaugeMetricFamily(
+        "shmloaderd_uid_over_budget", "1: its jobs hold more than its budget", labels=labels
+    )
+    refusals = CounterMetricFamily(
+        "shmloaderd_uid_refusals", "admissions refused, by reason", labels=[*labels, "reason"]
+    )
     for uid, row in sorted(uids.items()):
         key = [uid, str(row.get("user") or uid)]
         jobs.add_metric(key, row["jobs"])
@@ -151,18 +182,34 @@ def _per_uid(uids: dict[str, Any]) -> Iterator[Metric]:
         nbytes.add_metric(key, row["reaped_bytes"])
         adm.add_metric([*key, "granted"], row["admissions_granted"])
         adm.add_metric([*key, "refused"], row["admissions_refused"])
-    yield from (jobs, held, budget, segs, nbytes, adm)
+        if row.get("budget_bytes") is not None:
+            over.add_metric(key, int(bool(row.get("over_budget"))))
+        for reason, n in sorted((row.get("refusals") or {}).items()):
+            refusals.add_metric([*key, reason], n)
+    yield from (jobs, held, budget, segs, nbytes, adm, over, refusals)
+
+
+def sample_names(snapshot: dict[str, Any]) -> set[str]:
+    """Every sample name a scrape shows for ``snapshot`` (a counter's total, a
+    histogram's buckets, sum and count), also of families without samples."""
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+    names = set()
+    for family in _Collector(lambda: snapshot).collect():
+        names |= {s.name for s in family.samples}
+        names |= {family.name + x for x in suffixes.get(family.type, ("",))}
+    return names
 
 
 class MetricsServer:
-    """The HTTP exposition endpoint; ``close()`` stops it."""
+    """The HTTP exposition endpoint on ``addr``:``port``; ``close()`` stops it."""
 
-    def __init__(self, port: int, snapshot: Callable[[], dict[str, Any]]) -> None:
+    def __init__(
+        self, port: int, snapshot: Callable[[], dict[str, Any]], addr: str = "127.0.0.1"
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(snapshot))
-        self._server, self._thread = start_http_server(
-            port, addr="127.0.0.1", registry=self.registry
-        )
+        self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
+        self.addr = addr
         self.port = self._server.server_port
 
     def close(self) -> None:

@@ -70,6 +70,18 @@ REPORT_FIELDS = (
 #: A job's key: (uid, token) (NOTE [whose job]).
 Key = tuple[int, str]
 
+#: Why an admission was refused: the ``reason`` of a uid's ``last_refusal`` in
+#: ``stat --json`` and the label of ``shmloaderd_uid_refusals_total`` (NOTE [budget]).
+REFUSALS = (
+    "uid_budget",  # the uid's jobs together would exceed its --uid-budget
+    "node_budget",  # all jobs would exceed the node --budget
+    "shm_full",  # /dev/shm (the ring directory) has not that much free
+    "unwatched_dir",  # node mode: a ring in a directory the daemon does not watch
+    "pending_grants",  # too many grants whose memory has not shown up yet
+    "registry_full",  # the daemon tracks its most jobs (of that uid)
+    "denied",  # node mode: the request named what is not the asker's
+)
+
 
 class RegistryFull(Exception):
     """Too many jobs: the request is answered with an error, nothing is tracked."""
@@ -231,6 +243,9 @@ class Registry:
         self.refused = 0
         self.ended: dict[Key, Ended] = {}  # NOTE [dead jobs stay visible]
         self.admissions: dict[tuple[int, str], int] = {}  # (uid, "granted"|"refused") -> n
+        # NOTE [budget]: refusals per (uid, reason of REFUSALS) and each uid's last one
+        self.refusals: dict[tuple[int, str], int] = {}
+        self.last_refusal: dict[int, dict[str, Any]] = {}
 
     # ------------------------------------------------------------- requests
 
@@ -360,7 +375,10 @@ class Registry:
     #     ``--default-uid-budget``) is refused once all its jobs together would
     #     exceed it, whatever other uids hold; the node budget still caps the sum.
     #     A refusal shown to a user details only that user's jobs: the rest of the
-    #     node is a count and a total.
+    #     node is a count and a total. Each refusal is counted per uid and reason
+    #     (``REFUSALS``), and the uid's last one (reason, message, when) is kept for
+    #     ``stat --json`` and the metrics: an operator reads every refusal where
+    #     their tools look, not only in the log and the user's exception.
     def admit(
         self, f: dict[str, Any], uid: int | None = None, *, any_uid: bool = False
     ) -> dict[str, Any]:
@@ -379,15 +397,18 @@ class Registry:
         job.pending(now)  # drops expired grants
         uid_budget = self.uid_budget(job.uid)
         uid_use = self.uid_in_use(job.uid, now)
+        code = ""  # one of REFUSALS once refused
         if self.tenants and job.ctl_dir is None:  # NOTE [watched ring directories]
-            reason = self._unwatched(job, f.get("shm_dir"))
+            reason, code = self._unwatched(job, f.get("shm_dir")), "unwatched_dir"
         elif len(job.grants) >= MAX_GRANTS:
+            code = "pending_grants"
             reason = (
                 f"{job.describe()} has {MAX_GRANTS} admissions granted whose memory has not "
                 f"shown up in /dev/shm yet (they expire after {GRANT_TTL_S:g} s); create the "
                 "segments admitted before asking for more"
             )
         elif uid_budget is not None and uid_use + nbytes > uid_budget:
+            code = "uid_budget"
             reason = (
                 f"the budget of uid {job.uid} ({user_name(job.uid)}) on this node is "
                 f"{human_bytes(uid_budget)} ({uid_budget} bytes) and its jobs use "
@@ -400,6 +421,7 @@ class Registry:
             self.shrink_warm(in_use + nbytes - budget)
             in_use = self.in_use(now)
         if not reason and budget is not None and in_use + nbytes > budget:
+            code = "node_budget"
             reason = (
                 f"the node budget of shmloaderd is {human_bytes(budget)} ({budget} bytes) and "
                 f"{human_bytes(in_use)} is in use by {self.holders(now, job.uid)}; "
@@ -408,6 +430,7 @@ class Registry:
                 "run fewer jobs on this node at once"
             )
         elif not reason and free is not None and free - pending_total < nbytes:
+            code = "shm_full"
             reason = (
                 f"/dev/shm has {human_bytes(max(free - pending_total, 0))} free (after "
                 f"{human_bytes(pending_total)} granted but not yet allocated); {job.describe()} "
@@ -428,12 +451,19 @@ class Registry:
         self.admissions[key] = self.admissions.get(key, 0) + 1
         if reason:
             self.refused += 1
-            reply["reason"] = reason
-            log.warning("refused %d bytes of uid %s: %s", nbytes, job.uid, reason)
+            reply["reason"], reply["refusal"] = reason, code
+            self.note_refusal(job.uid, code, reason)
+            log.warning("refused %d bytes of uid %s (%s): %s", nbytes, job.uid, code, reason)
         else:
             self.granted += 1
             job.grants.append(Grant(nbytes, now + GRANT_TTL_S, job.observed))
         return reply
+
+    def note_refusal(self, uid: int | None, code: str, message: str) -> None:
+        """Count a refusal of ``uid`` and keep it as its last (NOTE [budget])."""
+        key = -1 if uid is None else uid
+        self.refusals[(key, code)] = self.refusals.get((key, code), 0) + 1
+        self.last_refusal[key] = {"reason": code, "message": message[:1024], "unix": time.time()}
 
     # NOTE [watched ring directories]
     #     In node mode ``admit`` refuses a job with no control segment of its uid

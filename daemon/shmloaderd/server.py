@@ -106,8 +106,10 @@ class Daemon:
         uid_budgets: UidBudgets | None = None,
         shm_dirs: list[str] | None = None,
         max_uid_connections: int = DEFAULT_MAX_UID_CONNECTIONS,
+        uid_budget_text: str = "",
     ) -> None:
         self.path = os.path.abspath(socket_path)
+        self.uid_budget_text = uid_budget_text  # for the startup line (node mode)
         self.max_uid_connections = max_uid_connections  # NOTE [connection bound] in ``guard``
         self.guard: ConnectionGuard | None = None
         # ring directories reaped and accounted (``--shm-dir``; NOTE [huge-page ring])
@@ -134,6 +136,8 @@ class Daemon:
         self.reaped_segments = 0
         self.reaped_bytes = 0
         self.reaped_sockets = 0
+        self.reap_failures = 0  # reap passes that failed, files it could not remove
+        self.over_budget: dict[tuple[int, str], str] = {}  # NOTE [over budget]: key -> job
         self.requests: dict[str, int] = {}
         self._count_lock = threading.Lock()  # requests is read by the metrics thread
         self._bad = _RateLimited()
@@ -216,12 +220,13 @@ class Daemon:
         self._bound = True
         self.warm.start()
         log.info(
-            "shmloaderd %s (pid %d) serving %s%s; budget %s; reaping every %g s%s",
+            "shmloaderd %s (pid %d) serving %s%s; budget %s%s; reaping every %g s%s",
             __version__,
             os.getpid(),
             self.path,
             " for every user of the node (node mode)" if tenants else f" for uid {os.geteuid()}",
             self.budget_text,
+            f"; uid budgets {self.uid_budget_text or 'none'}" if tenants else "",
             self.reap_interval,
             f"; warm segments {human_bytes(self.warm.target)}" if self.warm.target else "",
         )
@@ -288,6 +293,8 @@ class Daemon:
             denied = self.tenancy.check(op, fields, peer)
             if denied is not None:
                 self._count("denied")
+                if op == "admit":  # NOTE [budget] in ``registry``: every refusal counted
+                    self.registry.note_refusal(self.tenancy.uid_of(peer), "denied", denied)
                 self._bad.warn("refused %r from %s: %s", op, peer, denied)
                 return protocol.encode(
                     {"ok": False, "error": f"refused: {denied}", "daemon_id": self.daemon_id}
@@ -295,6 +302,8 @@ class Daemon:
             reply = self.dispatch(op, fields, peer)
         except RegistryFull as exc:
             reply = {"ok": False, "error": str(exc)}
+            if op == "admit":
+                self.registry.note_refusal(self.tenancy.uid_of(peer), "registry_full", str(exc))
         except Exception as exc:  # a bug of ours must not take the node's daemon down
             log.exception("internal error serving %r", op)
             reply = {"ok": False, "error": f"internal error serving {op!r}: {exc}"}
@@ -402,8 +411,11 @@ class Daemon:
             budget = self.budget()
             room = None if budget is None else budget - self.registry.in_use()
             self.warm.request_refill(room)  # NOTE [pool off the loop]
-            self._snapshot = {"stats": self._document(kept), "waits": self._waits()}
+            doc = self._document(kept)
+            self._note_over_budget(doc)
+            self._snapshot = {"stats": doc, "waits": self._waits()}
         except Exception:
+            self.reap_failures += 1
             log.exception("reap pass failed; retrying at the next one")
 
     def _job_names(self, entries: list) -> dict[tuple[int, str], str]:
@@ -459,6 +471,7 @@ class Daemon:
             except FileNotFoundError:
                 continue
             except OSError as exc:
+                self.reap_failures += 1
                 log.warning("could not remove the stale socket %s: %s", path, exc)
                 continue
             self.reaped_sockets += 1
@@ -552,13 +565,64 @@ class Daemon:
             "reaped_segments": self.reaped_segments,
             "reaped_bytes": self.reaped_bytes,
             "reaped_sockets": self.reaped_sockets,
+            "reap_failures": self.reap_failures,
             "pool_bytes": self.warm.nbytes,
             "pool_segments": len(self.warm.items),
             "tenants": self.tenancy.enabled,
             "connections_shed": 0 if self.guard is None else self.guard.shed,
             "uids": self._uids(doc["jobs"], now),
         }
+        _mark_over_budget(doc["jobs"], doc["daemon"]["uids"])
         return doc
+
+    # NOTE [over budget]
+    #     A uid's budget binds the jobs that ask the daemon (NOTE [finding the
+    #     daemon] in ``shmloader.config``); a job that did not (``SHMLOADER_DAEMON=off``,
+    #     or memory taken before it found the daemon) can hold more than its uid's
+    #     budget, and nothing can take that memory back. In node mode the daemon
+    #     counts every job of a uid it sees in the ring directories, embedded or
+    #     not, and when the uid holds more than its budget it marks each of its
+    #     live jobs that holds memory: ``over_budget`` in ``stat --json`` (the job,
+    #     and the uid's row with ``over_budget_bytes``), ``OVER BUDGET`` in the
+    #     table, ``shmloaderd_job_over_budget`` and ``shmloaderd_uid_over_budget``
+    #     in the metrics, and one warning in its log per job when it is first
+    #     marked (and a line when it is back within). Its next ``admit``, if it
+    #     asks, is refused as any over the budget.
+    def _note_over_budget(self, doc: dict[str, Any]) -> None:
+        """Log the jobs newly marked over their uid's budget, and those back within it
+        (NOTE [over budget]); called once per reap pass."""
+        uids = (doc.get("daemon") or {}).get("uids") or {}
+        marked = {(j["uid"], j["token"]): j for j in doc["jobs"] if j.get("over_budget")}
+        for key, j in marked.items():
+            if key in self.over_budget:
+                continue
+            row = uids.get(str(key[0])) or {}
+            how = (
+                "registered with shmloaderd"
+                if j.get("registered")
+                else "not registered: it runs embedded (SHMLOADER_DAEMON=off, or it has not "
+                "found the daemon yet), its memory was never admitted"
+            )
+            log.warning(
+                "job %s (ring %s) of uid %d (%s) is over its uid's budget: the uid's jobs hold "
+                "%s of %s; the job holds %s, %s. shmloaderd cannot take back memory already "
+                "held; it refuses the uid's next admissions",
+                j.get("job") or "-",
+                j["token"],
+                key[0],
+                row.get("user") or key[0],
+                human_bytes(row.get("bytes") or 0),
+                human_bytes(row.get("budget_bytes") or 0),
+                human_bytes(j.get("bytes") or 0),
+                how,
+            )
+        live = {(j["uid"], j["token"]) for j in doc["jobs"] if j.get("state") == "live"}
+        for key, name in self.over_budget.items():
+            if key not in marked and key in live:
+                log.info("%s of uid %d is within its uid's budget again", name, key[0])
+        self.over_budget = {
+            k: f"job {j.get('job') or '-'} (ring {j['token']})" for k, j in marked.items()
+        }
 
     def _waits(self) -> list[dict[str, Any]]:
         """Each reporting rank's wait histogram since its first batch (for metrics)."""
@@ -579,6 +643,7 @@ class Daemon:
         """Per uid: its jobs, bytes held, budget and what is left of it, bytes reaped."""
         uids = {j["uid"] for j in jobs if j.get("uid") is not None} | set(self.reaped_by_uid)
         uids |= {uid for uid, _ in self.registry.admissions if uid >= 0}
+        uids |= {uid for uid, _ in self.registry.refusals if uid >= 0}
         uids |= set(self.uid_budgets.per_uid)
         uids |= set(self.guard.counts() if self.guard is not None else ())
         return {str(uid): self._uid_row(uid, jobs, now) for uid in sorted(uids)}
@@ -599,6 +664,13 @@ class Daemon:
             "reaped_bytes": reaped[1],
             "admissions_granted": self.registry.admissions.get((uid, "granted"), 0),
             "admissions_refused": self.registry.admissions.get((uid, "refused"), 0),
+            # NOTE [over budget]; NOTE [budget] in ``registry``: every refusal, by reason
+            "over_budget": budget is not None and held > budget,
+            "over_budget_bytes": 0 if budget is None else max(held - budget, 0),
+            "refusals": {
+                code: n for (u, code), n in sorted(self.registry.refusals.items()) if u == uid
+            },
+            "last_refusal": self.registry.last_refusal.get(uid),
             # NOTE [connection bound] in ``guard``: its connections to the socket now
             "connections": 0 if self.guard is None else self.guard.counts().get(uid, 0),
         }
@@ -633,6 +705,7 @@ class Daemon:
             "reaped_segments": self.reaped_segments,
             "reaped_bytes": self.reaped_bytes,
             "reaped_sockets": self.reaped_sockets,
+            "reap_failures": self.reap_failures,
             "granted": self.registry.granted,
             "refused": self.registry.refused,
             "requests": self._requests_copy(),
@@ -700,6 +773,16 @@ def _ended_job(rec: Any) -> dict[str, Any]:
         },
     )
     return j
+
+
+def _mark_over_budget(jobs: list[dict[str, Any]], uids: dict[str, Any]) -> None:
+    """``over_budget`` on each job: live, holding memory, of a uid over its budget
+    (NOTE [over budget])."""
+    for j in jobs:
+        row = uids.get(str(j.get("uid")))
+        j["over_budget"] = bool(
+            row and row.get("over_budget") and j.get("state") == "live" and j.get("bytes")
+        )
 
 
 def _by_token(key: tuple[Any, str]) -> tuple[str, int]:

@@ -753,7 +753,7 @@ def test_unit_file_verifies(tmp_path) -> None:
     if not os.path.exists(exe):
         pytest.skip(f"no shmloaderd script at {exe} for ExecStart")
     copy = tmp_path / "shmloaderd.service"
-    copy.write_text(unit.replace("/usr/local/bin/shmloaderd", exe))
+    copy.write_text(unit.replace("/opt/shmloader/bin/shmloaderd", exe))
     out = subprocess.run(
         [tool, "verify", "--man=no", str(copy)], capture_output=True, text=True, timeout=25
     )

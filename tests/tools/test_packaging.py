@@ -180,3 +180,21 @@ def test_the_wheel_installs_into_a_fresh_venv_and_runs(built: Built, tmp_path: P
     demo += ["--image-size", "64", "--workers", "1", "--timeout", "100"]
     out = _run([python, "-m", "shmloader", "demo", *demo], tmp_path, 150)
     assert out.rstrip().endswith("OK: every SP peer received identical batches"), out
+
+
+#: Where the daemon's own venv is (systemd/README.md makes it; the unit runs its script).
+DAEMON_VENV = "/opt/shmloader"
+
+
+def test_the_unit_runs_the_daemon_from_its_own_venv() -> None:
+    unit = (REPO / "systemd" / "shmloaderd.service").read_text()
+    (exec_start,) = (line for line in unit.splitlines() if line.startswith("ExecStart="))
+    assert exec_start.partition("=")[2].split()[0] == f"{DAEMON_VENV}/bin/shmloaderd"
+    readme = (REPO / "systemd" / "README.md").read_text()
+    install = readme[readme.index("## Install") :].partition("\n## ")[0]
+    assert f"python3 -m venv {DAEMON_VENV}\n" in install, install
+    wheel = f"shmloader-{shmloader.__version__}-py3-none-any.whl[daemon]"
+    assert f"{DAEMON_VENV}/bin/pip install './{wheel}'" in install, install
+    assert f"{DAEMON_VENV}/bin/shmloaderd --version" in install, install
+    for text in (unit, readme):  # nothing runs out of a clone
+        assert ".venv" not in text

@@ -49,3 +49,17 @@ def test_the_demo_measures_processes_cpu_memory_and_first_batch_beside_unshared(
     assert alone > shared, out
     shared, alone = (_value(c) for c in _row(out, "node memory of loading, peak"))
     assert 0 < shared < alone, out
+    # the per-batch times say what they time, on which thread, and under what load
+    assert re.search(
+        r"^  follower receive, mean +\d+\.\d\d ms  per batch, on its loop's thread", out, re.M
+    ), out
+    assert "next() (ACK, map, fault every page in, decode)" in out, out
+    assert re.search(
+        r"^  leader publish, mean +\d+\.\d\d ms  per batch and SP group, ", out, re.M
+    ), out
+    load = re.search(
+        r"^  load average \(1 min\) +\d+\.\d\d at the start, \d+\.\d\d at the end, (\d+) cores$",
+        out,
+        re.M,
+    )
+    assert load and int(load.group(1)) == os.cpu_count(), out

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -198,3 +199,14 @@ def test_the_unit_runs_the_daemon_from_its_own_venv() -> None:
     assert f"{DAEMON_VENV}/bin/shmloaderd --version" in install, install
     for text in (unit, readme):  # nothing runs out of a clone
         assert ".venv" not in text
+
+
+def test_every_wheel_the_docs_name_is_this_version() -> None:
+    pages = [REPO / "README.md", REPO / "systemd" / "README.md", *(REPO / "docs").rglob("*.md")]
+    named = {
+        f"{page.relative_to(REPO)}: {m.group(0)}"
+        for page in pages
+        for m in re.finditer(r"shmloader-([0-9][^-\s]*)-py3-none-any\.whl", page.read_text())
+        if m.group(1) != shmloader.__version__
+    }
+    assert not named, sorted(named)

@@ -1,15 +1,17 @@
 """Keeping every rank's default CPU generator where sharing-off would leave it.
 
 It owns counting and mirroring draws (``count_draws``, ``mirror_draws``: NOTE
-[RNG mirroring]; the factory's words, NOTE [factory draws]) and the captures of
+[RNG mirroring], counted in words: NOTE [counting words]; the factory's draws,
+``factory_draws``/``follow_factory``: NOTE [factory draws]) and the captures of
 the default generators at a step boundary and at the epoch's start that
 checkpoints carry (``capture``, ``check``, ``restore``: NOTE [RNG at the step
 boundary], NOTE [RNG at the epoch's start]). It touches only torch's, Python's
-and numpy's default generators and imports only ``errors``.
+and numpy's default generators and imports only ``wire``'s bounds and ``errors``.
 """
 
 from __future__ import annotations
 
+import base64
 import random
 from typing import Any, cast
 
@@ -30,23 +32,27 @@ from .._proto.wire import MAX_COUNTED_DRAWS, MAX_MIRRORED_DRAWS
 #
 #     The leader does not guess how many draws happened: it snapshots the
 #     default generator around each ``iter()`` and ``next()`` of its loader and
-#     counts the int64 draws that turn the old state into the new one
+#     counts the words of its stream that turn the old state into the new one
 #     (``count_draws``). The count travels with every BATCH and END message and
 #     followers replay it (``mirror_draws``) before they hand the batch over.
 #     ``will_consume_base_seed`` states PyTorch's rule for the base seed; its
 #     truth-table test is what catches a PyTorch upgrade that changes the rule.
 #
-#     Counting is in units of one int64 draw, and what followers must match is
-#     the generator's *state*: any draw that advances the state as far as n
-#     int64 draws do is mirrored exactly by n int64 draws. Not covered:
-#     randomness the leader's loader draws in the main process that advances
-#     the state by no whole number of int64 draws (some ``torch.rand`` sizes in
-#     a ``collate_fn`` run with ``num_workers=0``); the count then comes back
-#     ``None``, the leader warns once, and followers cannot mirror it. That
-#     randomness is the user's: move it into workers or give it its own
-#     generator. Draws inside worker processes never touch the main process's
-#     generator and need no mirroring. What ``make_loader`` itself draws on the
-#     leader is mirrored once, at set-up (NOTE [factory draws]).
+#     Counting is in 32-bit words of the generator's stream, and what
+#     followers must match is the generator's *state*: any draw made of whole
+#     words (an int64 seed takes 2; ``torch.rand``/``randint``/``bernoulli``
+#     on CPU one per value, as in a ``DataCollatorForLanguageModeling`` run
+#     in the main process) is mirrored exactly by as many words, found from
+#     the two states without replaying them one by one (NOTE [counting
+#     words]). Not covered: a draw that leaves a cached normal in the state
+#     (``torch.randn`` of fewer than 16 values), a reseed, or more than
+#     ``MAX_COUNTED_DRAWS`` words for one batch; the count then comes back
+#     ``None`` and the leader warns once, with the cause and the remedy:
+#     run that randomness in DataLoader workers (their draws never touch the
+#     main process's generator and need no mirroring) or give it a
+#     generator of its own (a collator's ``seed=``, a ``generator=``). What
+#     ``make_loader`` itself draws on the leader is mirrored once, at set-up
+#     (NOTE [factory draws]).
 # the bounds are the messages' (a draw count travels in them): ``_proto.wire``
 
 
@@ -107,39 +113,293 @@ def snapshot() -> torch.Tensor:
 
 
 def count_draws(before: torch.Tensor, after: torch.Tensor) -> int | None:
-    """How many int64 ``random_()`` draws turn ``before`` into ``after``.
+    """How many 32-bit words of the default torch generator turn ``before`` into ``after``.
 
-    ``None`` when no count up to ``MAX_COUNTED_DRAWS`` does (another kind of
-    draw happened).
+    ``None`` when no count up to ``MAX_COUNTED_DRAWS`` does; ``why_uncounted``
+    says why (NOTE [RNG mirroring]). Never touches the default generator.
     """
-    if torch.equal(before, after):
-        return 0
-    g = torch.Generator()
-    g.set_state(before)
-    probe = torch.empty((), dtype=torch.int64)
-    for n in range(1, MAX_COUNTED_DRAWS + 1):
-        probe.random_(generator=g)
-        if torch.equal(g.get_state(), after):
-            return n
-    return None
+    return _count(_Torch, before, after, MAX_COUNTED_DRAWS)
+
+
+def why_uncounted(before: torch.Tensor, after: torch.Tensor) -> str:
+    """Why ``count_draws(before, after)`` is None, in words a user can act on."""
+    return _why(_Torch, before, after, MAX_COUNTED_DRAWS)
 
 
 def mirror_draws(n: int) -> None:
-    """Make ``n`` int64 draws from the default generator and discard them.
+    """Draw ``n`` 32-bit words from the default torch generator and discard them.
 
     ``n`` comes from a peer's message: anything outside
     ``0..MAX_MIRRORED_DRAWS`` is a :class:`ProtocolError`, never a long loop.
     """
-    if not 0 <= n <= MAX_MIRRORED_DRAWS:
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_MIRRORED_DRAWS:
         from ..errors import ProtocolError
 
         raise ProtocolError(
-            f"a peer asked for {n} generator draws; a message carries 0..{MAX_MIRRORED_DRAWS}"
+            f"a peer asked for {n!r} generator draws; a message carries 0..{MAX_MIRRORED_DRAWS}"
         )
-    if n > 0:
-        probe = torch.empty((), dtype=torch.int64)
-        for _ in range(n):
-            probe.random_()
+    _Torch.draw(n)
+
+
+# -------------------------------------------------------------- the generators
+#
+# NOTE [counting words]
+#     torch's default CPU generator, Python's ``random`` and numpy's legacy
+#     global generator are all Mersenne Twisters: 624 32-bit key words and the
+#     index of the next word to hand out; at index 624 the next draw first
+#     "twists" the keys into the next block of 624. Every draw made of whole
+#     words (an int64 seed takes 2, a float or a bounded int 1, a double 2)
+#     only moves (keys, index) along that one stream; anything else shows in
+#     the state's other fields (a cached normal: ``torch.randn`` of fewer than
+#     16 values, ``random.gauss``, numpy's ``standard_normal``; torch's
+#     initial seed: ``manual_seed``), or lands in a state that no count
+#     reaches (a seed or ``set_state`` without a new initial seed).
+#
+#     ``_count`` finds the number of words between two states without
+#     drawing them one by one: with the same keys it is the difference of
+#     the indexes; otherwise the later keys are one block of the stream after
+#     the earlier ones, and a block's outputs are its keys, tempered. A
+#     scratch numpy ``RandomState`` loaded with the earlier (keys, index)
+#     (the same twist and tempering as torch's and Python's) hands out the
+#     rest of the current block, then whole blocks in bulk until one equals
+#     the later keys tempered (all 624 words), up to a limit: ``MAX_COUNTED_DRAWS``
+#     for one batch, ``MAX_FACTORY_WORDS`` for the factory. The count is then
+#     exact: same keys, same index, same other fields. The layout of torch's
+#     state (seed, index, keys, normal cache) is pinned by
+#     ``tests/unit/test_rng.py``.
+
+_MT_WORDS = 624
+_CHUNK = 1 << 20  # words per bulk draw
+_T_SEED = slice(0, 8)  # torch's CPUGeneratorImplStateLegacy: the initial seed
+_T_SEEDED = slice(12, 16)  # ... ``seeded`` (``left`` at 8..12 moves with every word)
+_TORCH_INDEX_AT = 16  # bytes: ``next``, the index of the next word
+_T_KEYS = slice(24, 24 + 8 * _MT_WORDS)  # the 624 key words, as uint64
+_T_REST = slice(24 + 8 * _MT_WORDS, None)  # the cached normals (double and float)
+
+
+def _torch_index(state: torch.Tensor) -> int:
+    return int.from_bytes(bytes(state[_TORCH_INDEX_AT : _TORCH_INDEX_AT + 8].tolist()), "little")
+
+
+def _temper(keys: np.ndarray) -> np.ndarray:
+    """MT19937's output for each key word."""
+    y = keys.astype(np.uint32)
+    y ^= y >> np.uint32(11)
+    y ^= (y << np.uint32(7)) & np.uint32(0x9D2C5680)
+    y ^= (y << np.uint32(15)) & np.uint32(0xEFC60000)
+    y ^= y >> np.uint32(18)
+    return y
+
+
+def _words(g: Any, n: int) -> None:
+    """Draw ``n`` words from ``g.draw_chunk`` in chunks (bounded memory)."""
+    while n > 0:
+        step = min(n, _CHUNK)
+        g.draw_chunk(step)
+        n -= step
+
+
+class _Torch:
+    name = "torch"
+    remedy = "torch.Generator() passed as generator="
+
+    @staticmethod
+    def state() -> Any:
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set(state: Any) -> None:
+        torch.set_rng_state(state)
+
+    @staticmethod
+    def mt(state: Any) -> tuple[np.ndarray, int]:
+        raw = state.numpy().tobytes()
+        keys = np.frombuffer(raw[_T_KEYS], "<u8").astype(np.uint32)
+        return keys, _torch_index(state) or _MT_WORDS  # 0: just seeded, twists first
+
+    @staticmethod
+    def rest(state: Any) -> bytes:
+        raw = state.numpy().tobytes()
+        return raw[_T_SEED] + raw[_T_SEEDED] + raw[_T_REST]
+
+    @staticmethod
+    def reseeded(old: Any, new: Any) -> bool:
+        return _torch_index(new) == 0 or bool(torch.any(old[_T_SEED] != new[_T_SEED]))
+
+    @staticmethod
+    def same(a: Any, b: Any) -> bool:
+        return torch.equal(a, b)
+
+    @staticmethod
+    def draw_chunk(n: int) -> None:
+        torch.empty(n, dtype=torch.int32).random_()  # one word per element
+
+    @classmethod
+    def draw(cls, n: int) -> None:
+        _words(cls, n)
+
+    @staticmethod
+    def encode(state: Any) -> Any:
+        return base64.b64encode(state.numpy().tobytes()).decode()
+
+    @staticmethod
+    def decode(obj: Any) -> Any:
+        raw = base64.b64decode(obj, validate=True) if isinstance(obj, str) else b""
+        want = len(torch.get_rng_state())
+        if len(raw) != want:
+            raise ValueError(f"{len(raw)} bytes where torch's state has {want}")
+        state = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        torch.Generator().set_state(state)  # torch's own checks
+        return state
+
+
+class _Python:
+    name = "python"
+    remedy = "random.Random(seed)"
+
+    @staticmethod
+    def state() -> Any:
+        return random.getstate()
+
+    @staticmethod
+    def set(state: Any) -> None:
+        random.setstate(state)
+
+    @staticmethod
+    def mt(state: Any) -> tuple[np.ndarray, int]:
+        return np.array(state[1][:-1], dtype=np.uint32), int(state[1][-1])
+
+    @staticmethod
+    def rest(state: Any) -> tuple:
+        return (state[0], state[2])
+
+    @staticmethod
+    def reseeded(old: Any, new: Any) -> bool:
+        return False
+
+    @staticmethod
+    def same(a: Any, b: Any) -> bool:
+        return a == b
+
+    @staticmethod
+    def draw_chunk(n: int) -> None:
+        random.getrandbits(32 * n)  # n words
+
+    @classmethod
+    def draw(cls, n: int) -> None:
+        _words(cls, n)
+
+    @staticmethod
+    def encode(state: Any) -> Any:
+        return [state[0], list(state[1]), state[2]]
+
+    @staticmethod
+    def decode(obj: Any) -> Any:
+        version, internal, gauss = obj
+        state = (version, tuple(internal), gauss)
+        random.Random().setstate(state)  # Python's own checks
+        if not all(type(w) is int for w in internal):
+            raise ValueError("key words that are not ints")
+        return state
+
+
+class _Numpy:
+    name = "numpy"
+    remedy = "np.random.default_rng(seed)"
+
+    @staticmethod
+    def state() -> Any:
+        return np.random.get_state()
+
+    @staticmethod
+    def set(state: Any) -> None:
+        np.random.set_state(state)
+
+    @staticmethod
+    def mt(state: Any) -> tuple[np.ndarray, int]:
+        return np.asarray(state[1], dtype=np.uint32), int(state[2])
+
+    @staticmethod
+    def rest(state: Any) -> tuple:
+        return (state[0], int(state[3]), float(state[4]))
+
+    @staticmethod
+    def reseeded(old: Any, new: Any) -> bool:
+        return False
+
+    @staticmethod
+    def same(a: Any, b: Any) -> bool:
+        return a[0] == b[0] and np.array_equal(a[1], b[1]) and tuple(a[2:]) == tuple(b[2:])
+
+    @staticmethod
+    def draw_chunk(n: int) -> None:
+        np.random.randint(0, 1 << 32, size=n, dtype=np.uint32)  # the full range: one word each
+
+    @classmethod
+    def draw(cls, n: int) -> None:
+        _words(cls, n)
+
+    @staticmethod
+    def encode(state: Any) -> Any:
+        return [state[0], [int(w) for w in state[1]], int(state[2]), int(state[3]), state[4]]
+
+    @staticmethod
+    def decode(obj: Any) -> Any:
+        name, keys, pos, has_gauss, cached = obj
+        if not all(type(w) is int and 0 <= w < 1 << 32 for w in keys):
+            raise ValueError("key words that are not 32-bit ints")
+        state = (name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached)
+        np.random.RandomState().set_state(state)  # numpy's own checks
+        return state
+
+
+_GENERATORS = (_Torch, _Python, _Numpy)
+#: The generators a factory's draws are mirrored for, by name.
+GENERATORS = tuple(g.name for g in _GENERATORS)
+
+
+def _count(g: Any, old: Any, new: Any, limit: int) -> int | None:
+    """Words of generator ``g`` from state ``old`` to ``new``, or None (NOTE [counting words])."""
+    if g.same(old, new):
+        return 0
+    if g.rest(old) != g.rest(new) or g.reseeded(old, new):
+        return None
+    (keys0, i0), (keys1, i1) = g.mt(old), g.mt(new)
+    if np.array_equal(keys0, keys1):
+        n = i1 - i0
+        return n if 0 < n <= limit else None
+    engine = np.random.RandomState()
+    engine.set_state(("MT19937", keys0, i0, 0, 0.0))
+    n = _MT_WORDS - i0  # the rest of the current block
+    engine.randint(0, 1 << 32, size=n, dtype=np.uint32)
+    target = _temper(keys1)
+    blocks = 4
+    while n + i1 <= limit:
+        take = min(blocks, (limit - i1 - n) // _MT_WORDS + 1)
+        out = engine.randint(0, 1 << 32, size=take * _MT_WORDS, dtype=np.uint32)
+        hit = np.flatnonzero((out.reshape(take, _MT_WORDS) == target).all(axis=1))
+        if hit.size:
+            n += int(hit[0]) * _MT_WORDS + i1
+            return n if n <= limit else None
+        n += take * _MT_WORDS
+        blocks = min(blocks * 2, _CHUNK // _MT_WORDS)
+    return None
+
+
+def _why(g: Any, old: Any, new: Any, limit: int) -> str:
+    """Why ``_count(g, old, new, limit)`` is None."""
+    if g.reseeded(old, new):
+        return f"{g.name}'s generator was seeded (manual_seed) in between"
+    if g.rest(old) != g.rest(new):
+        return (
+            "a draw of no whole number of words left a cached normal in the state "
+            "(torch.randn/normal_ of fewer than 16 values, random.gauss, numpy's "
+            "standard_normal)"
+        )
+    return (
+        f"no count up to {limit} 32-bit words explains the new state: a larger draw, or "
+        "the generator was seeded or set (set_rng_state, random.seed, np.random.seed) in between"
+    )
 
 
 # -------------------------------------------------------------- the factory
@@ -149,140 +409,41 @@ def mirror_draws(n: int) -> None:
 #     and a factory may draw from the default generators while it builds:
 #     torchdata's ``StatefulDataLoader(shuffle=True)`` seeds its sampler from
 #     torch's generator in the constructor, a ``random_split`` or a
-#     ``randperm`` subset draws hundreds or thousands of words, a
-#     ``random.shuffle`` of a file list draws from Python's. Sharing off, every
-#     rank ran its own factory and made those draws. So the leader snapshots
-#     torch's, Python's and numpy's default generators around the factory
-#     (``snapshot_all``), counts the 32-bit words each advanced by
-#     (``count_words``) and broadcasts the counts with the loader's length;
-#     every other rank draws as many words and discards them
-#     (``mirror_words``) before its ``ShmLoader`` exists.
+#     ``randperm`` subset draws as many words as the dataset has samples
+#     (tens of millions for a pretraining corpus), a ``random.shuffle`` of a
+#     file list draws from Python's. Sharing off, every rank ran its own
+#     factory and made those draws from its own generators. So the leader
+#     snapshots torch's, Python's and numpy's default generators around the
+#     factory (``snapshot_all``) and sends, for each one the factory moved,
+#     its state before and after (``factory_draws``) with the loader's
+#     length. Every other rank, before its ``ShmLoader`` exists
+#     (``follow_factory``), per generator:
 #
-#     The three generators are Mersenne Twisters of 624 words whose state
-#     holds the index of the next word: a count must agree with the index
-#     modulo 624, so only those counts are tried (one bulk draw of 624 words
-#     per candidate), up to ``MAX_FACTORY_WORDS``. The layout of torch's
-#     state (the index at byte 16) is checked by ``tests/unit/test_rng.py``; a
-#     draw that is no whole number of words (``torch.randn``'s cached
-#     normal, Python's ``gauss``) counts as ``None``: the leader warns once
-#     and followers mirror nothing for that generator.
+#     - in the very state the leader's was in before (the ranks seeded
+#       alike): takes the leader's state after. Sharing off it would have
+#       made the same draws from the same state and ended there: exact for
+#       any draw, of any size or kind (a cached normal, a reseed included).
+#     - in another state (seeded per rank, ``seed + rank``): draws as many
+#       32-bit words as lie between the leader's two states (NOTE [counting
+#       words], up to ``MAX_FACTORY_WORDS``; the count is made here, on the
+#       rank that needs it). Exact where the factory's draws take a fixed
+#       number of words whatever the state: torch's ``randperm``,
+#       ``random_split``, ``random_``/``rand``/``randint``, seeds, which are
+#       taken to. Python's ``shuffle``/``randrange``/``choice``/``sample`` and
+#       numpy's ``permutation``/``shuffle``/``randint`` reject draws, so
+#       their count depends on the state: for Python's and numpy's
+#       generators the rank warns once that its state may differ.
+#     - where no count explains the leader's states (a cached normal, a
+#       seed, a draw past ``MAX_FACTORY_WORDS``): warns once, with the
+#       cause, and mirrors nothing for that generator.
+#
+#     The leader itself is never off (its draws are real) and says nothing.
+#     The remedy every warning names: seed the generator alike on every rank
+#     before ``ShmLoader``, or give the factory's draws a generator of their
+#     own.
 
-#: Most 32-bit words counted (and mirrored) per generator for one factory call.
-MAX_FACTORY_WORDS = 1 << 24
-_MT_WORDS = 624
-_TORCH_INDEX_AT = 16  # bytes: CPUGeneratorImplStateLegacy.next (after the seed, left, seeded)
-_CHUNK = 1 << 20  # words per bulk draw when mirroring
-
-
-def _torch_index(state: torch.Tensor) -> int:
-    return int.from_bytes(bytes(state[_TORCH_INDEX_AT : _TORCH_INDEX_AT + 8].tolist()), "little")
-
-
-class _Torch:
-    name = "torch"
-
-    @staticmethod
-    def state() -> Any:
-        return torch.get_rng_state()
-
-    @staticmethod
-    def index(state: Any) -> int:
-        return _torch_index(state)
-
-    @staticmethod
-    def probe(state: Any) -> Any:
-        g = torch.Generator()
-        g.set_state(state)
-        return g
-
-    @staticmethod
-    def advance(g: Any, n: int) -> None:
-        torch.empty(n, dtype=torch.int32).random_(generator=g)  # one word per element
-
-    @staticmethod
-    def probe_state(g: Any) -> Any:
-        return g.get_state()
-
-    @staticmethod
-    def same(a: Any, b: Any) -> bool:
-        return torch.equal(a, b)
-
-    @staticmethod
-    def draw(n: int) -> None:
-        torch.empty(n, dtype=torch.int32).random_()
-
-
-class _Python:
-    name = "python"
-
-    @staticmethod
-    def state() -> Any:
-        return random.getstate()
-
-    @staticmethod
-    def index(state: Any) -> int:
-        return int(state[1][-1])
-
-    @staticmethod
-    def probe(state: Any) -> Any:
-        r = random.Random()
-        r.setstate(state)
-        return r
-
-    @staticmethod
-    def advance(r: Any, n: int) -> None:
-        r.getrandbits(32 * n)  # ceil(k / 32) words
-
-    @staticmethod
-    def probe_state(r: Any) -> Any:
-        return r.getstate()
-
-    @staticmethod
-    def same(a: Any, b: Any) -> bool:
-        return a == b
-
-    @staticmethod
-    def draw(n: int) -> None:
-        random.getrandbits(32 * n)
-
-
-class _Numpy:
-    name = "numpy"
-
-    @staticmethod
-    def state() -> Any:
-        return np.random.get_state()
-
-    @staticmethod
-    def index(state: Any) -> int:
-        return int(state[2])
-
-    @staticmethod
-    def probe(state: Any) -> Any:
-        r = np.random.RandomState()
-        r.set_state(state)
-        return r
-
-    @staticmethod
-    def advance(r: Any, n: int) -> None:
-        r.randint(0, 1 << 32, size=n, dtype=np.uint32)  # the full range: one word each
-
-    @staticmethod
-    def probe_state(r: Any) -> Any:
-        return r.get_state()
-
-    @staticmethod
-    def same(a: Any, b: Any) -> bool:
-        return a[0] == b[0] and np.array_equal(a[1], b[1]) and tuple(a[2:]) == tuple(b[2:])
-
-    @staticmethod
-    def draw(n: int) -> None:
-        np.random.randint(0, 1 << 32, size=n, dtype=np.uint32)
-
-
-_GENERATORS = (_Torch, _Python, _Numpy)
-#: The generators a factory's draws are counted for, by name.
-GENERATORS = tuple(g.name for g in _GENERATORS)
+#: Most 32-bit words a rank counts between the leader's states, per generator.
+MAX_FACTORY_WORDS = 1 << 30
 
 
 def snapshot_all() -> dict[str, Any]:
@@ -290,54 +451,75 @@ def snapshot_all() -> dict[str, Any]:
     return {g.name: g.state() for g in _GENERATORS}
 
 
-def count_words(before: dict[str, Any], limit: int = MAX_FACTORY_WORDS) -> dict[str, int | None]:
-    """32-bit words each default generator advanced by since ``before`` (``snapshot_all``).
+def factory_draws(before: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """For each default generator the factory moved: its states before and after (JSON).
 
-    ``None`` for a generator no word count up to ``limit`` explains
-    (NOTE [factory draws]). Never touches the default generators.
+    ``before`` is ``snapshot_all()`` taken before the factory (NOTE [factory
+    draws]). Never touches the default generators.
     """
-    counts: dict[str, int | None] = {}
+    moved: dict[str, dict[str, Any]] = {}
     for g in _GENERATORS:
         old, new = before[g.name], g.state()
-        if g.same(old, new):
-            counts[g.name] = 0
-            continue
-        counts[g.name] = None
-        n = (g.index(new) - g.index(old)) % _MT_WORDS
-        probe = g.probe(old)
-        if n:
-            g.advance(probe, n)
-        while n <= limit:
-            if n and g.same(g.probe_state(probe), new):
-                counts[g.name] = n
-                break
-            g.advance(probe, _MT_WORDS)
-            n += _MT_WORDS
-    return counts
+        if not g.same(old, new):
+            moved[g.name] = {"before": g.encode(old), "after": g.encode(new)}
+    return moved
 
 
-def mirror_words(counts: object) -> None:
-    """Draw ``counts[name]`` words from each default generator and discard them.
+def follow_factory(draws: object, limit: int = MAX_FACTORY_WORDS) -> list[str]:
+    """Bring this rank's default generators to where the factory would have left them.
 
-    ``counts`` comes from the leader's message: anything but a dict of the
-    known generators' names to ints in ``0..MAX_FACTORY_WORDS`` is a
-    :class:`ProtocolError`, never a long loop.
+    ``draws`` is the leader's ``factory_draws``: anything else is a
+    :class:`ProtocolError`, never a long loop. Returns the warnings for this
+    rank, one per generator it cannot follow exactly (NOTE [factory draws]).
     """
     from ..errors import ProtocolError
 
-    if not isinstance(counts, dict) or not set(counts) <= set(GENERATORS):
-        raise ProtocolError(f"factory draws {counts!r}: expected a dict over {GENERATORS}")
+    if not isinstance(draws, dict) or not set(draws) <= set(GENERATORS):
+        raise ProtocolError(f"factory draws {draws!r:.200}: expected a dict over {GENERATORS}")
+    warnings = []
     for g in _GENERATORS:
-        n = counts.get(g.name, 0)
-        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_FACTORY_WORDS:
+        pair = draws.get(g.name)
+        if pair is None:
+            continue
+        try:
+            old, new = g.decode(pair["before"]), g.decode(pair["after"])
+        except Exception as exc:
             raise ProtocolError(
-                f"the leader asked for {n!r} {g.name} words; a factory's count is "
-                f"0..{MAX_FACTORY_WORDS}"
+                f"the leader's {g.name} generator states {pair!r:.200} are no states "
+                f"of that generator: {type(exc).__name__}: {exc}"
+            ) from None
+        if g.same(g.state(), old):
+            g.set(new)
+            continue
+        n = _count(g, old, new, limit)
+        if n is None:
+            warnings.append(
+                f"make_loader drew from the default {g.name} generator on the leader in a way "
+                f"this rank cannot replay ({_why(g, old, new, limit)}), and this rank's "
+                f"{g.name} generator was in another state before make_loader than the "
+                f"leader's, so it cannot take the leader's state either: its {g.name} "
+                f"randomness differs from sharing off from here on. {_factory_fix(g)}"
             )
-        while n > 0:
-            step = min(n, _CHUNK)
-            g.draw(step)
-            n -= step
+            continue
+        g.draw(n)
+        if g is not _Torch:
+            warnings.append(
+                f"this rank's {g.name} generator was in another state before make_loader "
+                f"than the leader's (seeded per rank?), so it drew the {n} words the leader's "
+                "factory drew; that matches sharing off only if their number does not depend "
+                "on the state, and Python's shuffle/randrange/choice/sample and numpy's "
+                f"permutation/shuffle/randint reject draws, so its {g.name} randomness may "
+                f"differ from sharing off from here on. {_factory_fix(g)}"
+            )
+    return warnings
+
+
+def _factory_fix(g: Any) -> str:
+    return (
+        f"Fix: seed {g.name}'s generator alike on every rank before ShmLoader (every rank "
+        f"then takes the leader's state, whatever make_loader drew), or give make_loader's "
+        f"draws a generator of their own ({g.remedy}) (NOTE [factory draws])"
+    )
 
 
 # ------------------------------------------------------------------ checkpoints

@@ -309,8 +309,8 @@ def _agree_on_loader(
     carrying it on the others; never a hang; whether the leader's loop runs
     ahead). The exception is returned, not
     raised, so that the caller does not take it for a peer lost during the
-    exchange. The factory's draws from the default generators travel with
-    the length and every other rank mirrors them (NOTE [factory draws] in
+    exchange. The default generators' states around the factory travel with
+    the length and every other rank follows them (NOTE [factory draws] in
     ``rng``); a data-parallel sampler keyed on other replicas than the SP
     groups is refused (NOTE [samplers over SP groups]).
     """
@@ -321,13 +321,13 @@ def _agree_on_loader(
         try:
             before = rng.snapshot_all()
             loader = make_loader()
-            draws = rng.count_words(before)
+            draws = rng.factory_draws(before)
             check_installable(loader)  # one DataLoader, one open ShmLoader (_workers/collate.py)
             if ranks is not None:
                 check_samplers(loader, ranks, dist.get_world_size())
             with contextlib.suppress(TypeError):
                 report["length"] = len(loader)  # type: ignore[arg-type]
-            report["draws"] = _mirrorable(draws)
+            report["draws"] = draws
             report["ahead"] = leads_ahead(config, loader)
         except BaseException as exc:
             error = exc
@@ -338,23 +338,11 @@ def _agree_on_loader(
         body = agreed["error"] if isinstance(agreed["error"], dict) else {}
         return None, None, error or leader_error(body, topo.leader), False
     if not topo.is_leader:
-        rng.mirror_words(agreed.get("draws", {}))  # NOTE [factory draws] (rng)
+        for warning in rng.follow_factory(agreed.get("draws", {})):  # NOTE [factory draws] (rng)
+            log.warning("shmloader: %s", warning)
     length = agreed.get("length")
     ahead = agreed.get("ahead") is True  # NOTE [running ahead] (ahead): for the readers
     return loader, length if isinstance(length, int) and length >= 0 else None, None, ahead
-
-
-def _mirrorable(draws: dict[str, int | None]) -> dict[str, int]:
-    """The counts followers mirror; one warning for a generator they cannot follow."""
-    lost = [name for name, n in draws.items() if n is None]
-    if lost:
-        log.warning(
-            "shmloader: make_loader drew from the default %s generator(s) in a way followers "
-            "cannot mirror (e.g. torch.randn, random.gauss): their RNG will differ from "
-            "sharing off; give those draws a generator of their own (NOTE [factory draws])",
-            "/".join(lost),
-        )
-    return {name: n for name, n in draws.items() if n}
 
 
 # NOTE [samplers over SP groups]

@@ -8,6 +8,7 @@ factory keyed on other replicas than the SP groups is refused.
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -42,52 +43,155 @@ def test_torch_state_keeps_the_word_index_where_counting_reads_it() -> None:
         assert rng._torch_index(g.get_state()) == (words - 1) % 624 + 1
 
 
-@pytest.mark.parametrize(
-    "draw",
-    [
-        lambda: torch.randperm(1000),  # 999 words
-        lambda: torch.randperm(100_000),  # more than a hundred regenerations
-        lambda: torch.empty((), dtype=torch.int64).random_(),  # torchdata's sampler seed
-        lambda: random_split(range(97), [0.5, 0.5]),
-        lambda: random.shuffle(list(range(300))),
-        lambda: np.random.permutation(5000),
-        lambda: (torch.rand(7), random.random(), np.random.randint(0, 9, 11)),
-    ],
-)
-def test_counted_words_mirrored_land_every_generator_where_the_draw_left_it(draw) -> None:
-    torch.manual_seed(3)
-    random.seed(3)
-    np.random.seed(3)
-    start = rng.capture()
+def _seed(torch_seed: int, python_seed: int = 3, numpy_seed: int = 3) -> None:
+    torch.manual_seed(torch_seed)
+    random.seed(python_seed)
+    np.random.seed(numpy_seed)
+
+
+def _states() -> dict:
+    return {g.name: g.state() for g in rng._GENERATORS}
+
+
+def _where(states: dict) -> dict:
+    """Per generator: whether the default generator is in that state now."""
+    return {g.name: g.same(g.state(), states[g.name]) for g in rng._GENERATORS}
+
+
+def _factory(draw, seeds: tuple) -> tuple[dict, dict]:
+    """The leader's side: what ``factory_draws`` sends (through JSON) and where it ends."""
+    _seed(*seeds)
     before = rng.snapshot_all()
     draw()
-    after = rng.snapshot_all()
-    counts = rng.count_words(before)
-    assert None not in counts.values()
-    assert any(counts.values())
-    rng.restore(start)
-    rng.mirror_words(counts)
-    for g in rng._GENERATORS:
-        assert g.same(g.state(), after[g.name]), f"{g.name} is not where the factory left it"
+    sent = json.loads(json.dumps(rng.factory_draws(before)))
+    return sent, _states()
 
 
-def test_a_draw_of_no_whole_words_is_not_counted() -> None:
-    before = rng.snapshot_all()
-    torch.randn(3)  # leaves a cached normal in the state
-    counts = rng.count_words(before, limit=4096)
-    assert counts == {"torch": None, "python": 0, "numpy": 0}
+def _unshared(draw, seeds: tuple) -> dict:
+    """Where a rank seeded with ``seeds`` ends when it runs the factory itself (sharing off)."""
+    _seed(*seeds)
+    draw()
+    return _states()
 
 
-def test_mirror_words_refuses_what_no_leader_sends() -> None:
+def _follow(sent: dict, seeds: tuple) -> list[str]:
+    _seed(*seeds)
+    return rng.follow_factory(sent)
+
+
+ALL_KINDS = [
+    lambda: torch.randperm(1000),  # 999 words
+    lambda: torch.randperm(100_000),  # more than a hundred blocks
+    lambda: torch.empty((), dtype=torch.int64).random_(),  # torchdata's sampler seed
+    lambda: random_split(range(97), [0.5, 0.5]),
+    lambda: random.shuffle(list(range(300))),
+    lambda: np.random.permutation(5000),
+    lambda: (torch.rand(7), random.random(), np.random.randint(0, 9, 11)),
+    lambda: (torch.randn(3), random.gauss(0, 1), np.random.standard_normal(3)),  # cached normals
+    lambda: (torch.manual_seed(8), random.seed(8), np.random.seed(8), torch.rand(2)),  # reseeded
+]
+
+
+@pytest.mark.parametrize("draw", ALL_KINDS)
+def test_a_rank_seeded_like_the_leader_ends_where_the_factory_left_it_whatever_it_drew(
+    draw,
+) -> None:
+    sent, leader = _factory(draw, (3,))
+    assert sent, "the factory moved a generator"
+    assert _follow(sent, (3,)) == []
+    assert all(_where(leader).values()), _where(leader)
+    assert all(_where(_unshared(draw, (3,))).values())  # and that is the unshared run's state
+
+
+FIXED_COUNT = [
+    lambda: torch.randperm(1000),
+    lambda: torch.randperm(100_000),
+    lambda: torch.empty((), dtype=torch.int64).random_(),
+    lambda: random_split(range(97), [0.5, 0.5]),
+    lambda: (torch.rand(7), torch.randint(0, 9, (11,)), torch.bernoulli(torch.full((5,), 0.5))),
+]
+
+
+@pytest.mark.parametrize("draw", FIXED_COUNT)
+def test_a_rank_seeded_otherwise_draws_as_many_torch_words_and_ends_as_unshared(draw) -> None:
+    sent, _ = _factory(draw, (3,))
+    assert set(sent) == {"torch"}
+    expected = _unshared(draw, (4,))
+    assert _follow(sent, (4,)) == []
+    assert _where(expected)["torch"]
+
+
+def test_factory_draws_past_millions_of_words_are_mirrored_on_a_rank_seeded_otherwise() -> None:
+    """A ``random_split`` of a pretraining corpus: more words than any small fixed cap
+    (16.8 M here), mirrored exactly on a rank whose torch generator was elsewhere."""
+
+    def draw() -> None:
+        torch.randperm(16_800_000)
+
+    sent, _ = _factory(draw, (3,))
+    expected = _unshared(draw, (4,))
+    assert _follow(sent, (4,)) == []
+    assert _where(expected)["torch"]
+
+
+@pytest.mark.parametrize(
+    "name, draw",
+    [
+        ("python", lambda: random.shuffle(list(range(300)))),
+        ("numpy", lambda: np.random.permutation(5000)),
+    ],
+)
+def test_a_rank_seeded_otherwise_is_told_its_python_or_numpy_draws_may_differ(name, draw) -> None:
+    seeds = (3, 3, 3)
+    sent, _ = _factory(draw, seeds)
+    other = (3, 4, 4)  # Python's and numpy's generators seeded per rank
+    said = _follow(sent, other)
+    assert len(said) == 1, said
+    text = said[0]
+    assert f"this rank's {name} generator was in another state" in text, text
+    assert "reject draws" in text and "may differ" in text, text
+    assert f"seed {name}'s generator alike on every rank" in text, text
+    assert "a generator of their own" in text, text
+    # a rank seeded like the leader is exact and says nothing
+    assert _follow(sent, seeds) == []
+
+
+@pytest.mark.parametrize(
+    "draw, cause",
+    [
+        (lambda: torch.randn(3), "cached normal"),
+        (lambda: (torch.manual_seed(8), torch.rand(2)), "seeded"),
+        (lambda: random.gauss(0, 1), "cached normal"),
+        (lambda: (random.seed(8), random.random()), "no count up to 65536"),
+    ],
+)
+def test_a_draw_no_count_explains_warns_on_a_rank_seeded_otherwise_with_its_cause(
+    draw, cause
+) -> None:
+    sent, _ = _factory(draw, (3,))
+    (name,) = sent
+    _seed(4, 4, 4)
+    untouched = _states()
+    said = rng.follow_factory(sent, limit=1 << 16)
+    assert len(said) == 1, said
+    assert f"default {name} generator" in said[0] and cause in said[0], said[0]
+    assert "differs from sharing off" in said[0] and "alike on every rank" in said[0], said[0]
+    assert all(_where(untouched).values())  # nothing drawn for it
+
+
+def test_follow_factory_refuses_what_no_leader_sends() -> None:
+    good = _factory(lambda: torch.rand(2), (3,))[0]
     for bad in (
         [3],
-        {"torch": -1},
-        {"torch": rng.MAX_FACTORY_WORDS + 1},
-        {"cuda": 1},
-        {"numpy": 1.5},
+        {"cuda": good["torch"]},
+        {"torch": 5},
+        {"torch": {"before": "AAAA", "after": good["torch"]["after"]}},
+        {"torch": {"before": good["torch"]["before"]}},
+        {"python": {"before": [3, [1, 2], None], "after": [3, [1, 2], None]}},
+        {"numpy": {"before": ["MT19937", [-1] * 624, 1, 0, 0.0], "after": []}},
     ):
         with pytest.raises(ProtocolError):
-            rng.mirror_words(bad)
+            rng.follow_factory(bad)
 
 
 # ------------------------------------------------------------------ rank code
@@ -170,6 +274,72 @@ def test_followers_generators_match_sharing_off_whatever_the_factory_draws(num_w
         assert differ == [], f"rank {rank}: default generators differ at steps {differ}"
     # followers get the leader's batches, which are what its own loader yields alone
     assert out[1]["shared"]["order"] == out[0]["alone"]["order"]
+
+
+def _corpus_factory(torch_normal: bool):
+    """A pretraining-style factory: a ``random_split``-sized permutation of 16.8 M
+    samples (more words than any small fixed cap), a Python shuffle of a file list
+    and, optionally, a ``torch.randn`` that leaves a cached normal."""
+
+    def make() -> DataLoader:
+        torch.randperm(16_800_000)
+        random.shuffle(list(range(300)))
+        if torch_normal:
+            torch.randn(3)
+        return DataLoader(ranks.Synthetic(8), batch_size=2, shuffle=True, collate_fn=ranks.collate)
+
+    return make
+
+
+def corpus_run(rank: int, world: int, *, share: bool, per_rank: bool) -> dict:
+    from tests.support.harness import capture_warnings
+
+    # per_rank: torch's and Python's generators seeded seed + rank, as is common
+    torch.manual_seed(99 + (5 * rank if per_rank else 0))
+    random.seed(99 + (rank if per_rank else 0))
+    np.random.seed(99)
+    warnings = capture_warnings()
+    loader = ShmLoader(
+        _corpus_factory(torch_normal=not per_rank),
+        dist.group.WORLD,
+        config=Config.from_env(enabled=share),
+    )
+    states = [rng.capture()]
+    for batch in loader:
+        assert batch["meta"].sample_ids
+        states.append(rng.capture())
+        torch.rand(3)
+    loader.close()
+    import logging
+
+    logging.getLogger("shmloader").removeHandler(warnings)
+    return {"states": states, "said": [m for m in warnings.messages if "make_loader" in m]}
+
+
+def corpus_both(rank: int, world: int, *, per_rank: bool) -> dict:
+    return {
+        share: corpus_run(rank, world, share=share, per_rank=per_rank) for share in (False, True)
+    }
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("per_rank", [False, True], ids=["seeded-alike", "seeded-per-rank"])
+def test_a_factory_drawing_millions_of_words_leaves_every_rank_as_sharing_off(per_rank) -> None:
+    out = run_ranks(corpus_both, 2, kwargs={"per_rank": per_rank}, timeout=220)
+    for rank, o in enumerate(out):
+        alone, shared = o[False], o[True]
+        assert alone["said"] == [], alone["said"]
+        for step, (a, s) in enumerate(zip(alone["states"], shared["states"], strict=True)):
+            assert torch.equal(a["torch"], s["torch"]), f"rank {rank}: torch differs at step {step}"
+            assert torch.equal(a["numpy"]["keys"], s["numpy"]["keys"]), (rank, step)
+            if not per_rank or rank == 0:  # seeded alike, or the leader: Python's exact too
+                assert torch.equal(a["python"]["internal"], s["python"]["internal"]), (rank, step)
+    assert out[0][True]["said"] == []  # the leader's draws are real: nothing to say
+    said = out[1][True]["said"]
+    if per_rank:  # the follower is told, once, that its shuffle's count may differ
+        assert len(said) == 1 and "python generator was in another state" in said[0], said
+    else:
+        assert said == [], said
 
 
 def _sampler_factory(kind: str, rank: int, world: int, sp: int):

@@ -35,7 +35,7 @@ def keep_global_rng():
 
 
 def int64_draw() -> None:
-    """What DataLoader does for a base seed (and RandomSampler for its seed)."""
+    """What DataLoader does for a base seed (and RandomSampler for its seed): two words."""
     torch.empty((), dtype=torch.int64).random_()
 
 
@@ -45,27 +45,82 @@ def test_count_draws_zero_when_nothing_happened() -> None:
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
-def test_count_draws_counts_int64_draws(n: int) -> None:
+def test_count_draws_counts_two_words_per_int64_draw(n: int) -> None:
     before = rng.snapshot()
     for _ in range(n):
         int64_draw()
-    assert rng.count_draws(before, rng.snapshot()) == n
+    assert rng.count_draws(before, rng.snapshot()) == 2 * n
 
 
 @pytest.mark.parametrize(
-    "draw", [lambda: torch.rand(1), lambda: torch.randn(1), lambda: torch.randint(10, (1,))]
+    "draw, words",
+    [
+        (lambda: torch.rand(1), 1),
+        (lambda: torch.randint(10, (1,)), 1),
+        (lambda: torch.rand(3, dtype=torch.float64), 6),
+        (lambda: torch.bernoulli(torch.full((8, 128), 0.15)), 8 * 128),  # an MLM mask
+        (lambda: torch.randperm(700), 699),  # past the block: 624 words
+        (lambda: torch.randperm(100_000), 99_999),  # 160 blocks
+        (lambda: torch.rand(1 << 20), 1 << 20),
+    ],
 )
-def test_count_draws_none_for_other_kinds_of_draw(draw) -> None:
+def test_count_draws_counts_the_words_of_any_whole_word_draw(draw, words: int) -> None:
+    for offset in (0, 1, 623):  # wherever in its block the generator stands
+        torch.manual_seed(11)
+        torch.empty(offset, dtype=torch.int32).random_()
+        before = rng.snapshot()
+        draw()
+        after = rng.snapshot()
+        assert rng.count_draws(before, after) == words
+        torch.set_rng_state(before)
+        rng.mirror_draws(words)
+        assert torch.equal(rng.snapshot(), after)
+
+
+@pytest.mark.parametrize(
+    "draw, cause",
+    [
+        (lambda: torch.randn(1), "cached normal"),
+        (lambda: torch.manual_seed(5), "seeded"),
+        (lambda: (torch.manual_seed(5), torch.rand(3)), "seeded"),
+    ],
+)
+def test_count_draws_none_for_other_kinds_of_draw(draw, cause: str) -> None:
     before = rng.snapshot()
     draw()
-    assert rng.count_draws(before, rng.snapshot()) is None
+    after = rng.snapshot()
+    assert rng.count_draws(before, after) is None
+    assert cause in rng.why_uncounted(before, after)
 
 
 def test_count_draws_gives_up_past_the_limit() -> None:
     before = rng.snapshot()
-    for _ in range(rng.MAX_COUNTED_DRAWS + 1):
-        int64_draw()
-    assert rng.count_draws(before, rng.snapshot()) is None
+    torch.empty(rng.MAX_COUNTED_DRAWS + 1, dtype=torch.int32).random_()
+    after = rng.snapshot()
+    assert rng.count_draws(before, after) is None
+    assert f"no count up to {rng.MAX_COUNTED_DRAWS}" in rng.why_uncounted(before, after)
+    torch.set_rng_state(before)
+    torch.empty(rng.MAX_COUNTED_DRAWS, dtype=torch.int32).random_()
+    assert rng.count_draws(before, rng.snapshot()) == rng.MAX_COUNTED_DRAWS
+
+
+def test_torch_state_layout_is_where_counting_reads_it() -> None:
+    """NOTE [counting words]: torch's CPU state holds the initial seed at bytes 0-8,
+    the index of the next word at 16, the 624 key words (uint64 each) from 24 and
+    the cached normals after them: a torch that moves any of them fails here."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(123456789)
+    assert int.from_bytes(bytes(g.get_state()[0:8].tolist()), "little") == 123456789
+    assert rng._torch_index(g.get_state()) == 0  # just seeded: the next draw twists
+    out = torch.empty(700, dtype=torch.int32).random_(generator=g).numpy().view(np.uint32)
+    keys, index = rng._Torch.mt(g.get_state())
+    assert index == 700 - 624
+    # a block's outputs are its keys tempered (int32 draws keep the low 31 bits)
+    assert np.array_equal(rng._temper(keys)[:index] & 0x7FFFFFFF, out[624:])
+    rest = rng._Torch.rest(g.get_state())
+    torch.randn(1, generator=g)  # caches a normal: the rest changes, the keys do not
+    assert rng._Torch.rest(g.get_state()) != rest
 
 
 def test_count_draws_does_not_touch_the_default_generator() -> None:
@@ -83,7 +138,7 @@ def test_mirror_draws_lands_where_the_loader_would(n: int) -> None:
         int64_draw()
     expected = rng.snapshot()
     torch.set_rng_state(start)
-    rng.mirror_draws(n)
+    rng.mirror_draws(2 * n)  # two words each
     assert torch.equal(rng.snapshot(), expected)
     assert n == 0 or not torch.equal(expected, start)
 
@@ -98,7 +153,7 @@ def test_mirror_draws_lands_where_the_loader_would(n: int) -> None:
     ],
 )
 def test_a_counted_draw_is_reproduced_exactly_by_mirroring(draw) -> None:
-    # Whatever count_draws says, mirroring that many int64 draws must reproduce
+    # Whatever count_draws says, mirroring that many words must reproduce
     # the state exactly: then training randomness after it is the same.
     before = rng.snapshot()
     draw()
@@ -119,12 +174,12 @@ def test_shuffled_loader_draws_are_mirrored() -> None:
     mid = rng.snapshot()
     first = [next(it)]
     after = rng.snapshot()
-    assert rng.count_draws(before, mid) == 1
-    assert rng.count_draws(mid, after) == 1
-    assert rng.count_draws(before, after) == 2
+    assert rng.count_draws(before, mid) == 2
+    assert rng.count_draws(mid, after) == 2
+    assert rng.count_draws(before, after) == 4
     first += list(it)
     torch.set_rng_state(before)
-    rng.mirror_draws(2)
+    rng.mirror_draws(4)
     assert torch.equal(rng.snapshot(), after)
     # Same state, same shuffle: a follower's own sampler would agree.
     torch.set_rng_state(before)
@@ -192,7 +247,7 @@ def test_will_consume_base_seed_matches_reality(workers, persistent, own_gen, ex
             predicted, draws, it = _measured_iter(loader)
             iterators.append(it)
             assert predicted is want, f"epoch {epoch}: predicted {predicted}, expected {want}"
-            assert draws == (1 if want else 0), f"epoch {epoch}: iter() made {draws} draws"
+            assert draws == (2 if want else 0), f"epoch {epoch}: iter() drew {draws} words"
             assert [b.tolist() for b in it] == [[0, 1], [2, 3]]  # a whole epoch
     finally:
         _shutdown(*iterators, getattr(loader, "_iterator", None))
@@ -205,9 +260,34 @@ def test_abandoned_epoch_then_new_iter() -> None:
     it = iter(loader)
     next(it)
     predicted, draws, _ = _measured_iter(loader)
-    assert predicted is True and draws == 1
+    assert predicted is True and draws == 2  # one int64 base seed: two words
 
 
 def test_not_a_dataloader() -> None:
     assert rng.will_consume_base_seed([1, 2, 3]) is False
     assert rng.will_consume_base_seed(iter(range(3))) is False
+
+
+def test_a_main_process_draw_that_cannot_be_mirrored_is_warned_once_with_cause_and_fix(
+    caplog,
+) -> None:
+    """NOTE [RNG mirroring]: the leader's warning names what happened and both fixes."""
+    from shmloader import Config, ShmLoader
+
+    shm = ShmLoader(lambda: DataLoader(Tiny()), None, config=Config(enabled=False))
+    source = shm._role.source
+    try:
+        with caplog.at_level("WARNING", logger="shmloader"):
+            before = rng.snapshot()
+            torch.rand(300)  # whole words: counted, nothing said
+            assert source.count(before) == 300
+            for _ in range(2):
+                before = rng.snapshot()
+                torch.randn(3)  # a cached normal
+                assert source.count(before) == 0
+    finally:
+        shm.close()
+    said = [r.getMessage() for r in caplog.records if "cannot replay" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "cached normal" in said[0], said[0]
+    assert "DataLoader workers" in said[0] and "seed=" in said[0], said[0]

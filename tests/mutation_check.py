@@ -54,6 +54,8 @@ READER = "tests/multirank/test_reader_lifecycle.py::"
 LIFECYCLE = "tests/multirank/test_lifecycle.py::"
 DIVERGENCE = "tests/faults/test_divergence.py::"
 FIDELITY = "tests/multirank/test_fidelity.py::"
+FACTORY = "tests/multirank/test_factory.py::"
+MAPPINGS = "tests/multirank/test_mappings.py::"
 
 #: The planted bugs, each with the multi-rank tests that exercise its line: the tests that
 #: caught it when it was first planted (warm), and one or two that run the same path without
@@ -121,14 +123,62 @@ BUGS = [
     Bug(
         "rng-mirror",
         "shmloader/_roles/rng.py",
-        "        for _ in range(n):\n",
-        "        for _ in range(n - 1):\n",
+        "    _Torch.draw(n)\n",
+        "    _Torch.draw(max(n - 1, 0))\n",
         (
             f"{FIDELITY}test_rng_state_matches_unshared_at_every_epoch_end[workers0]",
             f"{FIDELITY}test_an_epoch_without_batches_mirrors_the_draws_of_iter",
             f"{LIFECYCLE}test_empty_epochs_keep_rng_and_a_finished_epoch_counts_every_batch",
         ),
-        "a receiver mirrors one RNG draw fewer than the writer made",
+        "a receiver mirrors one RNG word fewer than the writer drew",
+    ),
+    Bug(
+        "rng-batch-count-cap",
+        "shmloader/_proto/wire.py",
+        "MAX_COUNTED_DRAWS = 1 << 24\n",
+        "MAX_COUNTED_DRAWS = 64\n",
+        (
+            f"{MAPPINGS}test_transformers_collators_through_real_ranks_sharing_on_and_off",
+            f"{FIDELITY}test_rng_state_matches_unshared_at_every_epoch_end[workers0]",
+        ),
+        "a main-process collate's draws past 64 words (an MLM collator's masks) go unmirrored",
+    ),
+    Bug(
+        "factory-word-cap",
+        "shmloader/_roles/rng.py",
+        "MAX_FACTORY_WORDS = 1 << 30\n",
+        "MAX_FACTORY_WORDS = 1 << 24\n",
+        (
+            f"{FACTORY}test_a_factory_drawing_millions_of_words_leaves_every_rank_as_sharing_off"
+            "[seeded-per-rank]",
+            f"{FACTORY}test_followers_generators_match_sharing_off_whatever_the_factory_draws[0]",
+        ),
+        "a factory's draws past 16.7 M words leave a rank seeded otherwise off sharing off",
+    ),
+    Bug(
+        "factory-follower-warning",
+        "shmloader/_roles/rng.py",
+        "        if g is not _Torch:\n",
+        "        if False:  # planted\n",
+        (
+            f"{FACTORY}test_a_factory_drawing_millions_of_words_leaves_every_rank_as_sharing_off"
+            "[seeded-per-rank]",
+            f"{FACTORY}test_a_factory_drawing_millions_of_words_leaves_every_rank_as_sharing_off"
+            "[seeded-alike]",
+        ),
+        "a rank seeded otherwise is not told its Python shuffle may differ from sharing off",
+    ),
+    Bug(
+        "sharing-off-check-on-pickled-copy",
+        "shmloader/_roles/local.py",
+        "made = _rebuilt(box[0]) if from_workers(source.loader) else box[0]",
+        "made = box[0]",
+        (
+            f"{MAPPINGS}test_transformers_collators_through_real_ranks_sharing_on_and_off",
+            f"{LIFECYCLE}test_sharing_off_delivers_what_plain_torch_does_and_names_what_sharing"
+            "_would_refuse",
+        ),
+        "sharing off judges a worker's pickled copy and calls a BatchEncoding unshareable",
     ),
 ]
 

@@ -10,7 +10,7 @@ torch]). It touches the user's loader and sampler and nothing shared; it imports
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -132,16 +132,22 @@ class Source:
             b.capture(self.cursor.delivered)
 
     def count(self, before: torch.Tensor) -> int:
-        """Default-generator draws since ``before`` (``rng.snapshot()``); 0, once warned,
-        when they cannot be mirrored."""
-        n = rng.count_draws(before, rng.snapshot())
+        """Default-generator words drawn since ``before`` (``rng.snapshot()``); 0, once
+        warned, when they cannot be mirrored (NOTE [RNG mirroring] in ``rng``)."""
+        after = rng.snapshot()
+        n = rng.count_draws(before, after)
         if n is None:
             if not self.warned_rng:
                 self.warned_rng = True
                 log.warning(
-                    "shmloader: the leader's loader drew from the default torch generator in a way "
-                    "followers cannot mirror (e.g. torch.rand in a main-process collate_fn); "
-                    "followers' RNG will differ from sharing-off (NOTE [RNG mirroring])"
+                    "shmloader: the leader's loader drew from the default torch generator in "
+                    "this process in a way its followers cannot replay (%s), so their torch "
+                    "randomness differs from sharing off from this batch on. Fix: run that "
+                    "randomness in DataLoader workers (num_workers > 0: a worker's draws never "
+                    "touch this process's generator), or give it a generator of its own (a "
+                    "Hugging Face collator's seed=, a torch.Generator passed as generator=) "
+                    "(NOTE [RNG mirroring])",
+                    rng.why_uncounted(before, after),
                 )
             return 0
         return n
@@ -161,7 +167,14 @@ class Source:
 #     ``SHMLOADER=1`` would raise; later batches are not checked. With sharing
 #     on such a batch is refused before anything is written. ``len()`` and
 #     ``next()`` after ``close()`` raise the same ``ShmLoaderError`` in both
-#     modes.
+#     modes. The check must run on what sharing on would check: the collate's
+#     own output. With DataLoader workers, sharing on checks it in the worker
+#     (``_workers.collate``), but sharing off sees only the copy the worker
+#     pickled, whose mappings may have lost state the collate's had
+#     (transformers' ``BatchEncoding`` drops its ``n_sequences`` on pickling) or
+#     kept it: their extra state is not known here, so each mapping is
+#     checked as rebuilt from its items (``_rebuilt``) and only what pickling
+#     keeps (types, leaves, a mapping's rebuild) can be named.
 class Local:
     """The local role's loop: the user's loader as it is (sharing off)."""
 
@@ -200,7 +213,8 @@ class Local:
                 return
             if not self.told_unshareable:  # NOTE [sharing off is plain torch]
                 try:
-                    codec.encode(box[0], allow_pickle=ctx.config.allow_pickle)
+                    made = _rebuilt(box[0]) if from_workers(source.loader) else box[0]
+                    codec.encode(made, allow_pickle=ctx.config.allow_pickle)
                 except UnsupportedBatchError as exc:
                     self.told_unshareable = True
                     log.warning(
@@ -223,6 +237,31 @@ class Local:
 
     def stats(self) -> dict[str, Any]:
         return {}
+
+
+def from_workers(loader: object) -> bool:
+    """Whether ``loader``'s batches are copies pickled from DataLoader workers."""
+    return isinstance(loader, torch.utils.data.DataLoader) and loader.num_workers > 0
+
+
+def _rebuilt(batch: Any) -> Any:
+    """``batch`` with each mapping but a dict rebuilt from its items, as a follower
+    rebuilds it (NOTE [sharing off is plain torch]); the rest as it is."""
+    if type(batch) in (list, tuple):
+        return type(batch)(_rebuilt(v) for v in batch)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_rebuilt(v) for v in batch))
+    if type(batch) is dict:
+        return {k: _rebuilt(v) for k, v in batch.items()}
+    if isinstance(batch, Mapping):
+        items = {k: _rebuilt(v) for k, v in batch.items()}
+        try:
+            return codec.rebuild_mapping(
+                type(batch), items, getattr(batch, "default_factory", None)
+            )
+        except Exception:  # the codec names why it cannot be rebuilt
+            return batch
+    return batch
 
 
 def stateful(loader: object) -> bool:

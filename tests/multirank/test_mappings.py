@@ -273,13 +273,63 @@ def test_a_padding_collators_batch_encoding_round_trips() -> None:
     assert info.value.path == "batch['enc']"
 
 
+class WithPath:
+    """A collate that adds a ``Path`` (a leaf sharing refuses) beside the collator's batch."""
+
+    def __init__(self, collate: Any) -> None:
+        self.collate = collate
+
+    def __call__(self, features: list) -> dict:
+        import pathlib
+
+        return {"enc": self.collate(features), "src": pathlib.Path("/data/shard-0.bin")}
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 2-core CI
+def test_sharing_off_with_workers_names_only_refusals_a_pickled_copy_can_tell(caplog) -> None:
+    """NOTE [sharing off is plain torch]: a worker's batch reaches the main process
+    pickled (a ``BatchEncoding`` without its ``n_sequences``): a padding collator's
+    batch, which sharing on accepts in the worker, draws no warning, while a leaf
+    that pickling keeps (a ``Path``) is still named."""
+    import logging
+
+    from transformers import DataCollatorWithPadding
+
+    from shmloader import Config, ShmLoader
+
+    tok = tiny_tokenizer()
+    ds = Sentences(tok, n=6)
+    pad = DataCollatorWithPadding(tok, return_tensors="pt")
+
+    said = {}
+    for name, collate in (("padding", pad), ("path", WithPath(pad))):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="shmloader"):
+            loader = ShmLoader(
+                lambda collate=collate: torch.utils.data.DataLoader(
+                    ds, batch_size=3, collate_fn=collate, num_workers=2
+                ),
+                None,
+                config=Config(enabled=False),
+            )
+            assert len(list(loader)) == 2
+            loader.close()
+        said[name] = [
+            r.getMessage() for r in caplog.records if "would be refused" in r.getMessage()
+        ]
+    assert said["padding"] == [], said["padding"]
+    assert len(said["path"]) == 1 and "batch['src']" in said["path"][0], said["path"]
+
+
 def collators_rank(rank: int, world: int) -> dict:
     """Each collator, sharing on and off (padding in workers, masking in the main process)."""
     from transformers import DataCollatorForLanguageModeling, DataCollatorWithPadding
 
     from shmloader import Config, ShmLoader
+    from tests.support.harness import capture_warnings
     from tests.support.ranks import sp_groups
 
+    warnings = capture_warnings()
     group, _ = sp_groups(world, 2)
     tok = tiny_tokenizer()
     ds = Sentences(tok)
@@ -302,7 +352,7 @@ def collators_rank(rank: int, world: int) -> dict:
 
                 torch.manual_seed(7)  # the same masks on every rank with sharing off
                 loader = ShmLoader(make, group, config=Config.from_env(enabled=share))
-                batches = []
+                batches, states = [], []
                 for batch in loader:
                     batches.append(
                         (
@@ -311,8 +361,12 @@ def collators_rank(rank: int, world: int) -> dict:
                             {k: v.clone() for k, v in batch.items()},
                         )
                     )
+                    states.append(torch.get_rng_state())  # what the step's dropout draws from
+                    torch.rand(5)  # the step's own draws
                 loader.close()
                 out[(name, workers, share)] = batches
+                out[("rng", name, workers, share)] = states
+    out["said"] = list(warnings.messages)
     return out
 
 
@@ -320,6 +374,18 @@ def collators_rank(rank: int, world: int) -> dict:
 def test_transformers_collators_through_real_ranks_sharing_on_and_off() -> None:
     pytest.importorskip("transformers")
     out = run_ranks(collators_rank, 4, timeout=280)
+    for rank in range(4):
+        said = out[rank].pop("said")
+        # sharing off with workers sees pickled copies: no refusal it cannot know of;
+        # the MLM collator's main-process draws are counted: nothing unmirrorable
+        assert not [m for m in said if "would be refused" in m], said
+        assert not [m for m in said if "cannot replay" in m], said
+        runs = {key[1:]: out[rank].pop(key) for key in list(out[rank]) if key[0] == "rng"}
+        for (name, workers, share), states in runs.items():
+            off = runs[(name, workers, False)]
+            assert len(states) == len(off) == 4, (name, workers, share)
+            differ = [i for i, (a, b) in enumerate(zip(states, off, strict=True)) if not a.equal(b)]
+            assert differ == [], f"rank {rank} {name}: torch's generator differs at steps {differ}"
     for rank in range(4):
         for key, batches in out[rank].items():
             name, workers, _ = key

@@ -113,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         s = out[0]["stats"]
         sent = s["cross_node_bytes_sent"] / s["published"] / MIB
         emit(f"| {size} | {out[0]['shm'] * 1e3:.1f} | {out[0]['plain'] * 1e3:.1f} | {sent:.0f} |")
-    if args.out is not None:  # the table, under what made it (provenance's two lines)
+    if args.out is not None:  # the table, then what made it (provenance's two lines)
         with open(args.out, "w") as f:
-            f.write("\n".join([*provenance.header(provenance.finish(record)), "", *lines, ""]))
+            f.write("\n".join([*lines, "", *provenance.header(provenance.finish(record)), ""]))
     return 0
 
 

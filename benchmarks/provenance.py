@@ -1,7 +1,8 @@
 """What every results file records about the run that made it.
 
 A figure is only worth what it says about how to get it again, so each
-benchmark's results file opens with the same two lines::
+benchmark's results file opens with the same two lines (``crossnode``'s ends
+with them, after its table)::
 
     Command: `python -m benchmarks.run --sizes 256 --sp 2 --out DIR` (153 s).
     Recorded: commit f9cf7fe, 2026-12-01 10:02 UTC; 2 cores (AMD EPYC), 23.5 GiB RAM,

@@ -385,3 +385,38 @@ def test_a_job_started_before_its_daemon_registers_once_it_answers(monkeypatch, 
     assert job is not None, f"never registered:\n{daemon_log}"
     assert job["job"] == os.environ["SHMLOADER_JOB"] and job["group"] == [0, 1]
     assert f"serving {path}" in daemon_log
+
+
+# ------------------------------------------------------------- small pieces
+
+
+@pytest.mark.timeout(30)
+def test_no_daemon_at_the_well_known_socket_costs_no_wait_and_says_nothing(
+    monkeypatch, tmp_path, caplog
+) -> None:
+    """NOTE [finding the daemon]: the usual node without a daemon is silent; a socket
+    someone named, or a well-known one nobody answers on, is said once."""
+    monkeypatch.delenv("SHMLOADER_DAEMON", raising=False)
+    monkeypatch.setenv("SHMLOADER_RUNTIME_DIR", str(tmp_path))
+    daemon_client._warned.clear()
+    quiet = connect_daemon(Config.from_env())
+    assert quiet is not None and quiet.state == DaemonClient.DOWN
+    quiet.admit("ab", 1 << 20)  # granted blindly, nothing to say
+    quiet.close()
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    monkeypatch.setenv("SHMLOADER_DAEMON", str(tmp_path / "named.sock"))
+    named = connect_daemon(Config.from_env())
+    assert named is not None and named.state == DaemonClient.DOWN
+    named.close()
+    assert "does not answer; running embedded and registering once it answers" in caplog.text
+    monkeypatch.setenv("SHMLOADER_DAEMON", "off")
+    assert connect_daemon(Config.from_env()) is None
+
+
+@pytest.mark.timeout(60)
+def test_json_log_lines(daemons: Daemons) -> None:  # noqa: F811
+    d = daemons.start("--log-format", "json")
+    first = json.loads(d.output().splitlines()[0])
+    assert {"time", "level", "logger", "pid", "message"} <= set(first)
+    serving = [json.loads(line) for line in d.output().splitlines() if "serving" in line]
+    assert serving and serving[0]["level"] == "INFO" and d.path in serving[0]["message"]

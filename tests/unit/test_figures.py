@@ -3,9 +3,12 @@
 A *table* is a Markdown pipe table outside fenced code: a header row, a
 delimiter row (``| --- | --- |``) and the ``|`` rows after it. It is
 *number-bearing* when one of its body cells, code spans removed, holds a
-decimal number with a fractional part (``0.81``, ``0.60x``, ``2.27-2.52``;
-not a dotted version such as ``3.11.7``). ``NOT_FIGURES`` names the tables
-whose decimals are not measurements (the versions a test run passed on).
+decimal number with a fractional part (``0.81``, ``0.60x``, ``2.27-2.52``),
+neither part of a dotted version (``3.11.7``) nor a size (``16.25 MiB``: a
+size in a table is a setting, a bound or a batch, more often than a
+measurement; a measured size comes with a time or a ratio beside it).
+``NOT_FIGURES`` names the tables whose other decimals are not measurements
+(the versions a test run passed on).
 
 A number-bearing table *cites* its source in a paragraph right above or right
 below it (one blank line between) that begins with ``Source:`` or
@@ -40,8 +43,8 @@ from benchmarks.provenance import recorded_command
 
 REPO = Path(__file__).resolve().parents[2]
 
-#: A decimal with a fractional part that is not part of a dotted version.
-FIGURE = re.compile(r"(?<![\w.])\d+\.\d+(?![\d.])")
+#: A decimal with a fractional part, not part of a dotted version, not a size.
+FIGURE = re.compile(r"(?<![\w.])\d+\.\d+(?![\d.])(?!\s?(?:KiB|MiB|GiB|TiB|kB|MB|GB)\b)")
 DELIMITER = re.compile(r"^\|(\s*:?-+:?\s*\|)+\s*$")
 CODE = re.compile(r"`([^`]*)`")
 RESULTS = re.compile(r"benchmarks/results/[\w./-]*\.(?:md|txt)\b")
@@ -290,5 +293,55 @@ def test_a_citation_above_or_below_with_a_wrapped_command_passes(where: str) -> 
 def test_a_table_without_decimals_or_with_versions_only_carries_no_figures() -> None:
     names = tables("| kind | code |\n| --- | --- |\n| BATCH | 2 |\n", "p.md")[0]
     versions = tables("| | passed on |\n| --- | --- |\n| Python | `3.11.7` 3.11.7 |\n", "p.md")[0]
+    bounds = tables("| what | bound |\n|---|---|\n| all requests | 16.25 MiB |\n", "p.md")[0]
     assert not number_bearing(names) and not number_bearing(versions)
+    assert not number_bearing(bounds)
     assert number_bearing(tables("| | x |\n| --- | --- |\n| a | 0.60x |\n", "p.md")[0])
+
+
+# ------------------------------------------------- the README's step table, value by value
+
+STEP_WAYS = ("base", "shmloader-in-step", "shmloader", "shmloader-huge")  # its columns
+
+
+def step_table_problems(readme: str, rows: list[dict]) -> list[str]:
+    """Cells of the README's step table (``next()`` / above C, the slowest rank's p50)
+    that are not what ``step.json`` holds, to the digits shown."""
+
+    def worst(topology: str, mib: int, way: str, key: str) -> float:
+        return max(
+            r[key]
+            for r in rows
+            if r["topology"] == topology and r["mib"] == mib and r["mode"] == way
+        )
+
+    out = []
+    for line in readme.splitlines():
+        m = re.fullmatch(r"\| SP(\d)( over two nodes)?, (\d+) MiB \| (.*) \|", line.strip())
+        if not m:
+            continue
+        topology = f"{'2nodes' if m.group(2) else '1node'}-sp{m.group(1)}"
+        cells = [c.strip() for c in m.group(4).split("|")]
+        for way, cell in zip(STEP_WAYS, cells, strict=True):
+            shown_next, shown_above = cell.split(" / ")
+            got_next = worst(topology, int(m.group(3)), way, "next_ms_p50")
+            got_above = worst(topology, int(m.group(3)), way, "above_ms_p50")
+            if (
+                abs(float(shown_next) - got_next) > 0.006
+                or abs(float(shown_above) - got_above) > 0.051
+            ):
+                out.append(f"{topology} {m.group(3)} MiB {way}: shows {cell}, "
+                           f"step.json {got_next:.2f} / {got_above:.1f}")  # fmt: skip
+    return out
+
+
+def test_the_readme_step_table_is_what_its_results_file_holds() -> None:
+    import json
+
+    rows = json.loads((REPO / "benchmarks/results/step/step.json").read_text())["rows"]
+    readme = (REPO / "README.md").read_text()
+    assert "| SP2, 256 MiB | " in readme
+    assert step_table_problems(readme, rows) == []
+    wrong = readme.replace("| SP2, 256 MiB | 2.26 / 76.3 |", "| SP2, 256 MiB | 2.26 / 67.3 |")
+    assert step_table_problems(wrong, rows) == ["1node-sp2 256 MiB base: shows 2.26 / 67.3, "
+                                                "step.json 2.26 / 76.3"]  # fmt: skip

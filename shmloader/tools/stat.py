@@ -16,8 +16,9 @@ import time
 from typing import Any
 
 from .._node import ringdir
-from .._node.inventory import SCHEMA, node_ring_dirs, scan
+from .._node.inventory import SCHEMA, node_ring_dirs, scan, scan_entries
 from .._node.reaping import collect_garbage
+from .._node.segment import KIND_CONTROL
 from .._transport import daemon_client
 from ..config import daemon_socket, well_known_socket
 from ..errors import human_bytes
@@ -61,7 +62,11 @@ def register(subparsers: Any) -> None:
         help="show what shmloader holds in shared memory on this node",
         description="Jobs, segments, bytes and progress of shmloader on this node: per rank "
         "its role, batches, wait for data and lag. Asks shmloaderd (--daemon, "
-        "SHMLOADER_DAEMON or /run/shmloader/control.sock) when reachable, else scans /dev/shm.",
+        "SHMLOADER_DAEMON or /run/shmloader/control.sock) when reachable, else scans /dev/shm. "
+        "SLOTS is how many slots (a batch's buffer each) the ring has now, the pool its "
+        "DataLoader workers write into included (up to prefetch_factor + ceil((SHMLOADER_SLOTS + "
+        "2) / num_workers) + 1 per worker): not the SHMLOADER_SLOTS setting, which bounds how "
+        "many batches the leader runs ahead of its slowest follower.",
     )
     p.add_argument(
         "--json",
@@ -87,10 +92,17 @@ def register(subparsers: Any) -> None:
         description="Remove shmloader segments whose owner process is gone from every ring "
         "directory of the node (/dev/shm, SHMLOADER_SHM_DIR, the daemon's --shm-dir, "
         "/mnt/shmloader; headers validated first, live owners never touched) and stale "
-        "sockets.",
+        "sockets. Reports one line per job: its name (the JOB column of `shmloader stat`), "
+        "ring token, segments, bytes and dead owner pids; --verbose adds each segment.",
     )
     g.add_argument("--dry-run", action="store_true", help="list what would go, remove nothing")
     g.add_argument("--json", action="store_true", help="print the list as JSON")
+    g.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="list every segment under its job (by default one line per job)",
+    )
     g.add_argument(
         "--token",
         action="append",
@@ -193,32 +205,75 @@ def cmd_stat(args: argparse.Namespace) -> int:
         return 0
 
 
+def job_names(dirs: list[str], every_uid: bool) -> dict[str, str]:
+    """Ring token -> job name (``SHMLOADER_JOB`` or the launcher's run id, the ``JOB``
+    column of ``stat``) of every ring whose control segment names one."""
+    names: dict[str, str] = {}
+    for e in scan_entries(every_uid=every_uid, dirs=dirs):
+        name = (e.description or {}).get("job")
+        if e.header is not None and e.header.kind == KIND_CONTROL and isinstance(name, str):
+            names[e.header.token] = name
+    return names
+
+
+def _pids(pids: list[int]) -> str:
+    """``owner pid 7 is gone`` or ``owner pids 7, 9 are gone``."""
+    if len(pids) == 1:
+        return f"owner pid {pids[0]} is gone"
+    return f"owner pids {', '.join(map(str, pids))} are gone"
+
+
+def gc_lines(items: list[dict[str, Any]], dry_run: bool, verbose: bool = False) -> list[str]:
+    """``gc``'s human report: one line per job (its name, ring token, segments, bytes and
+    dead owners; with ``verbose`` each segment beneath it), one per socket or directory."""
+    verb = "would remove" if dry_run else "removed"
+    rings: dict[str, list[dict[str, Any]]] = {}
+    for it in items:
+        if it["type"] == "segment":
+            rings.setdefault(it["token"], []).append(it)
+    lines = []
+    for token, segs in rings.items():
+        name = segs[0].get("job")
+        what = f"job {name} (ring {token})" if name else f"ring {token} (no job name)"
+        pids = sorted({it["owner_pid"] for it in segs})
+        size = human_bytes(sum(it["bytes"] for it in segs))
+        lines.append(f"{verb} {what}: {len(segs)} segment(s), {size}; {_pids(pids)}")
+        if verbose:
+            lines += [
+                f"    {verb} {it['name']} ({it['kind']}, {human_bytes(it['bytes'])}): "
+                f"{_pids([it['owner_pid']])}"
+                for it in segs
+            ]
+    for it in items:
+        if it["type"] == "rundir":
+            lines.append(f"{verb} runtime directory {it['name']}: {_pids([it['owner_pid']])}")
+        elif it["type"] == "socket":
+            lines.append(f"{verb} stale socket {it['name']}: {_pids([it['owner_pid']])}")
+    return lines
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
+    every_uid = os.geteuid() == 0  # root: every user's leftovers (NOTE [reaping rule])
+    dirs = daemon_ring_dirs(daemon_path(getattr(args, "daemon", None)))
+    names = job_names(dirs, every_uid)  # before the control segments go
     items = collect_garbage(
         dry_run=args.dry_run,
         tokens=set(args.token) if args.token else None,
         owners=set(args.owner_pid) if args.owner_pid else None,
         jobs=set(args.job) if args.job else None,
-        every_uid=os.geteuid() == 0,  # root: every user's leftovers (NOTE [reaping rule])
-        dirs=daemon_ring_dirs(daemon_path(getattr(args, "daemon", None))),
+        every_uid=every_uid,
+        dirs=dirs,
     )
+    for it in items:
+        it["job"] = names.get(it["token"]) if it.get("token") else None
     if args.json:
         print(json.dumps(items, indent=2))
         return 0
-    verb = "would remove" if args.dry_run else "removed"
-    seg_bytes = 0
-    for it in items:
-        if it["type"] == "segment":
-            seg_bytes += it["bytes"]
-            print(
-                f"{verb} {it['name']} ({it['kind']}, {human_bytes(it['bytes'])}, job "
-                f"{it['token']}): owner pid {it['owner_pid']} is gone"
-            )
-        elif it["type"] == "rundir":
-            print(f"{verb} runtime directory {it['name']}: pid {it['owner_pid']} is gone")
-        else:
-            print(f"{verb} stale socket {it['name']}: pid {it['owner_pid']} is gone")
+    for line in gc_lines(items, args.dry_run, getattr(args, "verbose", False)):
+        print(line)
     nseg = sum(it["type"] == "segment" for it in items)
+    njobs = len({it["token"] for it in items if it["type"] == "segment"})
+    seg_bytes = sum(it["bytes"] for it in items if it["type"] == "segment")
     nsock = len(items) - nseg
     if not items and args.job:
         print(
@@ -229,7 +284,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print("nothing to collect: no shmloader segment or socket of a dead process")
     else:
         print(
-            f"{'would free' if args.dry_run else 'freed'} {nseg} segment(s), "
+            f"{'would free' if args.dry_run else 'freed'} {nseg} segment(s) of {njobs} job(s), "
             f"{human_bytes(seg_bytes)} ({seg_bytes} bytes); {nsock} stale socket(s) or "
             "runtime director(ies)"
         )

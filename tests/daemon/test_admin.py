@@ -184,7 +184,9 @@ def test_gc_removes_only_dead_owners_and_dry_run_removes_nothing(capsys, no_leak
             # Scoped to this test's jobs: a test never collects other runs' leftovers.
             scope = [dead, dead_data, recycled, unknown_start]
             tokens = {s.header.token for s in scope} | {ring.token, junk_token, "abcd"}
-            code, out, _ = run_cli(["gc", *(f"--token={t}" for t in sorted(tokens))], capsys)
+            code, out, _ = run_cli(
+                ["gc", "--verbose", *(f"--token={t}" for t in sorted(tokens))], capsys
+            )
             assert code == 0
             for name in should_go:
                 assert not os.path.exists(_shm_path(name)), f"gc left {name}"
@@ -238,14 +240,20 @@ def test_gc_job_removes_only_that_jobs_rings(capsys) -> None:
         assert all(len(v) == 2 for v in names.values())
         code, out, _ = run_cli(["gc", "--job", "train-a"], capsys)
         assert code == 0
+        # one line for the job, named as `stat` names it, with its ring token
+        lines = [x for x in out.splitlines() if x.startswith("removed ")]
+        assert len(lines) == 1 and lines[0].endswith(" is gone"), out
+        assert lines[0].startswith(f"removed job train-a (ring {a.token}): 2 segment(s), "), out
+        assert "freed 2 segment(s) of 1 job(s)" in out, out
         for name in names[a.token]:
-            assert f"removed {name}" in out and not os.path.exists(_shm_path(name))
+            assert name not in out and not os.path.exists(_shm_path(name))
         for name in names[b.token]:
             assert name not in out and os.path.exists(_shm_path(name)), "gc --job took another job"
         code, out, _ = run_cli(["gc", "--job", "train-a"], capsys)
         assert code == 0 and "nothing to collect for job train-a" in out
-        code, out, _ = run_cli(["gc", "--job", "train-b", "--dry-run"], capsys)
-        assert all(f"would remove {n}" in out for n in names[b.token])
+        code, out, _ = run_cli(["gc", "--job", "train-b", "--dry-run", "-v"], capsys)
+        assert f"would remove job train-b (ring {b.token}): 2 segment(s)" in out, out
+        assert all(f"    would remove {n}" in out for n in names[b.token]), out
 
 
 @pytest.mark.timeout(20)
@@ -534,7 +542,7 @@ def test_gc_and_stat_look_in_the_daemons_and_the_systemd_ring_directories(
                 seg.close()
             dead[where] = seg
         tokens = [f"--token={s.header.token}" for s in dead.values()]
-        code, out, _ = run_cli(["gc", "--dry-run", *tokens], capsys)
+        code, out, _ = run_cli(["gc", "--dry-run", "--verbose", *tokens], capsys)
         for seg in dead.values():
             assert f"would remove {seg.name}" in out, out
         scanned = {j["token"]: j["shm_dir"] for j in inventory.scan()["jobs"]}

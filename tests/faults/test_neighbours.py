@@ -548,7 +548,7 @@ def test_gc_cli_removes_dead_runtime_directories_and_scopes_by_token(
         segs.append(s)
     try:
         os.environ["SHMLOADER_RUNTIME_DIR"] = no_leaks  # set by the fixture too
-        assert cli.main(["gc", "--token", mine]) == 0
+        assert cli.main(["gc", "--verbose", "--token", mine]) == 0
         out = capsys.readouterr().out
         assert segs[0].name in out and segs[1].name not in out
         assert os.path.exists(segment.shm_path(segs[1].name))  # another job's: untouched

@@ -49,7 +49,15 @@ def commit() -> str:
             [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
         )
         dirty = subprocess.run(
-            [*git, "status", "--porcelain", "--", "shmloader", "benchmarks"],
+            [
+                *git,
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                "shmloader",
+                "benchmarks",
+            ],
             capture_output=True,
             text=True,
         )

@@ -83,6 +83,22 @@ def raise_fd_limit() -> tuple[int, int]:
 def peer_uid(fd: int, path: str) -> int | None:
     """The ``SO_PEERCRED`` uid of ``fd`` when it is a connection to the unix socket
     ``path``; None for anything else (closed, reused, not ours)."""
+    cred = peer_cred(fd, path)
+    return None if cred is None else cred[1]
+
+
+def shut_down(fd: int, path: str, pid: int, uid: int) -> bool:
+    """End the stream of libzmq's connection ``fd`` (libzmq then closes it itself),
+    only while ``fd`` is a connection to ``path`` of that very process (``pid`` and
+    ``uid`` by ``SO_PEERCRED``): a number libzmq has since given to another
+    process's connection is left alone."""
+    if peer_cred(fd, path) != (pid, uid):
+        return False
+    return _LIBC.shutdown(fd, socket.SHUT_RDWR) == 0
+
+
+def peer_cred(fd: int, path: str) -> tuple[int, int] | None:
+    """(pid, uid) of ``SO_PEERCRED`` when ``fd`` is a connection to ``path``."""
     addr = ctypes.create_string_buffer(128)
     size = ctypes.c_uint32(len(addr))
     if _LIBC.getsockname(fd, addr, ctypes.byref(size)) != 0 or size.value <= 2:
@@ -95,8 +111,8 @@ def peer_uid(fd: int, path: str) -> int | None:
     size = ctypes.c_uint32(_UCRED.size)
     if _LIBC.getsockopt(fd, socket.SOL_SOCKET, socket.SO_PEERCRED, cred, ctypes.byref(size)):
         return None
-    _pid, uid, _gid = _UCRED.unpack(cred.raw)
-    return uid
+    pid, uid, _gid = _UCRED.unpack(cred.raw)
+    return pid, uid
 
 
 class ConnectionGuard:

@@ -1,18 +1,19 @@
-"""The daemon proper: one thread, one loop, one ROUTER socket.
+"""The daemon proper: one thread, one loop, one control socket.
 
 It owns ``Daemon``: binding the control socket, the loop (reap passes, watchdog,
 requests; every step bounded, ``stop`` ends it within ``SLICE_S``: drawn in
-docs/internals/flow.md), serving each request after its peer's credentials are
-checked, and the stats document with each asker's view (``view``). Nothing a
-client sends can stop the loop: a malformed request, or an exception while
-serving one, is answered ``ok: false`` and logged. It unlinks only what the
-reaping rule allows (through ``shmloader._node.reaping``), its own warm pool and
-its socket.
+docs/internals/flow.md), moving the control socket's bytes through ``zmtp.Wire``
+(the ZMTP it speaks, the bounds on what clients send), serving each request
+after its peer's credentials are checked, and the stats document with each
+asker's view (``view``). Nothing a client sends can stop the loop: a malformed
+request, or an exception while serving one, is answered ``ok: false`` and
+logged; a connection that breaks a bound is dropped and logged. It unlinks only
+what the reaping rule allows (through ``shmloader._node.reaping``), its own warm
+pool and its socket.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
@@ -37,12 +38,12 @@ from shmloader._node.inventory import (
 )
 from shmloader._node.reaping import dead_runtime_dirs, remove_if_dead, stale_sockets
 from shmloader._node.segment import HEADER_SIZE
-from shmloader._transport.daemon_client import MAX_REQUEST, DaemonClient
+from shmloader._transport.daemon_client import DaemonClient
 from shmloader.errors import ProtocolError, human_bytes
 
-from . import notify, protocol
+from . import notify, protocol, zmtp
 from ._version import __version__
-from .guard import DEFAULT_MAX_UID_CONNECTIONS, ConnectionGuard
+from .guard import DEFAULT_MAX_UID_CONNECTIONS, ConnectionGuard, shut_down
 from .registry import MAX_OWNERS, Job, Registry, RegistryFull, _from_description
 from .tenants import Peer, Tenancy, UidBudgets, peer_of, user_name
 from .warm import WarmSegments
@@ -50,8 +51,12 @@ from .warm import WarmSegments
 log = logging.getLogger("shmloaderd")
 
 SLICE_S = 0.1
-#: ZeroMQ drops the connection of a peer sending a bigger message.
-MAX_WIRE = 4 * MAX_REQUEST
+#: A connection sending a bigger frame is dropped (NOTE [bounded state] in ``registry``).
+MAX_WIRE = zmtp.MAX_FRAME
+#: Seconds a connection may send nothing before libzmq is asked whether it still has it.
+IDLE_PROBE_S = 60.0
+#: Longest wait of the loop while replies wait for libzmq to take them.
+WAITING_S = 0.002
 #: Longest ipc:// path (sockaddr_un.sun_path less its NUL).
 MAX_SOCKET_PATH = 107
 
@@ -75,15 +80,17 @@ class StartError(Exception):
 class _RateLimited:
     """At most ``burst`` warnings per ``period`` seconds, then a count of the rest."""
 
-    def __init__(self, burst: int = 10, period: float = 10.0) -> None:
-        self.burst, self.period = burst, period
+    def __init__(
+        self, burst: int = 10, period: float = 10.0, what: str = "malformed request(s)"
+    ) -> None:
+        self.burst, self.period, self.what = burst, period, what
         self.window, self.count, self.suppressed = 0.0, 0, 0
 
     def warn(self, msg: str, *args: object) -> None:
         now = time.monotonic()
         if now - self.window > self.period:
             if self.suppressed:
-                log.warning("... %d more malformed request(s) not logged", self.suppressed)
+                log.warning("... %d more %s not logged", self.suppressed, self.what)
             self.window, self.count, self.suppressed = now, 0, 0
         self.count += 1
         if self.count <= self.burst:
@@ -141,6 +148,9 @@ class Daemon:
         self.requests: dict[str, int] = {}
         self._count_lock = threading.Lock()  # requests is read by the metrics thread
         self._bad = _RateLimited()
+        self.wire = zmtp.Wire()  # NOTE [bounded state] in ``registry``: what clients send
+        self._dropped = _RateLimited(what="dropped connection(s)")
+        self._next_sweep = 0.0
         self._snapshot: dict[str, Any] | None = None
         self._bound = False
 
@@ -196,9 +206,13 @@ class Daemon:
             os.unlink(self.path)  # a dead daemon's socket
             log.info("removed the stale control socket %s", self.path)
         self.ctx = zmq.Context()
-        sock = self.ctx.socket(zmq.ROUTER)
+        # STREAM, not ROUTER: a ROUTER keeps every frame of an unfinished multipart
+        # message, with no bound (NOTE [bounded state] in ``registry``); the daemon
+        # speaks ZMTP itself (``zmtp``), libzmq keeps at most RCVHWM chunks a connection
+        sock = self.ctx.socket(zmq.STREAM)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE)
+        sock.setsockopt(zmq.RCVHWM, zmtp.RCVHWM)
+        sock.setsockopt(zmq.SNDHWM, zmtp.SNDHWM)
         sock.setsockopt(zmq.SNDTIMEO, 0)
         # before bind: no connection is accepted unseen (NOTE [connection bound] in ``guard``)
         guard = ConnectionGuard(sock, self.path, self.max_uid_connections)
@@ -247,27 +261,126 @@ class Daemon:
                 next_dog = now + watchdog
             due = min(next_reap, next_dog if watchdog is not None else next_reap)
             wait = max(0.0, min(SLICE_S, due - time.monotonic()))
-            if self.sock.poll(int(wait * 1000), zmq.POLLIN):
+            if self.wire.waiting:  # replies libzmq refused: try again soon
+                wait = min(wait, WAITING_S)
+            if self.sock.poll(int(wait * 1000), zmq.POLLIN) or self.wire.waiting:
                 self._drain()
+            if time.monotonic() >= self._next_sweep:
+                self._sweep(time.monotonic())
 
     def _drain(self) -> None:
         assert self.sock is not None
         for _ in range(256):  # then let the reaper run
             try:
-                parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                break
+            if len(frames) == 2:  # a STREAM message: [id, bytes]
+                self._bytes_in(frames[0].bytes, frames[1])
+        for ident in list(self.wire.waiting):  # replies libzmq refused: try again
+            waiting = self.wire.conns.get(ident)
+            if waiting is not None:
+                self._serve_conn(ident, waiting)
+
+    def _bytes_in(self, ident: bytes, data: zmq.Frame) -> None:
+        """One chunk of a connection's bytes (NOTE [bounded state] in ``registry``)."""
+        now = time.monotonic()
+        if not len(data):  # STREAM's notice: a connection opened, or closed
+            if self.wire.closed(ident) is None:
+                new = self.wire.opened(ident, peer_of(data), _src_fd(data), now)  # NOTE [tenants]
+                self._serve_conn(ident, new)
+            return
+        conn = self.wire.conns.get(ident)
+        if conn is None:
+            return  # bytes still queued from one we hung up on
+        try:
+            self.wire.feed(conn, data.bytes, now)
+        except zmtp.Dropped as exc:
+            self._hang_up(ident, str(exc))
+            return
+        self._serve_conn(ident, conn)
+
+    def _serve_conn(self, ident: bytes, conn: zmtp.Conn) -> None:
+        """Answer a connection's finished requests in order while libzmq takes its
+        replies; none is read while a piece of its replies waits."""
+        while True:
+            while len(conn.outbox) < zmtp.PIECE:
+                try:
+                    frames = self.wire.next(conn, time.monotonic())
+                except zmtp.Dropped as exc:
+                    self._hang_up(ident, str(exc))
+                    return
+                if frames is None:
+                    break
+                conn.outbox += zmtp.encode(self._answer(frames, conn.peer))
+            if not conn.outbox or not self._flush(ident, conn):
                 return
-            frames = [p.bytes for p in parts]
-            if len(frames) >= 3 and frames[1] == b"":
-                envelope, body = frames[:2], frames[2:]  # REQ
-            else:
-                envelope, body = frames[:1], frames[1:]  # DEALER
-            if len(body) != 1:
-                reply = self._reject(f"request of {len(body)} frames; expected exactly one")
-            else:
-                reply = self.handle(body[0], peer_of(parts[-1]))  # NOTE [tenants]
-            with contextlib.suppress(zmq.ZMQError):  # the client may be gone
-                self.sock.send_multipart([*envelope, reply], zmq.NOBLOCK)
+
+    def _answer(self, frames: list[bytes], peer: Peer | None) -> list[bytes]:
+        """The reply to one message, with its envelope (a ``REQ``'s empty delimiter)."""
+        if len(frames) >= 2 and frames[0] == b"":
+            envelope, body = frames[:1], frames[1:]  # REQ
+        else:
+            envelope, body = [], frames  # DEALER
+        if len(body) != 1:
+            return [*envelope, self._reject(f"request of {len(body)} frames; expected exactly one")]
+        return [*envelope, self.handle(body[0], peer)]
+
+    def _flush(self, ident: bytes, conn: zmtp.Conn) -> bool:
+        """Hand the connection's outbox to libzmq, a piece at a time; False when
+        libzmq takes no more now (its queue is full) or the connection is gone."""
+        assert self.sock is not None
+        while conn.outbox:
+            piece = bytes(conn.outbox[: zmtp.PIECE])
+            try:
+                self.sock.send_multipart([ident, piece], zmq.NOBLOCK)
+            except zmq.Again:  # SNDHWM pieces unread, or libzmq is closing it
+                self.wire.waiting.add(ident)
+                return False
+            except zmq.ZMQError:  # EHOSTUNREACH: libzmq has closed it
+                self.wire.closed(ident)
+                return False
+            del conn.outbox[: zmtp.PIECE]
+        self.wire.waiting.discard(ident)
+        if not conn.held:
+            conn.since = 0.0
+        return True
+
+    def _hang_up(self, ident: bytes, why: str) -> None:
+        """Drop a connection for what it sent, and log it; no other is touched."""
+        assert self.sock is not None
+        conn = self.wire.closed(ident)
+        if conn is None:
+            return
+        self.wire.dropped += 1
+        self._count("dropped")
+        who = str(conn.peer) if conn.peer is not None else "a peer of unknown uid"
+        self._dropped.warn("dropped a connection of %s to the control socket: %s", who, why)
+        try:  # STREAM: an empty message closes it
+            self.sock.send_multipart([ident, b""], zmq.NOBLOCK)
+            return
+        except zmq.Again:  # refused: its replies fill its queue; end its stream instead
+            pass
+        except zmq.ZMQError:
+            return  # EHOSTUNREACH: already gone
+        if conn.fd is not None and conn.peer is not None:
+            shut_down(conn.fd, self.path, conn.peer.pid, conn.peer.uid)
+
+    def _sweep(self, now: float) -> None:
+        """Drop connections holding an unfinished request or unread replies for too
+        long; forget those libzmq closed without a notice (it has none to give
+        when that connection's queue is full)."""
+        self._next_sweep = now + 1.0
+        for ident in self.wire.overdue(now):
+            conn = self.wire.conns[ident]
+            what = "replies stayed unread" if conn.outbox else "request stayed unfinished"
+            self._hang_up(ident, f"its {what} for {zmtp.UNFINISHED_S:g} s")
+        for ident in self.wire.idle(now, IDLE_PROBE_S):
+            conn = self.wire.conns[ident]
+            conn.last = now
+            if not conn.outbox:
+                conn.outbox += zmtp.PROBE
+                self._flush(ident, conn)
 
     def _count(self, op: str) -> None:
         with self._count_lock:
@@ -788,6 +901,15 @@ def _mark_over_budget(jobs: list[dict[str, Any]], uids: dict[str, Any]) -> None:
 def _by_token(key: tuple[Any, str]) -> tuple[str, int]:
     """Jobs in the document: by token, then uid (NOTE [whose job])."""
     return (key[1], -1 if key[0] is None else key[0])
+
+
+def _src_fd(frame: zmq.Frame) -> int | None:
+    """libzmq's descriptor of the connection a frame came from (None if not told)."""
+    try:
+        fd = frame.get(zmq.SRCFD)
+    except zmq.ZMQError:
+        return None
+    return fd if isinstance(fd, int) and fd >= 0 else None
 
 
 def _file_uid(name: Any) -> int | None:

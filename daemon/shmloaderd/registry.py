@@ -45,6 +45,27 @@ GRANT_TTL_S = 30.0
 #     registered group (or, for a job not registered, of the group its control
 #     segment describes), at most ``MAX_OWNERS`` owner pids, ``MAX_GRANTS``
 #     pending grants and ``MAX_SEGMENTS`` declared segment names.
+#
+#     What clients send is bounded before it is kept. The control socket is a
+#     ZeroMQ ``STREAM`` socket over which the daemon speaks ZMTP itself
+#     (``zmtp``): a ``ROUTER`` keeps every frame of a multipart message until
+#     its last, with no bound (``MAXMSGSIZE`` bounds a frame, ``RCVHWM``
+#     counts finished messages only), so one local user's 1,536 frames of
+#     1 MiB with MORE grew the root daemon by 1.5 GiB. Now libzmq queues at
+#     most ``zmtp.RCVHWM`` chunks of 8 KiB a connection and reads no more of
+#     it until the daemon takes them; the daemon keeps, of requests not
+#     answered yet, at most ``zmtp.CONN_BYTES`` a connection and
+#     ``zmtp.UID_BYTES`` for all connections of a uid (root's too), a message
+#     of at most ``zmtp.MAX_FRAMES`` frames, each checked from its header
+#     before its bytes are kept; replies wait in pieces of ``zmtp.PIECE``, at
+#     most ``zmtp.SNDHWM`` queued, and no further request of a connection is
+#     read while a piece of its replies waits. A connection past a bound, or
+#     one holding an unfinished request or unread replies for
+#     ``zmtp.UNFINISHED_S``, is dropped and logged (``dropped a connection
+#     of uid ...``); the others, its uid's included, are still served. With
+#     ``--max-uid-connections`` (NOTE [connection bound] in ``guard``) this
+#     bounds what one user can make the daemon hold (docs/operating.md states
+#     the figures); the shipped unit adds ``MemoryMax=`` for the whole.
 #: Jobs the registry tracks at most: a runaway client cannot grow it without bound.
 MAX_JOBS = 4096
 #: Jobs one uid other than root may have tracked at once in node mode: one user's
@@ -57,7 +78,11 @@ MAX_GRANTS = 256
 MAX_SEGMENTS = 4096
 #: How long a dead job stays in ``stat`` after it was reaped (NOTE [dead jobs stay visible]).
 ENDED_KEEP_S = 600.0
-MAX_ENDED = 256
+#: Dead-job records one uid keeps (its oldest go first): one user's dead jobs
+#: never evict another's (NOTE [dead jobs stay visible]).
+MAX_UID_ENDED = 256
+#: Dead-job records in all; past it the oldest of the uid keeping the most goes.
+MAX_ENDED = 4096
 
 
 #: What a ``report`` may set for one rank.
@@ -206,8 +231,12 @@ class Job:
 #     operator never saw that it died or what was freed. Its record moves to
 #     ``ended`` (token -> ``Ended``: when, why, what the reaper freed, with its
 #     name, group and pids) and ``stat`` shows it as ``dead`` for
-#     ``ENDED_KEEP_S``. Rings closed in order leave no record. At most
-#     ``MAX_ENDED`` are kept, the oldest dropped first.
+#     ``ENDED_KEEP_S``. Rings closed in order leave no record. Each uid keeps
+#     its own share, as live jobs do (``MAX_UID_JOBS``): at most
+#     ``MAX_UID_ENDED`` records of one uid, its own oldest dropped first, so
+#     one user letting 300 jobs die removes no other user's record; past
+#     ``MAX_ENDED`` in all, the oldest of the uid keeping the most goes. A
+#     record keeps what ``stat`` shows (no reports, grants, segment names).
 @dataclass
 class Ended:
     """A dead job's record (NOTE [dead jobs stay visible])."""
@@ -627,8 +656,16 @@ class Registry:
     def record_end(self, job: Job, why: str, segments: int, nbytes: int) -> None:
         """Keep a dead job's record (NOTE [dead jobs stay visible])."""
         self.ended.pop(job.key, None)
-        while len(self.ended) >= MAX_ENDED:  # NOTE [bounded state]
-            self.ended.pop(next(iter(self.ended)))
+        mine = [k for k in self.ended if k[0] == job.key[0]]
+        for key in mine[: max(0, len(mine) - MAX_UID_ENDED + 1)]:  # NOTE [bounded state]
+            del self.ended[key]
+        while len(self.ended) >= MAX_ENDED:
+            counts: dict[int, int] = {}
+            for uid, _ in self.ended:
+                counts[uid] = counts.get(uid, 0) + 1
+            most = max(counts, key=counts.__getitem__)
+            del self.ended[next(k for k in self.ended if k[0] == most)]
+        job.reports, job.grants, job.segments = {}, [], {}  # not shown; not kept
         self.ended[job.key] = Ended(job, time.time(), why, segments, nbytes)
 
     def note_reaped(self, key: Key, segments: int, nbytes: int) -> None:

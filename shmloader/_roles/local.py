@@ -37,6 +37,9 @@ class Source:
         self.boundary = boundary
         self.warned_rng = False
         self.warned_generator = False  # NOTE [limits of exact resume]
+        #: whether followers mirror its draws: not with sharing off (``Local``), where
+        #: a draw no count explains concerns nobody
+        self.followed = True
 
     def open(self, skip: int, *, at_iter: bool = False) -> tuple[Iterator[Any], int]:
         """``iter()`` the user's loader and fast-forward ``skip`` batches (a resume).
@@ -137,7 +140,7 @@ class Source:
         after = rng.snapshot()
         n = rng.count_draws(before, after)
         if n is None:
-            if not self.warned_rng:
+            if self.followed and not self.warned_rng:
                 self.warned_rng = True
                 log.warning(
                     "shmloader: the leader's loader drew from the default torch generator in "
@@ -183,6 +186,7 @@ class Local:
     def __init__(self, ctx: Context, source: Source, unwarned: arrival.Arrival | None) -> None:
         self.ctx = ctx
         self.source = source
+        source.followed = False  # sharing off: no follower mirrors its draws
         # looked at once more when the first iteration starts, in case peers
         # with sharing on marked after this rank (NOTE [set-up marks] in arrival)
         self.unwarned = unwarned

@@ -136,7 +136,8 @@ def mirror_draws(n: int) -> None:
         from ..errors import ProtocolError
 
         raise ProtocolError(
-            f"a peer asked for {n!r} generator draws; a message carries 0..{MAX_MIRRORED_DRAWS}"
+            f"a peer asked for {n!r} generator draws (32-bit words); a message carries "
+            f"0..{MAX_MIRRORED_DRAWS}"
         )
     _Torch.draw(n)
 

@@ -279,6 +279,11 @@ def test_a_main_process_draw_that_cannot_be_mirrored_is_warned_once_with_cause_a
     try:
         with caplog.at_level("WARNING", logger="shmloader"):
             before = rng.snapshot()
+            torch.randn(3)
+            assert source.count(before) == 0  # sharing off: no follower, nothing to say
+            assert not [m for m in caplog.messages if "cannot replay" in m]
+            source.followed = True  # as a leader's source
+            before = rng.snapshot()
             torch.rand(300)  # whole words: counted, nothing said
             assert source.count(before) == 300
             for _ in range(2):

@@ -166,8 +166,10 @@ UPWARD = {
 }
 
 #: What the daemon may import of ``shmloader``: the layers it shares with the library
-#: (segments, the reaping rule, the waits histogram, the client's protocol), no torch.
-DAEMON_MAY = {"errors", "_node", "_proto", "_transport"}
+#: (segments, the reaping rule, the waits histogram, the client's protocol, the rule
+#: that finds the well-known socket in ``config``, the version in the package root),
+#: none of which loads torch (``test_the_daemon_loads_no_torch``).
+DAEMON_MAY = {"errors", "_node", "_proto", "_transport", "config", "__init__"}
 #: The benchmarks measure the package, its internals included, but not its CLI.
 BENCHMARKS_MAY = set(LAYERS) - {"tools", "__main__"}
 #: The modules of ``shmloader`` that may import the daemon: ``shmloader daemon``.
@@ -265,6 +267,15 @@ def test_the_daemon_imports_only_what_it_may() -> None:
     assert not refused, sorted(refused)
     assert not _edges(graph, "shmloaderd", "benchmarks")
     assert {a for a, _ in _edges(graph, "shmloader", "shmloaderd")} <= IMPORT_THE_DAEMON
+
+
+def test_the_daemon_loads_no_torch() -> None:
+    """What the daemon imports of the library never brings torch into its process."""
+    code = "import sys, shmloaderd.__main__; print('torch' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "False", out
 
 
 def test_the_benchmarks_import_only_what_they_may() -> None:

@@ -1,9 +1,10 @@
 """Checkpoints: a rank's state at an optimizer-step boundary, validated, saved and loaded.
 
 It owns the state's format (``STATE_FORMAT``: cursor, RNG at the step boundary
-and the epoch's start, sampler and loader state, topology),
-``Checkpoints.state_dict`` and ``load`` and ``validate_state`` (NOTE
-[checkpoints]). It reads the ``Cursor`` and ``Boundary``, the leader's
+and the epoch's start, sampler and loader state, topology, the dataset's
+identity), ``Checkpoints.state_dict`` and ``load`` and ``validate_state`` (NOTE
+[checkpoints]) and what a state must share with the loader it is loaded into
+(NOTE [a resume fits the loader]). It reads the ``Cursor`` and ``Boundary``, the leader's
 ``Source``, the device stage's and the ahead loop's hand-over positions, and on load writes only
 the cursor's pending resume and the boundary's pending RNG, which take effect at
 the next ``iter()`` (docs/internals/flow.md).
@@ -51,6 +52,7 @@ class Checkpoints:
         self.group_ranks = group_ranks
         self.stage = stage
         self.ahead = ahead  # the role's loop on its own thread (NOTE [running ahead])
+        self.resumed_ended = False  # the loaded state's ``ended``, until its iteration
 
     @property
     def loader(self) -> Any:
@@ -112,14 +114,16 @@ class Checkpoints:
         if cursor.resumes_here():
             at = delivered = cursor.resume[1]  # type: ignore[index]  # loaded, not iterated yet
             _, _, saved, now = self.position()
+            ended = self.resumed_ended
         else:
-            delivered, exhausted, saved, now = self.user_position()
-            at = delivered if exhausted else delivered - delivered % k
+            delivered, ended, saved, now = self.user_position()
+            at = delivered if ended else delivered - delivered % k
         partial = at != delivered
         state: dict[str, Any] = {
             "format": STATE_FORMAT,
             "epoch": cursor.epoch,
             "batches": at,
+            "ended": ended,
             "accumulation_steps": k,
             "topology": self.topology(),
         }
@@ -136,6 +140,7 @@ class Checkpoints:
             if stateful(loader):
                 state["loader"] = saved if partial else now
             state.update(self._open_state(at))
+            state["dataset"] = {key: value for key, (_, value) in _identity(loader).items()}
         return state
 
     def _open_state(self, at: int) -> dict[str, Any]:
@@ -158,6 +163,11 @@ class Checkpoints:
         epoch, batches, loader_state = validate_state(state, topology)
         cursor, boundary, loader = self.cursor, self.boundary, self.loader
         resized = state["topology"]["world"] != topology["world"]
+        restore = not resized and loader_state is not None and loader is not None
+        if not resized:
+            check_boundary(state, boundary.steps)
+        if loader is not None:
+            check_identity(state, loader, adopts_seed=resized or restore)
         sampler = _find_sharded(loader) if loader is not None else None
         if resized:
             if loader is not None and sampler is None:
@@ -172,9 +182,9 @@ class Checkpoints:
                 sampler.load_state_dict(state["sampler"])  # validates before it changes
             set_epoch(epoch)
             cursor.resume = (epoch, 0, True)
+            self.resumed_ended = False
             boundary.resume_open = None  # no rank's stream continues
             return
-        restore = loader_state is not None and loader is not None
         if restore and not stateful(loader):
             raise ConfigError(
                 "state['loader']",
@@ -185,6 +195,7 @@ class Checkpoints:
         if restore:
             loader.load_state_dict(loader_state)
         cursor.resume = (epoch, batches, not restore)
+        self.resumed_ended = _ended(state)
         boundary.pending = state.get("rng")
         boundary.resume_open = None
         if loader is not None:  # NOTE [RNG at the epoch's start] (rng.py)
@@ -202,6 +213,125 @@ class Checkpoints:
                     state["format"],
                     STATE_FORMAT,
                 )
+
+
+# NOTE [a resume fits the loader]
+#     A state resumes at its cursor by replaying the saved order, so it
+#     loads only into a loader that gives that cursor the same meaning:
+#
+#     - The cursor is an optimizer-step boundary of the current layout: the
+#       saved ``accumulation_steps`` or, when the loader's differs, a cursor
+#       that is a multiple of the loader's (saved at batch 6 with 2, loaded
+#       with 3: step 3 of 3 starts there, exact) or the end of the epoch
+#       (``ended``; a state without it, older than the key, ended where its
+#       cursor is no multiple of its own accumulation). Anything else would
+#       start the resumed run in the middle of an optimizer step.
+#     - The leader's dataset has the saved length, and the sampler that
+#       orders it (a ``seed`` attribute: ``DistributedSampler``,
+#       ``ShardedSampler``, ``BalancedBatchSampler``; not with ``shuffle=False``)
+#       the saved seed: the same cursor in another dataset or order is other
+#       samples. A sampler
+#       that loads its own state adopts the saved seed (a ``ShardedSampler``
+#       under a DP resize or in a ``StatefulDataLoader``), so its seed is not
+#       compared. A ``generator=`` has no seed that identifies the order
+#       (NOTE [limits of exact resume] in ``local``).
+#
+#     Each mismatch is a ``TopologyMismatchError`` naming both values and
+#     the fix, raised before anything changes. A key the state lacks (saved
+#     before it existed) or the loader cannot tell (a dataset without
+#     ``len()``, a loader without ``dataset``) is not compared. Only a rank
+#     that runs the loader holds its identity: a follower checks the layout.
+def _ended(state: dict[str, Any]) -> bool:
+    """Whether the state's cursor is the end of its epoch (NOTE [a resume fits the loader])."""
+    ended = state.get("ended")
+    if isinstance(ended, bool):
+        return ended
+    return state["batches"] % state["accumulation_steps"] != 0
+
+
+def check_boundary(state: dict[str, Any], steps: int) -> None:
+    """Refuse a cursor inside an optimizer step of ``steps`` micro-batches (NOTE [a resume
+    fits the loader])."""
+    saved, batches = state["accumulation_steps"], state["batches"]
+    if saved == steps or batches % steps == 0 or _ended(state):
+        return
+    below = batches - batches % steps
+    raise TopologyMismatchError(
+        f"this checkpoint was saved with accumulation_steps={saved} at batch {batches} of epoch "
+        f"{state['epoch']}, and this loader has accumulation_steps={steps}: batch {batches} "
+        f"is inside an optimizer step of {steps} micro-batches (steps start at batches "
+        f"{below} and {below + steps}), so the resumed run would start a step part-way. "
+        f"Construct the loader with accumulation_steps={saved} to resume from this checkpoint "
+        f"(or with one that divides {batches}), or resume from a checkpoint saved at a batch "
+        f"that is a multiple of {steps}"
+    )
+
+
+def _identity(loader: object) -> dict[str, tuple[str, int]]:
+    """The loader's dataset length and its sampler's seed, each with where it was read.
+
+    Keys ``length`` and ``sampler_seed``, each only where the loader tells it
+    (NOTE [a resume fits the loader]).
+    """
+    out: dict[str, tuple[str, int]] = {}
+    dataset = getattr(loader, "dataset", None)
+    if dataset is not None:
+        try:
+            length = len(dataset)
+        except (TypeError, NotImplementedError):  # an IterableDataset without __len__
+            length = None
+        if isinstance(length, int) and not isinstance(length, bool):
+            out["length"] = ("dataset", length)
+    owner = _seed_owner(loader)
+    if owner is not None:
+        out["sampler_seed"] = (owner[0], owner[2])
+    return out
+
+
+def _seed_owner(loader: object) -> tuple[str, object, int] | None:
+    """(where, sampler, seed) of the first sampler of ``loader`` whose integer ``seed``
+    orders it (not one constructed with ``shuffle=False``, which its seed does not order)."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for where, obj in (
+        ("sampler", getattr(loader, "sampler", None)),
+        ("batch_sampler", batch_sampler),
+        ("batch_sampler.sampler", getattr(batch_sampler, "sampler", None)),
+    ):
+        seed = getattr(obj, "seed", None)
+        if getattr(obj, "shuffle", None) is False:
+            continue
+        if isinstance(seed, int) and not isinstance(seed, bool):
+            return where, obj, seed
+    return None
+
+
+def check_identity(state: dict[str, Any], loader: object, *, adopts_seed: bool) -> None:
+    """Refuse a state saved with another dataset length or sampler seed (NOTE [a resume fits
+    the loader]); ``adopts_seed``: a sampler that loads its own state takes the saved seed."""
+    saved = state.get("dataset")
+    if not isinstance(saved, dict):
+        return
+    now = _identity(loader)
+    if "length" in saved and "length" in now and saved["length"] != now["length"][1]:
+        raise TopologyMismatchError(
+            f"this checkpoint was saved with a dataset of {saved['length']} samples, and this "
+            f"loader's dataset has {now['length'][1]}: the resume would replay the saved "
+            "positions in another dataset and deliver other samples than the run it resumes. "
+            "Resume with the dataset the checkpoint was saved with; to train on the changed "
+            "dataset, start its epoch afresh instead of loading this state"
+        )
+    owner = _seed_owner(loader)
+    if owner is None or "sampler_seed" not in saved or saved["sampler_seed"] == owner[2]:
+        return
+    if adopts_seed and stateful(owner[1]):
+        return
+    where, sampler, seed = owner
+    raise TopologyMismatchError(
+        f"this checkpoint was saved with a sampler seeded {saved['sampler_seed']}, and this "
+        f"loader's {where} ({type(sampler).__name__}) has seed={seed}: the resume would replay "
+        "the saved positions in another order and deliver other samples than the run it "
+        f"resumes. Construct the sampler with seed={saved['sampler_seed']}"
+    )
 
 
 def _find_sharded(loader: object) -> Any:
@@ -264,6 +394,27 @@ def validate_state(state: Any, topology: dict[str, Any]) -> tuple[int, int, Any]
         raise ConfigError("state['topology']", saved, "a dict")
     if "rng" in state and (problem := rng.check(state["rng"])) is not None:
         raise ConfigError("state['rng']", type(state["rng"]).__name__, problem)
+    if "ended" in state:
+        ended = state["ended"]
+        if not isinstance(ended, bool):
+            raise ConfigError("state['ended']", ended, "True or False")
+        if not ended and state["batches"] % state["accumulation_steps"]:
+            raise ConfigError(
+                "state['ended']",
+                ended,
+                f"True: batch {state['batches']} is no multiple of the state's "
+                f"accumulation_steps={state['accumulation_steps']}, so only an epoch's end "
+                "can be saved there",
+            )
+    if "dataset" in state:
+        dataset = state["dataset"]
+        if not isinstance(dataset, dict) or any(
+            key not in ("length", "sampler_seed") or not isinstance(v, int) or isinstance(v, bool)
+            for key, v in dataset.items()
+        ):
+            raise ConfigError(
+                "state['dataset']", dataset, "a dict of ints with keys 'length' and 'sampler_seed'"
+            )
     if "reset_next" in state and not isinstance(state["reset_next"], bool):
         raise ConfigError("state['reset_next']", state["reset_next"], "True or False")
     if "opened" in state:

@@ -312,10 +312,22 @@ def load_elsewhere(rank: int, world: int, *, path: str) -> dict:
     AllRanksState(stub).load_state_dict(two)  # type: ignore[arg-type]
     out["same_world"] = stub.loaded
 
+    import torch.distributed as dist
+
     saved = torch.load(path, weights_only=True)
     assert set(saved) >= {"rank0", "rank1", "rank2", "rank3"}  # this rank's own key is there
     with _sharded(world) as loader:
-        AllRanksState(loader).load_state_dict(saved)
+        try:
+            AllRanksState(loader).load_state_dict(saved)
+            problem = None
+        except TopologyMismatchError as e:
+            problem = str(e)
+        # agreed before iterating: a rank that refused must not leave its peer waiting
+        problems: list[Any] = [None] * world
+        dist.all_gather_object(problems, problem)
+        out["problems"] = problems
+        if any(problems):
+            return out
         out["ids"] = [i for batch in loader for i in batch["meta"].sample_ids]
 
     # the layout guard on a leader and a follower alike: saved at batch 4 with 2, loaded with 3
@@ -343,6 +355,7 @@ def test_all_ranks_state_under_another_world_size_loads_rank_0s_on_ranks_with_th
     for rank in (0, 1):
         out = second[rank]
         assert out["resized"] == {"saved_by": 0}, f"rank {rank} loaded another rank's state"
+        assert out["problems"] == [None, None], f"rank {rank}: {out['problems']}"
         assert out["same_world"] == {"saved_by": rank}
         assert "accumulation_steps=2 at batch 4" in out["k3"], f"rank {rank}: {out['k3']}"
     assert first[0] == first[1] and first[2] == first[3]  # SP peers shared their batches

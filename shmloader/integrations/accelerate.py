@@ -59,6 +59,9 @@ class AllRanksState:
                 "through AllRanksState (accelerator.register_for_checkpointing(AllRanksState("
                 "loader))), not the loader itself"
             )
+        # Under another world size, rank 0's state on every rank, also where this rank's
+        # own key is in the checkpoint: that key is a rank of the old layout (a follower's
+        # state carries no ShardedSampler state to re-split), NOTE [checkpoints].
         key = rank_key() if state.get("world") == self._world() else rank_key(0)
         if key not in state:  # the same world, but not the same ranks
             raise TopologyMismatchError(

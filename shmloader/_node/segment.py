@@ -4,10 +4,10 @@ It owns the segment header (layout: docs/internals/wire.md), segment names
 (``/shml-<token>-<what>.<random>``: NOTE [unpredictable names]), the exclusive
 create and ``posix_fallocate``, checked opens and validated attach (NOTE
 [segment trust]), every mapping of a segment (shared, read-only and private
-views, none keeping a descriptor: NOTE [no inherited descriptors]; private views
-copied into a forked child: NOTE [batches cross a fork]), process liveness, and
-``touch`` off the GIL. It touches only files under the ring directory and
-imports only ``cleanup``, ``ringdir`` and ``errors``.
+views, none keeping a descriptor: NOTE [no inherited descriptors]; what a forked
+child gets of them is ``forks``'), process liveness, and ``touch`` off the GIL.
+It touches only files under the ring directory and imports only ``cleanup``,
+``forks``, ``ringdir`` and ``errors``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import logging
 import mmap
 import os
 import secrets
-import select
 import stat
 import struct
 import threading
@@ -28,10 +27,8 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import numpy as np
-
 from ..errors import ConfigError, ProtocolError, ShmCapacityError
-from . import cleanup, ringdir
+from . import cleanup, forks, ringdir
 
 MAGIC = b"SHMLDR\x00\x01"
 HEADER_VERSION = 2
@@ -420,9 +417,11 @@ class Segment:
         Not inherited by a forked child unless ``inherit`` (NOTE [creator-only
         cleanup]).
         """
-        mm = _map(self.fd, HEADER_SIZE + self.capacity, mmap.MAP_SHARED, pages=self.pages)
-        if not inherit:
-            dont_fork(mm)
+        if inherit:
+            return _map(self.fd, HEADER_SIZE + self.capacity, mmap.MAP_SHARED, pages=self.pages)
+        with forks.no_fork():  # never a child between the mapping and its advice
+            mm = _map(self.fd, HEADER_SIZE + self.capacity, mmap.MAP_SHARED, pages=self.pages)
+            forks.dont_fork(mm)
         return mm
 
     def map_private(self, nbytes: int) -> mmap.mmap:
@@ -454,8 +453,10 @@ class Segment:
         if self.pages.huge:  # to the end of a huge page: one page-table entry for the tail too
             end = min(HEADER_SIZE + self.capacity, _round_up(end, ringdir.HUGE))
         prot = mmap.PROT_READ | mmap.PROT_WRITE
-        mm = _map(self.fd, end - start, mmap.MAP_PRIVATE, prot, start, pages=self.pages)
-        copy_at_fork(mm)  # NOTE [batches cross a fork]
+        with forks.no_fork():  # a child gets the view registered: NOTE [batches cross a fork]
+            mm = _map(self.fd, end - start, mmap.MAP_PRIVATE, prot, start, pages=self.pages)
+            forks.copy_at_fork(mm)
+        forks.let_go()  # views held for children that are gone since
         return mm
 
     def map_readonly(self) -> mmap.mmap:
@@ -466,8 +467,9 @@ class Segment:
         if self.fd < 0:
             raise ProtocolError(f"segment {self.name} is closed; its slot was retired")
         size = HEADER_SIZE + self.capacity
-        mm = _map(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ, pages=self.pages)
-        dont_fork(mm)
+        with forks.no_fork():  # never a child between the mapping and its advice
+            mm = _map(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ, pages=self.pages)
+            forks.dont_fork(mm)
         return mm
 
     def unlink(self) -> None:
@@ -505,6 +507,13 @@ class Segment:
 _OPEN: weakref.WeakSet[Segment] = weakref.WeakSet()
 
 
+#: libc's ``mmap`` and ``munmap``, prototyped and resolved at import in ``ringdir`` (a
+#: forked child must not ``dlopen``/``dlsym``: another thread of the parent may have held
+#: the loader's lock at the fork); the pool uses them too.
+LIBC_MMAP: Callable[..., int] | None = forks.LIBC_MMAP
+LIBC_MUNMAP: Callable[..., int] | None = forks.LIBC_MUNMAP
+
+
 def _map(
     fd: int,
     length: int,
@@ -530,8 +539,8 @@ def _map(
         return mmap.mmap(fd, length, flags=flags, prot=prot, offset=offset)
     huge = pages is not None and pages.huge
     mm = _placeholder(length, prot, offset % ringdir.HUGE if huge else None)
-    addr = _address(mm)
-    got = LIBC_MMAP(addr, length, prot, flags | _MAP_FIXED, fd, offset)
+    addr = forks.address(mm)
+    got = LIBC_MMAP(addr, length, prot, flags | forks.MAP_FIXED, fd, offset)
     if got != addr:
         err = ctypes.get_errno()
         mm.close()
@@ -559,9 +568,9 @@ def _placeholder(length: int, prot: int, phase: int | None) -> mmap.mmap:
     if phase is None or LIBC_MUNMAP is None or LIBC_MMAP is None:
         return mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE, prot=prot)
     span = length + ringdir.HUGE
-    anon = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+    anon = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | forks.MAP_NORESERVE
     base = LIBC_MMAP(None, span, 0, anon, -1, 0)  # PROT_NONE
-    if base is None or base == _MAP_FAILED:
+    if base is None or base == forks.MAP_FAILED:
         return mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE, prot=prot)
     at = base + (phase - base) % ringdir.HUGE
     LIBC_MUNMAP(at, length)
@@ -569,7 +578,7 @@ def _placeholder(length: int, prot: int, phase: int | None) -> mmap.mmap:
     try:
         for _ in range(PLACE_TRIES):
             mm = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE, prot=prot)
-            if _address(mm) == at:
+            if forks.address(mm) == at:
                 return mm
             misses.append(mm)
         log.debug("shmloader: a mapping missed its 2 MiB alignment (other threads mapping)")
@@ -584,14 +593,6 @@ def _placeholder(length: int, prot: int, phase: int | None) -> mmap.mmap:
 
 #: Placeholders mapped at most while looking for an aligned hole (``_placeholder``).
 PLACE_TRIES = 16
-
-
-def _address(mm: mmap.mmap) -> int:
-    """Where ``mm`` is mapped (read-only mappings too)."""
-    view = np.frombuffer(mm, dtype=np.uint8)
-    addr = view.__array_interface__["data"][0]
-    del view  # the buffer export must not outlive this line, or mm cannot close
-    return addr
 
 
 def _close_inherited() -> None:
@@ -732,221 +733,11 @@ def list_segments() -> list[str]:
 #     parent's names. Every cleanup records the pid that created the resource
 #     (``Segment.owner``, ``Hub``, the ring's finalizer) and is a no-op in any
 #     other process. The writer's shared and read-only mappings of slots are
-#     ``MADV_DONTFORK``: a child neither pins a retired slot nor inherits a
+#     ``MADV_DONTFORK`` (``forks.dont_fork``): a child neither pins a retired slot nor inherits a
 #     writable view of one; a worker that must write a slot opens it by name
 #     itself (``ring.open_slot_for_worker``). A batch's private views are
-#     inherited and made the child's own at once (NOTE [batches cross a fork]).
-def dont_fork(mm: mmap.mmap) -> bool:
-    """``MADV_DONTFORK`` on ``mm``: a forked child does not get this mapping.
-
-    In the child the Python ``mmap`` object still exists (the child has a copy
-    of every object) but its address range is empty: something else could be
-    mapped there, and the object's eventual ``munmap`` would then remove it.
-    So the range is reserved in the child right after the fork with an
-    inaccessible anonymous mapping (``PROT_NONE``, no memory): a stray access
-    still faults, and the stale ``munmap`` only drops the reservation.
-
-    Where the platform has no ``MADV_DONTFORK`` (not Linux) the child inherits
-    the mapping as before: it then pins the pages while it lives, and its
-    writes to a MAP_SHARED view would reach the segment. Returns whether the
-    advice was taken.
-    """
-    advice = getattr(mmap, "MADV_DONTFORK", None)
-    if advice is None:
-        return False
-    try:
-        mm.madvise(advice)
-    except OSError:
-        return False
-    addr = _address(mm)
-    _NOT_FORKED[addr] = (weakref.ref(mm, lambda _: _NOT_FORKED.pop(addr, None)), len(mm))
-    return True
-
-
-#: Live ``MADV_DONTFORK`` mappings: address -> (weak reference, length).
-_NOT_FORKED: dict[int, tuple[weakref.ref, int]] = {}
-_MAP_FIXED_NOREPLACE = 0x100000
-_MAP_FIXED = 0x10
-_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-#: libc's ``mmap``, prototyped and resolved at import in ``ringdir`` (a forked child
-#: must not ``dlopen``/``dlsym``: another thread of the parent may have held the
-#: loader's lock at the fork); the pool uses it too.
-LIBC_MMAP: Callable[..., int] | None = ringdir.LIBC.mmap
-
-
-LIBC_MUNMAP: Callable[..., int] | None = ringdir.LIBC.munmap
-
-
-def _reserve_in_child() -> None:
-    """After a fork, in the child: hold the address ranges of mappings it did not get."""
-    if not _NOT_FORKED or LIBC_MMAP is None:
-        return
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED_NOREPLACE
-    for addr, (ref, length) in list(_NOT_FORKED.items()):
-        mm = ref()
-        if mm is None or mm.closed:
-            continue
-        # NOREPLACE: never over anything the child has (an old kernel treats it
-        # as a hint; a range placed elsewhere is then simply not needed).
-        LIBC_MMAP(addr, length, 0, flags, -1, 0)
-
-
-os.register_at_fork(after_in_child=_reserve_in_child)
-
-
-# ------------------------------------------------- NOTE [batches cross a fork]
-
-# NOTE [batches cross a fork]
-#     A plain tensor survives a fork: the child reads its bytes (copy-on-write
-#     pages). A delivered batch is a view of a private (copy-on-write) mapping
-#     of a slot (``map_private``), and its unwritten pages show whatever the
-#     slot holds now: what keeps them the batch's is the parent's hold on the
-#     slot (NOTE [slot lifetime] in ``ring``), which a child has no part in. So
-#     every live private view is inherited by a forked child (no
-#     ``MADV_DONTFORK``) and, in a fork handler of the child, replaced by a
-#     private anonymous copy of its bytes at the same address (``mremap`` of a
-#     fresh copy over it, as ``pool`` does for kept collate outputs): the
-#     child reads the batch as the parent had it at the fork, its writes stay
-#     its own, and it holds no page and no descriptor of the slot afterwards,
-#     so a retired slot is never pinned by a child. The parent's hold must
-#     outlast the copy: the parent keeps every live view alive through the
-#     fork and waits (``FORK_COPY_WAIT_S`` at most) until the child says its
-#     copies are made, or is gone. The cost is one copy of the batches held at
-#     the fork, in the child, in time and memory (``os.fork`` returns that much
-#     later in the parent): fork DataLoader workers while a large batch is held
-#     and each worker holds a copy; a forkserver or spawn context copies
-#     nothing. Where the copy fails (no memory, no libc), the child keeps the
-#     inherited view: right while the parent holds the batch.
-#: Live private views (``map_private``): address -> (weak reference, length).
-_COPY_AT_FORK: dict[int, tuple[weakref.ref, int]] = {}
-#: Longest the parent's ``os.fork`` waits for a child to copy the views it inherited.
-FORK_COPY_WAIT_S = 60.0
-_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
-
-
-def _libc_mremap() -> Callable[..., int] | None:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).mremap  # resolved at import, never in a child
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_void_p
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-    return fn
-
-
-LIBC_MREMAP: Callable[..., int] | None = _libc_mremap()
-
-
-def copy_at_fork(mm: mmap.mmap) -> None:
-    """Give a forked child its own copy of ``mm`` (a batch's private view)."""
-    addr = _address(mm)
-    _COPY_AT_FORK[addr] = (weakref.ref(mm, lambda _: _COPY_AT_FORK.pop(addr, None)), len(mm))
-
-
-class _Forking:
-    """What one ``os.fork`` carries from the parent's handler to the child's and back."""
-
-    views: list[tuple[mmap.mmap, int, int]] = []  # strong: alive until the child copied
-    done: tuple[int, int] | None = None  # the pipe the child answers on
-
-
-def _before_fork() -> None:
-    views = []
-    for addr, (ref, length) in list(_COPY_AT_FORK.items()):
-        mm = ref()
-        if mm is not None and not mm.closed:
-            views.append((mm, addr, length))
-    _Forking.views = views
-    _Forking.done = None
-    if views:
-        with contextlib.suppress(OSError):
-            _Forking.done = os.pipe()
-
-
-def _copy_in_child() -> None:
-    """In the child: each inherited view becomes a private anonymous copy in place."""
-    views, done = _Forking.views, _Forking.done
-    _Forking.views, _Forking.done = [], None
-    try:
-        for _mm, addr, length in views:
-            if not _own_copy(addr, length):
-                _deny(addr, length)
-    finally:
-        del views
-        if done is not None:
-            with contextlib.suppress(OSError):
-                os.write(done[1], b"c")
-            for fd in done:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-
-
-def _deny(addr: int, length: int) -> None:
-    """A view the child could not copy is made inaccessible, never left shared.
-
-    Left as it is, it would show the child whatever the slot holds next: other
-    bytes than the batch, with no error. Touched, it now faults instead.
-    """
-    if LIBC_MMAP is not None:
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE
-        LIBC_MMAP(addr, length, 0, flags, -1, 0)  # PROT_NONE: Python's mmap does not name it
-
-
-def _own_copy(addr: int, length: int) -> bool:
-    """Replace ``[addr, addr + length)`` by an anonymous copy of its bytes; False if not."""
-    if LIBC_MMAP is None or LIBC_MREMAP is None or LIBC_MUNMAP is None:
-        return False
-    prot = mmap.PROT_READ | mmap.PROT_WRITE
-    new = LIBC_MMAP(None, length, prot, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
-    if new is None or new == _MAP_FAILED:
-        return False
-    ctypes.memmove(new, addr, length)
-    flags = _MREMAP_MAYMOVE | _MREMAP_FIXED
-    if LIBC_MREMAP(new, length, length, flags, addr) != addr:
-        LIBC_MUNMAP(new, length)
-        return False
-    return True
-
-
-def _after_fork_parent() -> None:
-    """In the parent: hold the views until the child copied them, or is gone."""
-    views, done = _Forking.views, _Forking.done
-    _Forking.views, _Forking.done = [], None
-    if done is None:
-        return
-    read, write = done
-    try:
-        os.close(write)  # the child's end is then the only one: EOF when it is gone
-        deadline = time.monotonic() + FORK_COPY_WAIT_S
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                log.warning(
-                    "shmloader: a forked child did not copy the %d batch view(s) it inherited "
-                    "within %.0f s; their slots may be rewritten under it "
-                    "(NOTE [batches cross a fork])",
-                    len(views),
-                    FORK_COPY_WAIT_S,
-                )
-                break
-            ready, _, _ = select.select([read], [], [], left)
-            if ready:
-                os.read(read, 1)  # b"c": copied; b"": the child is gone
-                break
-    except (OSError, ValueError):
-        pass
-    finally:
-        with contextlib.suppress(OSError):
-            os.close(read)
-        del views
-
-
-os.register_at_fork(
-    before=_before_fork, after_in_parent=_after_fork_parent, after_in_child=_copy_in_child
-)
+#     inherited and made the child's own at once (NOTE [batches cross a fork]
+#     in ``forks``).
 
 
 #: ``madvise`` advice that faults every page of a range in for writing (Linux 5.14+).
@@ -977,7 +768,7 @@ def touch(mm: mmap.mmap) -> None:
     if (
         LIBC_MADVISE is not None
         and len(mm) > 0
-        and LIBC_MADVISE(_address(mm), len(mm), MADV_POPULATE_WRITE) == 0
+        and LIBC_MADVISE(forks.address(mm), len(mm), MADV_POPULATE_WRITE) == 0
     ):
         return
     view = memoryview(mm)
@@ -1002,7 +793,7 @@ def populate(mm: mmap.mmap) -> None:
     fault them in, as without it.
     """
     if LIBC_MADVISE is not None and len(mm) > 0:
-        LIBC_MADVISE(_address(mm), len(mm), MADV_POPULATE_READ)
+        LIBC_MADVISE(forks.address(mm), len(mm), MADV_POPULATE_READ)
 
 
 def unlink_name(name: str) -> bool:

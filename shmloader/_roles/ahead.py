@@ -68,11 +68,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
+from .._node import forks
 from .._transport.channel import SLICE_S
 from ..errors import ShmLoaderError
 from . import rng
@@ -105,6 +107,7 @@ class _Run:
         self.ready = threading.Condition()
         self.finished = False  # the thread queued its last item (or ended without one)
         self.draws = 0  # deferred on the thread since its last item
+        self.waiting: _Batch | None = None  # the batch the thread waits to queue (``_put``)
         self.thread: threading.Thread | None = None
 
     def take_draws(self) -> int:
@@ -138,12 +141,28 @@ class Ahead:
         self._run: _Run | None = None
         self._earlier: list[threading.Thread] = []  # threads of earlier runs (a node leader's)
         self._local = threading.local()  # .run: the run the calling thread produces for
+        forks.hide(self)  # a forked child drops the batches queued here (hidden_addresses)
 
     @property
     def queued(self) -> int:
         """Batches ready for the user (for ``stats``)."""
         run = self._run
         return len(run.queue) if run is not None else 0
+
+    def hidden_addresses(self) -> list[int]:
+        """Data addresses of the batches queued for the user and of the one waiting to be
+        queued: no user code reaches them yet, so a forked child drops them instead of
+        copying (NOTE [batches cross a fork] in ``_node.forks``). Called in ``os.fork``'s
+        handler; takes no lock."""
+        run = self._run
+        if run is None:
+            return []
+        found: list[int] = []
+        # the queue copied in one C call; a batch queued meanwhile is missed (then copied)
+        for item in [*run.queue, run.waiting]:
+            if isinstance(item, _Batch):
+                _addresses(item.batch, found)
+        return found
 
     def patient(self) -> bool:
         """A wait of the loop past its timeout goes on unless the user has been waiting
@@ -221,7 +240,8 @@ class Ahead:
                     run.ready.wait(SLICE_S)
             finally:
                 self._user_since = None
-            item = run.queue.popleft()
+            with forks.no_fork():  # a fork sees it queued (hidden) or handed over, never between
+                item = run.queue.popleft()
             run.ready.notify_all()
             return item
 
@@ -267,15 +287,19 @@ class Ahead:
     def _put(self, run: _Run, item: _Batch | _End) -> None:
         """Queue ``item`` once fewer than ``depth`` wait; every slice a check and ``idle``."""
         with run.ready:
-            while True:
-                self.gate()  # closed or halted: the item dies with this frame
-                if len(run.queue) < self.depth or isinstance(item, _End):
-                    run.queue.append(item)
-                    run.ready.notify_all()
-                    return
-                if self.idle is not None:
-                    self.idle()
-                run.ready.wait(SLICE_S)
+            run.waiting = item if isinstance(item, _Batch) else None
+            try:
+                while True:
+                    self.gate()  # closed or halted: the item dies with this frame
+                    if len(run.queue) < self.depth or isinstance(item, _End):
+                        run.queue.append(item)
+                        run.ready.notify_all()
+                        return
+                    if self.idle is not None:
+                        self.idle()
+                    run.ready.wait(SLICE_S)
+            finally:
+                run.waiting = None
 
     # -- stopping -----------------------------------------------------------
 
@@ -331,3 +355,24 @@ class Ahead:
             self.gate.halted.discard(thread)
         position, self.position = self.position, None
         return position
+
+
+def _addresses(obj: Any, found: list[int], depth: int = 0) -> None:
+    """Append the data address of every tensor and array in ``obj`` (a batch) to ``found``."""
+    if depth > 64:
+        return
+    if hasattr(obj, "data_ptr") and callable(obj.data_ptr):  # a torch.Tensor
+        found.append(obj.data_ptr())
+    elif hasattr(obj, "__array_interface__"):  # a numpy array
+        found.append(obj.__array_interface__["data"][0])
+    elif isinstance(obj, str | bytes | bytearray | memoryview):
+        return
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            _addresses(value, found, depth + 1)
+    elif isinstance(obj, list | tuple):
+        for value in obj:
+            _addresses(value, found, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            _addresses(getattr(obj, field.name, None), found, depth + 1)

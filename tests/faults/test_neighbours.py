@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from shmloader import Config, ShmLoader
-from shmloader._node import cleanup, inventory, reaping, segment
+from shmloader._node import cleanup, forks, inventory, reaping, segment
 from shmloader._node.ring import RingReader, RingWriter, new_token
 from shmloader._node.rundir import SOCKET_NAME, make_private_dir, rundir_prefix, socket_path
 from shmloader._node.segment import KIND_DATA, KIND_PROBE, PAGE, Segment
@@ -273,7 +273,7 @@ def _unreserved() -> int:
             if fields[1] == "---p" and len(fields) == 5:
                 lo, hi = (int(x, 16) for x in fields[0].split("-"))
                 spans.append((lo, hi))
-    live = [(a, n) for a, (ref, n) in segment._NOT_FORKED.items() if ref() and not ref().closed]
+    live = [(a, n) for a, (ref, n) in forks.NOT_FORKED.items() if ref() and not ref().closed]
     return sum(not any(lo <= a and a + n <= hi for lo, hi in spans) for a, n in live)
 
 

@@ -12,11 +12,13 @@ in the server so a worker starts about as fast as a fork.
 from __future__ import annotations
 
 import gc
+import json
 import multiprocessing as mp
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -230,7 +232,7 @@ def batch_across_fork_both(rank: int, world: int, *, num_workers: int) -> dict:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_delivered_batch_is_read_in_forked_children_as_a_plain_tensor_is(num_workers) -> None:
-    """NOTE [batches cross a fork] (segment): a ``multiprocessing`` fork child and an
+    """NOTE [batches cross a fork] (forks): a ``multiprocessing`` fork child and an
     eval DataLoader's fork worker read the batch the parent held at the fork, also
     after the parent dropped it and the writer rewrote its slot, on every rank."""
     out = run_ranks(batch_across_fork_both, 2, kwargs={"num_workers": num_workers}, timeout=150)
@@ -315,15 +317,151 @@ def test_a_forked_child_holds_no_descriptor_of_a_ring_directory_that_is_not_dev_
     assert os.listdir(ring) == []
 
 
+# ------------------------------------------------- forks that race, forks under a limit
+
+
+def _scenario(*args: object) -> dict:
+    """``tests.support.forking`` in a fresh interpreter (it forks from several threads)."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.path.join(repo, "daemon")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.support.forking", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=env,
+        cwd=repo,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(("threads", "per_thread"), [(2, 40), (8, 10)])
+def test_forks_from_many_threads_at_once_give_every_child_the_batch_it_inherited(
+    threads, per_thread
+) -> None:
+    """NOTE [batches cross a fork] (forks): threads fork at the same time while another
+    maps new views; every child reads the view it inherited as the parent held it,
+    after the parent dropped it and the slot was rewritten, and no fork waits for
+    another fork's child (the scenario waits 10 s at most for a child's copy)."""
+    out = _scenario("racing", threads, per_thread, 1 << 20)
+    n = threads * per_thread
+    assert out["children"] == n
+    assert out["read_other"] == 0, f"{out['read_other']} of {n} children read the rewritten slot"
+    assert out["signalled"] == 0 and out["other"] == 0, out
+    assert out["read_batch"] == n
+    assert out["warnings"] == [], out["warnings"]
+    assert out["longest_fork_s"] < 10.0, f"an os.fork() waited {out['longest_fork_s']:.1f} s"
+
+
+def test_os_fork_returns_once_the_child_has_its_copy() -> None:
+    """The parent drops a 64 MiB batch and its slot is rewritten the moment ``os.fork``
+    returns: the child, copying in its fork handler, must have finished by then."""
+    for _ in range(3):
+        out = _scenario("limited", 64 << 20, 0)
+        assert out["read_batch"] == 1, out
+        assert not out["held_for_child"] and out["warnings"] == [], out
+
+
+def test_a_child_under_an_address_space_limit_copies_its_batch_in_pieces() -> None:
+    """Room for 16 MiB more, a 64 MiB batch: the copy is made 2 MiB at a time; the
+    child reads its batch after the parent released the slot and it was rewritten."""
+    out = _scenario("limited", 64 << 20, 16 << 20)
+    assert out["signalled"] == 0, "the child died of a signal reading its batch"
+    assert out["read_batch"] == 1, out
+    assert not out["held_for_child"], "the copy failed: the slot stayed held for the child"
+    assert out["warnings"] == [], out["warnings"]
+
+
+def test_a_child_that_cannot_copy_reads_its_batch_from_a_slot_held_until_it_exits() -> None:
+    """No room for even a piece: the child reads the view it inherited, never a fault;
+    the parent keeps the slot from reuse until the child is gone, and says so once."""
+    out = _scenario("limited", 64 << 20, 1_000_000)
+    assert out["signalled"] == 0, "the child died of a signal reading its batch"
+    assert out["read_batch"] == 1, out
+    assert out["held_for_child"], "the slot was released while the child still maps it"
+    assert out["released_after"], "the slot stayed held after the child was gone"
+    assert len(out["warnings"]) == 1 and "could not copy" in out["warnings"][0], out
+
+
+def _mapping_kind(maps: str, addr: int) -> str:
+    """What backs ``addr`` in a ``/proc/<pid>/maps`` text."""
+    for line in maps.splitlines():
+        fields = line.split()
+        start, end = (int(v, 16) for v in fields[0].split("-"))
+        if start <= addr < end:
+            path = fields[5] if len(fields) > 5 else ""
+            if "shml-" in path:
+                return "slot"
+            if fields[1].startswith("---"):
+                return "inaccessible"
+            return "copy" if fields[1].startswith("rw") and fields[4] == "0" else line
+    return "unmapped"
+
+
+def views_at_fork(rank: int, world: int) -> dict:
+    """Hold one batch while the loop has 2 queued ahead (3 slots), fork, and tell what
+    backs each live batch view in the child."""
+    from shmloader._node import forks
+
+    loader = ShmLoader(
+        lambda: torch.utils.data.DataLoader(_Rows(), batch_size=4, num_workers=2),
+        dist.group.WORLD,
+        config=Config.from_env(enabled=True, slots=3, small_copy_bytes=0),
+    )
+    it = iter(loader)
+    batch = next(it)
+    ptr = batch["x"].data_ptr()
+    deadline = time.monotonic() + 30
+    while loader.stats().get("ahead_ready", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    queued = loader.stats().get("ahead_ready", 0)
+    views = {a: n for a, (ref, n) in forks.COPY_AT_FORK.items() if ref() is not None}
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child: says what it maps, and nothing else
+        try:
+            with open("/proc/self/maps") as f:
+                maps = f.read()
+            os.write(write, json.dumps([_mapping_kind(maps, a) for a in views]).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        kinds = dict(zip(views, json.loads(f.read()), strict=True))
+    os.waitpid(pid, 0)
+    held = [kinds[a] for a, n in views.items() if a <= ptr < a + n]
+    others = sorted(kinds[a] for a, n in views.items() if not a <= ptr < a + n)
+    del batch
+    rest = sum(1 for _ in it)
+    loader.close()
+    return {"queued": queued, "held": held, "others": others, "rest": rest}
+
+
+@pytest.mark.timeout(150)
+def test_a_fork_copies_the_batch_user_code_holds_and_drops_what_the_loop_queued() -> None:
+    """NOTE [batches cross a fork] (forks): the batches a loop running ahead has queued
+    (or waits to queue) are no user code's; the child gets them neither copied nor
+    mapped, and gets its own copy of the batch the user holds."""
+    out = run_ranks(views_at_fork, 2, timeout=120)
+    for rank, o in enumerate(out):
+        assert o["queued"] == 2, f"rank {rank}: the loop did not queue 2 batches: nothing tested"
+        assert o["held"] == ["copy"], f"rank {rank}: the held batch in the child: {o['held']}"
+        # the 2 queued, and on the leader the next one its loop waits to queue
+        others = o["others"]
+        assert len(others) >= 2 and set(others) == {"inaccessible"}, f"rank {rank}: {others}"
+        assert o["rest"] == 3
+
+
 def test_a_denied_view_faults_on_touch_instead_of_raising() -> None:
-    # segment._deny, the fork hook's last resort: the range becomes inaccessible (a
-    # fault on touch), and the call itself must not raise (the hook swallows errors)
+    # forks._deny, what a child does with a view only a loop ahead held: the range
+    # becomes inaccessible (a fault on touch), and the call itself must not raise
     code = (
         "import ctypes, mmap\n"
-        "from shmloader._node import segment\n"
+        "from shmloader._node import forks\n"
         "m = mmap.mmap(-1, mmap.PAGESIZE)\n"
         "addr = ctypes.addressof(ctypes.c_char.from_buffer(m))\n"
-        "segment._deny(addr, mmap.PAGESIZE)\n"
+        "forks._deny(addr, mmap.PAGESIZE)\n"
         "print('denied', flush=True)\n"
         "ctypes.string_at(addr, 1)\n"
     )

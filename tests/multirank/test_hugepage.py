@@ -18,7 +18,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from shmloader import Config
-from shmloader._node import inventory, reaping, ring, ringdir, segment
+from shmloader._node import forks, inventory, reaping, ring, ringdir, segment
 from shmloader.errors import ConfigError
 from shmloader.tools import stat as stat_cli
 from tests.support import ranks
@@ -120,11 +120,11 @@ def test_huge_tmpfs_is_detected_and_slots_are_whole_huge_pages(huge_dir, monkeyp
         # several views alive at once (wherever the kernel would put them next):
         # file offset 0 of each on a 2 MiB boundary, its payload HEADER_SIZE past one
         views = [seg.map_private(n) for n in (1 << 20, 3 << 20, 5 << 20)]
-        assert [segment._address(v) % HUGE for v in views] == [segment.HEADER_SIZE] * 3
+        assert [forks.address(v) % HUGE for v in views] == [segment.HEADER_SIZE] * 3
         view = views.pop()
         for v in views:
             v.close()
-        addr = segment._address(view)
+        addr = forks.address(view)
         assert (segment.HEADER_SIZE + len(view)) % HUGE == 0, "the view ends on a huge page"
         assert sum(memoryview(view)[::4096]) == 0  # read every page
         assert ranks.pmd_mapped_kb(addr) >= 4096, "2 MiB pages mapped with 2 MiB entries"

@@ -175,6 +175,26 @@ def copy_at_fork(mm: mmap.mmap) -> None:
     COPY_AT_FORK[addr] = (weakref.ref(mm, lambda _: COPY_AT_FORK.pop(addr, None)), len(mm))
 
 
+def retire(mm: mmap.mmap) -> None:
+    """``mm`` (a private view) is about to be unmapped: no child copies or inherits it.
+
+    NOTE [unmapped off the step] in ``unmap``.
+    """
+    with no_fork():
+        if mm.closed:
+            return
+        COPY_AT_FORK.pop(address(mm), None)
+        dont_fork(mm)
+
+
+def registered(mm: mmap.mmap) -> bool:
+    """Whether ``mm`` is a live private view a child would copy (call inside ``no_fork``)."""
+    if mm.closed:
+        return False
+    entry = COPY_AT_FORK.get(address(mm))
+    return entry is not None and entry[0]() is mm
+
+
 class Hidden(Protocol):
     """Something that holds batches no user code can reach (a loop's queue ahead)."""
 

@@ -31,7 +31,7 @@ from typing import Protocol
 import numpy as np
 
 from ..errors import ProtocolError, ShmCapacityError
-from . import cleanup, ringdir
+from . import cleanup, forks, ringdir, unmap
 from .release import ReaderWords
 from .segment import (
     HEADER_SIZE,
@@ -560,7 +560,9 @@ def _in_creator(creator: int, fn: Callable[[], None]) -> None:
 #     later batch through an old private page. The slot is RELEASEd when the
 #     mapping dies (``weakref.finalize`` on the mmap, i.e. when the last tensor
 #     of that batch is garbage), so a batch never changes under a reader that
-#     still holds any part of it. The writer therefore never rewrites a HELD
+#     still holds any part of it (where a loop runs ahead, the mapping dies
+#     on the unmap thread, after its unmap: NOTE [unmapped off the step] in
+#     ``unmap``). The writer therefore never rewrites a HELD
 #     slot: it takes a FREE one or grows the ring by one slot. Growth is
 #     bounded by the window rule in ``node_writer`` (a writer runs at most
 #     ``slots`` batches ahead of its slowest reader) plus what readers
@@ -572,11 +574,14 @@ def private_view(
     unmapped: Callable[[], None] | None = None,
     *,
     prefault: bool = False,
+    later: bool = False,
 ) -> np.ndarray:
     """A copy-on-write uint8 view of ``segment``'s first ``nbytes`` of payload.
 
     ``prefault``: its pages are mapped in now (``segment.populate``), by a loop
     that runs ahead of the user (NOTE [running ahead] in ``_roles.ahead``).
+    ``later``: once dropped, it is unmapped (and released) on the unmap thread,
+    not on the thread that dropped it (NOTE [unmapped off the step] in ``unmap``).
 
     ``on_release`` runs once when the last object referring to the mapping
     (the array, any tensor viewing it) is gone: NOTE [slot lifetime]. It
@@ -590,7 +595,10 @@ def private_view(
     mm, at = segment.map_view(nbytes)  # in a huge-page ring from the header on: whole pages
     if prefault:
         populate(mm)
-    view = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=at)
+    if later:
+        view = unmap.lease(mm, at, nbytes)
+    else:
+        view = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=at)
     address = view.__array_interface__["data"][0]
     entry = (segment, nbytes)
     _VIEWS[address] = entry
@@ -670,6 +678,8 @@ class RingReader:
         self.segments: dict[str, Segment] = {}
         #: views fault their pages in as they are made (a reader that runs ahead)
         self.prefault = False
+        #: dropped views are unmapped on the unmap thread (NOTE [unmapped off the step])
+        self.later = False
         self._mappings: list[weakref.ref] = []  # of every view handed out: own_views()
         # the writer's pool control segments by name: this reader's release words
         self._words: dict[str, ReaderWords | None] = {}
@@ -713,9 +723,11 @@ class RingReader:
         unmapped = None
         if board is not None and words is not None:
             unmapped = functools.partial(board.release, words[1], words[2])
-        view = private_view(segment, nbytes, on_release, unmapped, prefault=self.prefault)
-        mm = getattr(view.base, "obj", view.base)  # frombuffer's base: a memoryview of mm
-        if isinstance(mm, mmap.mmap):
+        view = private_view(
+            segment, nbytes, on_release, unmapped, prefault=self.prefault, later=self.later
+        )
+        mm = unmap.mapping_of(view)
+        if mm is not None:
             self._mappings = [r for r in self._mappings if r() is not None]
             self._mappings.append(weakref.ref(mm))
         return view
@@ -735,12 +747,16 @@ class RingReader:
             at the cost of one copy of what is held. The releases of those
             batches are dropped quietly from then on.
         """
+        unmap.settle()  # what the user dropped is unmapped (and released) first
         owned = 0
         for ref in self._mappings:
             mm = ref()
-            if mm is not None and not mm.closed:
-                touch(mm)  # on a MAP_PRIVATE mapping each write fault copies the page
-                owned += 1
+            if mm is None:
+                continue
+            with forks.no_fork():  # a mapping the unmap thread retired is no batch held
+                if forks.registered(mm):
+                    touch(mm)  # on a MAP_PRIVATE mapping each write fault copies the page
+                    owned += 1
         self._mappings = []
         return owned
 

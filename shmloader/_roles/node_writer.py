@@ -68,6 +68,8 @@ class NodeWriter:
         self.began_ns = 0  # when the latest publish, done waiting for readers, took its slot
         #: its own views fault their pages in as they are made (NOTE [running ahead])
         self.prefault = False
+        #: its own dropped views are unmapped on the unmap thread (NOTE [unmapped off the step])
+        self.later = False
 
     def begin(self, cursor: int) -> None:
         """A new iteration starts at position ``cursor`` of the epoch."""
@@ -204,7 +206,9 @@ class NodeWriter:
             return np.empty(0, np.uint8)
         release = functools.partial(self.self_releases.append, (slot.index, slot.gen, slot.seq))
         word = self.pool.own_release(slot) if self.pool is not None else None
-        return private_view(slot.segment, nbytes, release, word, prefault=self.prefault)
+        return private_view(
+            slot.segment, nbytes, release, word, prefault=self.prefault, later=self.later
+        )
 
     def fail(self, it: int, exc: BaseException) -> None:
         """Tell every reader (and the leader's writer, every node leader first) that this

@@ -198,6 +198,7 @@ def _make_role(
         made.hub = hub.close
         writer = NodeWriter(ctx, topo, ring, hub, xnode, pool)
         writer.prefault = ahead is not None  # its thread faults the user's pages in
+        writer.later = ahead is not None  # NOTE [unmapped off the step] (unmap)
         reporter.writer = writer
         if topo.is_leader:
             source = Source(loader, shared.cursor, shared.boundary)  # type: ignore[arg-type]
@@ -213,6 +214,7 @@ def _make_role(
         writer_ahead = leader_ahead if topo.writer == topo.leader else config.ahead
         ring_reader = RingReader(topo.ring_token, topo.me)
         ring_reader.prefault = ahead is not None  # its thread faults the user's pages in
+        ring_reader.later = ahead is not None  # NOTE [unmapped off the step] (unmap)
         made.reader = ring_reader.close
         spoke = Spoke(topo.socket_path, topo.me)
         made.spoke = spoke.close

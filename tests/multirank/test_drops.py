@@ -1,0 +1,66 @@
+"""NOTE [unmapped off the step] (unmap): where a rank's loop runs ahead, the batch the
+user drops at the next ``next()`` is unmapped and released by the unmap thread, on
+every role (leader, follower, node leader), and every batch is still exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+
+from shmloader import Config, ShmLoader
+from tests.support.harness import run_ranks
+
+pytestmark = pytest.mark.timeout(180)
+
+N = 12
+
+
+class Rows(Dataset):
+    """Sample ``i``: 256 KiB of ``i`` (a slot view, never a small copied leaf)."""
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((1 << 16,), float(i))
+
+
+def drops(rank: int, world: int, *, ahead: bool) -> dict:
+    from shmloader._node import unmap
+
+    loader = ShmLoader(
+        lambda: DataLoader(Rows(), batch_size=None, num_workers=2),
+        dist.group.WORLD,
+        config=Config.from_env(enabled=True, ahead=ahead),
+    )
+    before = unmap._unmapper.done
+    seen = []
+    for batch in loader:  # the previous batch is dropped at each next()
+        seen.append(float(batch[0]) if bool((batch == batch[0]).all()) else None)
+    del batch
+    assert unmap.settle(10)
+    unmapped = unmap._unmapper.done - before
+    loader.close()
+    return {
+        "seen": seen,
+        "unmapped": unmapped,
+        "role": loader.role,
+    }
+
+
+@pytest.mark.parametrize("nodes", [None, [0, 0, 1]], ids=["one-node", "two-nodes"])
+def test_batches_dropped_ahead_are_unmapped_by_the_unmap_thread_on_every_role(nodes) -> None:
+    out = run_ranks(drops, len(nodes or [0, 1]), kwargs={"ahead": True}, nodes=nodes)
+    for rank, o in enumerate(out):
+        assert o["seen"] == [float(i) for i in range(N)], (rank, o["seen"])
+        # every batch of the epoch went through the unmap thread (the leader's own too)
+        assert o["unmapped"] >= N, (rank, o["role"], o["unmapped"])
+
+
+def test_in_step_the_user_thread_unmaps_as_before() -> None:
+    out = run_ranks(drops, 2, kwargs={"ahead": False})
+    for rank, o in enumerate(out):
+        assert o["seen"] == [float(i) for i in range(N)], (rank, o["seen"])
+        assert o["unmapped"] == 0, (rank, o["role"], o["unmapped"])

@@ -595,7 +595,7 @@ def private_view(
     mm, at = segment.map_view(nbytes)  # in a huge-page ring from the header on: whole pages
     if prefault:
         populate(mm)
-    if later:
+    if later and nbytes >= unmap.LEASE_MIN_BYTES:
         view = unmap.lease(mm, at, nbytes)
     else:
         view = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=at)

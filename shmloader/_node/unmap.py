@@ -46,7 +46,12 @@ log = logging.getLogger(__name__)
 #     where the lease died, as before. The finalizer takes no lock of
 #     ``forks``: it may run in any thread, a fork handler's garbage collection
 #     included. The thread ends after ``IDLE_S`` without work (a closed loader
-#     leaves no thread behind) and the next drop starts it again.
+#     leaves no thread behind) and the next drop starts it again. Views
+#     under ``LEASE_MIN_BYTES``, and views that die on a loop's own thread
+#     (``unmap_here``: a batch decoded into copies), are unmapped where they
+#     die: their unmap is cheap or already off the step, and a release that
+#     waits for another thread lets the writer grow the ring meanwhile (a
+#     4-rank soak of tiny batches grew it from 4 to 7 slots).
 class _Unmapper:
     def __init__(self) -> None:
         self.pid = os.getpid()
@@ -62,7 +67,7 @@ class _Unmapper:
         Takes no lock of ``forks`` (it may run inside a fork handler, from a
         garbage collection); ``idle`` is re-entrant.
         """
-        if os.getpid() != self.pid:
+        if os.getpid() != self.pid or getattr(_here, "unmaps", False):
             return  # the finalizer's reference is the last: unmapped here, as before
         with self.idle:
             if self.thread is None:
@@ -117,6 +122,20 @@ def _unmap(mm: mmap.mmap) -> None:
 
 #: Seconds the unmap thread waits for work before it ends (the next drop starts it again).
 IDLE_S = 1.0
+#: Views smaller than this are unmapped where they are dropped: a few pages cost less
+#: to unmap than the hand-over, and their release is not delayed.
+LEASE_MIN_BYTES = 1 << 20
+#: ``.unmaps``: this thread unmaps what it drops itself (``unmap_here``).
+_here = threading.local()
+
+
+def unmap_here() -> None:
+    """Views this thread drops are unmapped here, not handed over: a loop's own thread
+    (a view it decoded into copies dies on it) is no user's step, and its releases must
+    not wait for another thread (NOTE [unmapped off the step])."""
+    _here.unmaps = True
+
+
 _unmapper = _Unmapper()
 
 

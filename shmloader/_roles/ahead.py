@@ -74,7 +74,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
-from .._node import forks
+from .._node import forks, unmap
 from .._transport.channel import SLICE_S
 from ..errors import ShmLoaderError
 from . import rng
@@ -256,6 +256,7 @@ class Ahead:
     ) -> None:
         gate = self.gate
         self._local.run = run
+        unmap.unmap_here()  # what this loop drops is unmapped here: NOTE [unmapped off the step]
         try:
             for thread in previous:  # NOTE [running ahead]: one loop at a time, ever
                 while thread.is_alive():

@@ -18,13 +18,13 @@ N = 12
 
 
 class Rows(Dataset):
-    """Sample ``i``: 256 KiB of ``i`` (a slot view, never a small copied leaf)."""
+    """Sample ``i``: a little over 1 MiB of ``i`` (a slot view past ``LEASE_MIN_BYTES``)."""
 
     def __len__(self) -> int:
         return N
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.full((1 << 16,), float(i))
+        return torch.full(((1 << 18) + 1024,), float(i))
 
 
 def drops(rank: int, world: int, *, ahead: bool) -> dict:

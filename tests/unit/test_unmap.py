@@ -36,7 +36,7 @@ def _mapped(addr: int) -> bool:
     return False
 
 
-def _dropped(slot, *, later: bool) -> list[tuple[str, str, bool]]:
+def _dropped(slot, *, later: bool, nbytes: int = NBYTES) -> list[tuple[str, str, bool]]:
     """Map a view, read it through a tensor, drop it on this thread; what ran where."""
     events: list[tuple[str, str, bool]] = []
     done = threading.Event()
@@ -48,7 +48,7 @@ def _dropped(slot, *, later: bool) -> list[tuple[str, str, bool]]:
             done.set()
 
     view = private_view(
-        slot.segment, NBYTES, lambda: seen("released"), lambda: seen("unmapped"), later=later
+        slot.segment, nbytes, lambda: seen("released"), lambda: seen("unmapped"), later=later
     )
     addr = view.__array_interface__["data"][0]
     t = torch.from_numpy(view)[1:]  # a tensor of the batch holds it, as a user's does
@@ -112,3 +112,21 @@ def test_a_reader_closing_owns_only_what_the_user_still_holds(slot) -> None:
     assert int(kept[12345]) == 5
     del kept
     reader.close()
+
+
+def test_a_small_view_and_a_loop_threads_drop_are_unmapped_where_they_die(slot) -> None:
+    """Under ``LEASE_MIN_BYTES`` the unmap is cheaper than the hand-over; on a thread that
+    unmaps its own (a loop's, ``unmap_here``) a release must not wait for another thread."""
+    here = threading.current_thread().name
+    small = _dropped(slot, later=True, nbytes=unmap.LEASE_MIN_BYTES - 4096)
+    assert {e[1] for e in small} == {here}, small
+    out: list = []
+
+    def loop() -> None:
+        unmap.unmap_here()
+        out.extend(_dropped(slot, later=True))
+
+    t = threading.Thread(target=loop, name="a-loop")
+    t.start()
+    t.join(30)
+    assert {e[1] for e in out} == {"a-loop"}, out

@@ -147,7 +147,9 @@ class Ahead:
     def queued(self) -> int:
         """Batches ready for the user (for ``stats``)."""
         run = self._run
-        return len(run.queue) if run is not None else 0
+        if run is None:
+            return 0
+        return sum(isinstance(item, _Batch) for item in list(run.queue))  # not an END or error
 
     def hidden_addresses(self) -> list[int]:
         """Data addresses of the batches queued for the user and of the one waiting to be

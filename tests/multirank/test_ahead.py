@@ -298,6 +298,9 @@ def test_every_rank_has_the_next_batch_before_it_asks(nodes):
         # while the user computed on batch k, batch k+1 was received (or published) and
         # decoded: it waits, ready, in the queue
         assert all(n >= 1 for n in o["ready"][:-1]), (rank, o)
+        # and never more than its depth: SHMLOADER_SLOTS (2) - 1, the batch the user holds
+        # being the other slot (NOTE [running ahead])
+        assert max(o["ready"]) <= 1, (rank, o)
         assert all(c >= k + 2 for k, c in enumerate(o["counted"][:-1])), (rank, o)
 
 

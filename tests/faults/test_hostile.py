@@ -63,6 +63,9 @@ def verified(rank: int, world: int, *, corrupt: bool) -> dict:
 
 def destroyed_group(rank: int, world: int) -> dict:
     g = dist.new_group([0, 1])
+    # both ranks connected before either tears down: a rank that destroys its group while
+    # its peer still connects breaks the peer's gloo mesh (seen once under load)
+    dist.barrier(group=g)
     dist.destroy_process_group(g)
     return outcome(lambda: ShmLoader(lambda: [1], g, config=Config.from_env(enabled=True)))
 

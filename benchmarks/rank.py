@@ -53,6 +53,7 @@ import contextlib
 import datetime
 import gc
 import json
+import multiprocessing as mp
 import os
 import time
 import traceback
@@ -746,6 +747,14 @@ def rank_main(rank: int, case: dict[str, Any], port: int, outdir: str, body: Bod
     os.environ.pop("SHMLOADER_DAEMON", None)  # embedded mode
     if case.get("shm_dir"):  # the huge-page way: its ring (and nothing else) there
         os.environ["SHMLOADER_SHM_DIR"] = case["shm_dir"]
+    if mp.get_start_method(allow_none=True) == "forkserver":
+        # Forked from ``run``'s warm server (``--quick``, a smoke run): the
+        # DataLoader workers' forkserver is forked from this rank too, before
+        # gloo starts a thread, instead of a cold interpreter importing torch
+        # again (about 1.5 s of every configuration on 2 cores).
+        from tests.support.harness import _fork_worker_server
+
+        _fork_worker_server()
     try:
         result = run_rank(rank, Case(**case), port, body)
         tmp = os.path.join(outdir, f"{rank}.json.tmp")

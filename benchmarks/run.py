@@ -116,9 +116,9 @@ def plan(args: argparse.Namespace) -> list[Case]:
 
 
 def _left_out_of_quick(case: Case, args: argparse.Namespace) -> bool:
-    """``--quick`` keeps one configuration per question (about a minute on 2 cores).
+    """``--quick`` keeps one configuration per question (about 20 s on 2 cores).
 
-    Each configuration starts fresh ranks (a few seconds on 2 cores whatever
+    Each configuration starts fresh ranks (a second or two on 2 cores whatever
     it measures), so the smoke run measures the one-copy way only at its
     largest size, ``broadcast_object_list`` only at its smallest, the
     realistic run without the broadcast way, and not the huge-page way (the
@@ -193,7 +193,9 @@ def _kill(proc: mp.process.BaseProcess) -> None:
 
 #: How ranks start: fresh interpreters, so that each rank's CPU seconds and
 #: memory include what a real rank pays. ``--quick`` (a smoke run, never a
-#: result) forks them from a server that imported ``WARM`` once instead.
+#: result) forks them from a server that imported ``WARM`` once instead, and
+#: each such rank forks its DataLoader workers' server from itself
+#: (``rank.rank_main``), so no worker imports torch again either.
 START_METHOD = "spawn"
 WARM = ["torch", "torch.distributed", "torch.utils.data", "numpy", "zmq"]
 

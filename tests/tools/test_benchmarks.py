@@ -19,7 +19,7 @@ from benchmarks.transports import join, split
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-#: A hang guard for the whole ``--quick`` run (about a minute on 2 quiet cores,
+#: A hang guard for the whole ``--quick`` run (about 20 s on 2 quiet cores,
 #: several on a loaded machine; each configuration has its own 120 s guard).
 QUICK_GUARD_S = 840
 

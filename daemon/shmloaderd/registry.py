@@ -504,6 +504,10 @@ class Registry:
     #     by then. The refusal names the directories and the fix. The daemon does
     #     not follow a directory a job names: reaping as root inside a directory a
     #     user controls is open to that user swapping the path under the unlink.
+    #     So a shmloader job checks first (``hello`` says ``node_mode`` and
+    #     ``shm_dirs``; ``DaemonClient.check_ring_dir``) and makes nothing in
+    #     such a directory: no control segment is left there for nobody to reap
+    #     after a crash. This refusal stays for clients that do not check.
     def _unwatched(self, job: Job, where: Any) -> str:
         """Why ``job`` is refused when no control segment of its uid is in a
         ring directory of ours (NOTE [watched ring directories])."""

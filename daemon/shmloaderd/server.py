@@ -437,6 +437,9 @@ class Daemon:
                 "socket": self.path,
                 "budget": self.budget(),
                 "shm_dirs": list(self.shm_dirs),  # ``shmloader gc``/``stat`` look there too
+                # a job in node mode makes its ring only in one of them (NOTE [watched
+                # ring directories] in ``registry``): it checks before it makes anything
+                "node_mode": self.tenancy.enabled,
             }
         if op == "stats":
             return {"ok": True, "stats": self.view(self.stats(), peer)}

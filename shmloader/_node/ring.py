@@ -42,6 +42,7 @@ from .segment import (
     Segment,
     huge_ring,
     populate,
+    ring_dir,
     shm_free_bytes,
     touch,
 )
@@ -83,6 +84,7 @@ class NodeDaemon(Protocol):
     """
 
     def admit(self, token: str, nbytes: int) -> None: ...
+    def check_ring_dir(self, directory: str) -> None: ...
     def adopt(self, token: str, name: str, nbytes: int) -> int | None: ...
     def add_segment(self, token: str, name: str, nbytes: int) -> None: ...
     def remove_segment(self, token: str, name: str) -> None: ...
@@ -187,6 +189,8 @@ class RingWriter:
         self._counters = dict.fromkeys(COUNTER_FIELDS, 0)
         self._counters["readers"] = len(self.readers)
         self._on_drop: list[Callable[[int], None]] = []
+        if daemon is not None:  # refused before anything is made there: nothing to reap
+            daemon.check_ring_dir(ring_dir())
         self.control = Segment.create_unique(
             control_stem(token), KIND_CONTROL, token, CONTROL_CAPACITY
         )

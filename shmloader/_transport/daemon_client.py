@@ -28,7 +28,7 @@ import zmq
 
 from .._node import segment
 from ..config import DAEMON_SOCKET, well_known_socket
-from ..errors import ShmCapacityError
+from ..errors import ConfigError, ShmCapacityError
 
 log = logging.getLogger(__name__)
 
@@ -335,6 +335,36 @@ class DaemonClient:
         with self._lock:
             self._segments.pop(name, None)
             self.request("segment", token=token, action="remove", name=name)
+
+    def check_ring_dir(self, directory: str) -> None:
+        """Refuse a ring directory a node-mode daemon does not watch, before the writer
+        makes anything there.
+
+        The daemon would refuse the ring's first admission anyway (NOTE
+        [watched ring directories] in ``shmloaderd.registry``), but the control
+        segment made before it would stay behind in a directory the daemon
+        never reaps if the job then died. Says nothing where the daemon runs
+        for one user, is away, or watches ``directory``.
+        """
+        if self.state == self.NEW:
+            self.connect()  # its hello says where it looks
+        info = self.daemon_info
+        dirs = info.get("shm_dirs")
+        if not info.get("node_mode") or not isinstance(dirs, list):
+            return
+        real = os.path.realpath(directory)
+        watched = [d for d in dirs if isinstance(d, str)]
+        if real in {os.path.realpath(d) for d in watched}:
+            return
+        raise ConfigError(
+            "SHMLOADER_SHM_DIR",
+            real,
+            f"one of the ring directories the node's shmloaderd ({self.path}) watches "
+            f"({', '.join(watched)}): a ring elsewhere could be neither counted against a "
+            "budget nor reaped after a crash, so nothing was made there. Set "
+            "SHMLOADER_SHM_DIR to one of them (or unset it for /dev/shm), or ask the node's "
+            "operator to add the directory to shmloaderd's --shm-dir",
+        )
 
     # NOTE [a refusal is a refusal]
     #     An ``admit`` the daemon answers with ``ok: false`` (a request it refused:

@@ -37,7 +37,7 @@ from shmloader._node import reaping, rundir, segment
 from shmloader._node.ring import RingWriter, control_stem, new_token
 from shmloader._node.segment import KIND_CONTROL, KIND_DATA, KIND_PROBE, Segment, shm_path
 from shmloader._transport.daemon_client import DaemonClient
-from shmloader.errors import ShmCapacityError, human_bytes
+from shmloader.errors import ConfigError, ShmCapacityError, human_bytes
 from shmloader.tools import stat as stat_cli
 from tests.daemon.test_daemon import Daemons, daemons, exists, wait_until  # noqa: F401 (fixture)
 
@@ -112,10 +112,13 @@ def cmd_victim_ring(token: str, slots: int, nbytes: int) -> dict:
         "token": token, "group": [0, 1], "leader": 0, "writer": 0, "node": [0, 1],
         "pids": {"0": [pid, start, ns]}, "world": 2, "job": f"job-of-{os.getuid()}",
     }  # fmt: skip
-    ring = RingWriter(token, frozenset([1]), desc, daemon=_client())
+    made = 0
+    try:
+        ring = RingWriter(token, frozenset([1]), desc, daemon=_client())
+    except ConfigError as exc:  # a ring directory the daemon does not watch: nothing made
+        return {"made": made, "refused": str(exc), "before_control": True}
     _state.setdefault("rings", []).append(ring)
     _client().register(desc)
-    made = 0
     try:
         for i in range(slots):
             slot = ring.acquire(nbytes)
@@ -183,11 +186,23 @@ def cmd_flood_end() -> None:
 
 
 def cmd_subdir_ring() -> dict:
-    """SHMLOADER_SHM_DIR=/dev/shm/<a 0700 directory of our own>, then a job's ring."""
+    """SHMLOADER_SHM_DIR=/dev/shm/<a 0700 directory of our own>, then a job's ring; and
+    what the directory holds after the refusal."""
     where = tempfile.mkdtemp(prefix="shml-sub-", dir="/dev/shm")  # 0700, ours
     segment.use_dir(where)
     got = cmd_victim_ring(new_token(), 2, 3 << 20)
-    return {"dir": where, **got}
+    return {"dir": where, "left": sorted(os.listdir(where)), **got}
+
+
+def cmd_subdir_admit(where: str) -> dict:
+    """A client that does not check first (an older one): its control segment in such a
+    directory (``subdir_ring``'s), then an admission, which the daemon itself refuses."""
+    token = new_token()
+    desc = {"token": token, "group": [0], "leader": 0, "writer": 0, "node": [0], "world": 1}
+    ring = RingWriter(token, frozenset(), desc)  # no daemon: nothing checked
+    _state.setdefault("rings", []).append(ring)
+    _client().register(desc)
+    return {"dir": where, "admit": cmd_admit(token, 1 << 20)}
 
 
 def cmd_stats() -> dict:
@@ -728,16 +743,23 @@ def test_a_ring_in_a_directory_the_daemon_does_not_watch_is_refused(
 ) -> None:
     """SHMLOADER_SHM_DIR=/dev/shm/<own 0700 directory>: the daemon scans only its
     ring directories, so such a ring counted 0 bytes and a second job went past
-    the uid's budget. Now its admission is refused, naming the directories."""
+    the uid's budget. The job now refuses it before it makes anything there (a
+    control segment left in it was never reaped after the job's SIGKILL), naming
+    the directories; a client that does not check is refused by the daemon."""
     a_uid, _ = free_uids()
     path, _d = _node_daemon(daemons, "--uid-budget", f"{a_uid}=8M")
     with users(path, a_uid) as (a,):
         got = a.call("subdir_ring")
         try:
+            old = a.call("subdir_admit", got["dir"])
             assert got["made"] == 0, f"a ring in {got['dir']} was admitted: {got}"
-            assert "no control segment in the ring directories" in got["refused"], got
-            assert f"its ring directory is {got['dir']}" in got["refused"], got
-            assert "/dev/shm" in got["refused"] and "--shm-dir" in got["refused"]
+            assert got.get("before_control"), f"refused only once it made something: {got}"
+            assert got["left"] == [], f"the refused job left {got['left']} in {got['dir']}"
+            assert f"SHMLOADER_SHM_DIR={got['dir']!r}" in got["refused"], got
+            assert "/dev/shm" in got["refused"] and "--shm-dir" in got["refused"], got
+            assert old["admit"].startswith("refused"), old
+            assert "no control segment in the ring directories" in old["admit"], old
+            assert f"its ring directory is {old['dir']}" in old["admit"], old
         finally:
             a.close()
             shutil.rmtree(got["dir"], ignore_errors=True)

@@ -645,6 +645,9 @@ class FakeDaemon:
     def adopt(self, token: str, name: str, n: int) -> int | None:
         return None  # an empty warm pool
 
+    def check_ring_dir(self, directory: str) -> None:
+        pass  # watched
+
     def add_segment(self, token: str, name: str, n: int) -> None:
         self.segments[name] = n
 

@@ -1,4 +1,10 @@
-"""Soak: 20,000 small batches through SP4 leak no descriptor, mapping, socket or memory."""
+"""Soak: 10,000 small batches through SP4 leak no descriptor, mapping, socket or memory.
+
+Sampled at batch 1,000 and at the last: a leak of one descriptor, socket or
+mapping per few thousand batches shows, and so does memory growing by 0.9 KiB
+a batch (``RSS_SLACK_KIB`` over the 9,000 batches between the samples; a
+quiet run grows by about 0.1 MiB).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +19,9 @@ import torch.distributed as dist
 from shmloader import Config, ShmLoader
 from tests.support.harness import run_ranks
 
-STEPS = 20_000
+STEPS = 10_000
+#: RSS growth allowed between the samples: 0.9 KiB a batch over 9,000 batches.
+RSS_SLACK_KIB = 8 * 1024
 
 
 class Small:
@@ -54,7 +62,7 @@ def soak(rank: int, world: int) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_soak_20k_batches_sp4_no_growth():
+def test_soak_10k_batches_sp4_no_growth():
     out = run_ranks(soak, 4, timeout=540)
     for rank, o in enumerate(out):
         early, late = o["samples"][1_000], o["samples"][STEPS - 1]
@@ -62,6 +70,6 @@ def test_soak_20k_batches_sp4_no_growth():
         assert late["fds"] <= early["fds"] + 2, (rank, early, late)
         assert late["sockets"] <= early["sockets"], (rank, early, late)
         assert late["maps"] <= early["maps"] + 16, (rank, early, late)
-        assert late["rss_kib"] <= early["rss_kib"] + 16 * 1024, (rank, early, late)
-        print(f"rank {rank}: at 1k {early}, at 20k {late}")
+        assert late["rss_kib"] <= early["rss_kib"] + RSS_SLACK_KIB, (rank, early, late)
+        print(f"rank {rank}: at 1k {early}, at {STEPS // 1000}k {late}")
     assert out[0]["stats"]["ring_slots"] <= 4, "the ring must not grow under a steady job"

@@ -219,10 +219,11 @@ class _Fork:
     """One fork, from the parent's ``before`` handler to its child's and back."""
 
     def __init__(self) -> None:
-        self.copy: list[tuple[mmap.mmap, int, int]] = []  # strong: alive until copied
-        self.drop: list[tuple[int, int]] = []
+        # Both strong: no view of the snapshot is unmapped before the fork (its address
+        # could then hold another mapping, which the child's copy or denial would hit).
+        self.copy: list[tuple[mmap.mmap, int, int]] = []  # alive until the child copied
+        self.drop: list[tuple[mmap.mmap, int, int]] = []  # alive until the fork is done
         self.pipe: tuple[int, int] | None = None  # the child answers on it
-        self.hidden: list[object] = []  # keeps what the holders hold alive through the fork
 
 
 #: The fork in progress: set and read only while ``_LOCK`` is held by the forking thread.
@@ -234,13 +235,13 @@ def _before_fork() -> None:
     _LOCK.acquire()
     fork = _Fork()
     try:
-        hidden = _hidden_addresses(fork)
+        hidden = _hidden_addresses()
         for addr, (ref, length) in list(COPY_AT_FORK.items()):
             mm = ref()
             if mm is None or mm.closed:
                 continue
             if any(addr <= a < addr + length for a in hidden):
-                fork.drop.append((addr, length))
+                fork.drop.append((mm, addr, length))
             else:
                 fork.copy.append((mm, addr, length))
         if fork.copy:
@@ -252,10 +253,9 @@ def _before_fork() -> None:
     _current = fork
 
 
-def _hidden_addresses(fork: _Fork) -> list[int]:
+def _hidden_addresses() -> list[int]:
     found: list[int] = []
     for holder in list(_HIDDEN):
-        fork.hidden.append(holder)
         found.extend(holder.hidden_addresses())
     return found
 
@@ -268,15 +268,17 @@ def _copy_in_child() -> None:
         return
     _LOCK.release()  # the forking thread's acquire, in the child's copy of the lock
     kept = False
-    for addr, length in fork.drop:
+    for _mm, addr, length in fork.drop:
         _deny(addr, length)
     for _mm, addr, length in fork.copy:
         if not _own_copy(addr, length):
             kept = True
+    fork.drop.clear()
     if fork.pipe is not None:
         read, write = fork.pipe
         with contextlib.suppress(OSError):
             os.close(read)
+        with contextlib.suppress(OSError):
             os.write(write, b"k" if kept else b"c")
         if not kept:  # kept: the end stays open until this child exits (the parent's hold)
             with contextlib.suppress(OSError):
@@ -331,7 +333,7 @@ def _after_fork_parent() -> None:
     fork, _current = _current, None
     if fork is None:
         return
-    fork.hidden.clear()
+    fork.drop.clear()  # the child has them, or denied them: the parent's may go
     try:
         if fork.pipe is not None:
             # the child's end is then the only one: EOF when it is gone. Closed while the

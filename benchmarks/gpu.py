@@ -524,8 +524,20 @@ def _free_port() -> int:
 
 
 def launch(cfg: dict[str, Any]) -> tuple[list[dict] | None, str]:
-    """Run one configuration in fresh ranks; (per-rank results, or None and why)."""
-    ctx = mp.get_context("spawn")
+    """Run one configuration in fresh ranks; (per-rank results, or None and why).
+
+    Ranks are cold interpreters (spawn: a CUDA process is never forked), but
+    with ``--warm-ranks`` (``--cpu-smoke`` only: its ranks touch no CUDA) they
+    fork from a server that imported torch once (``run.WARM``), not 2-3 s of
+    imports a rank on 2 cores.
+    """
+    if cfg.get("warm_ranks"):
+        from .run import WARM
+
+        mp.set_forkserver_preload(WARM)
+        ctx = mp.get_context("forkserver")
+    else:
+        ctx = mp.get_context("spawn")
     outdir = tempfile.mkdtemp(prefix="shml-gpu-")
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, cfg, port, outdir)) for r in range(cfg["sp"])]
@@ -719,7 +731,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="no GPU: run every code path with a host stand-in for CUDA (figures meaningless; "
         "written to --out, default a new temporary directory); what the test suite runs",
     )
-    return p.parse_args(argv)
+    p.add_argument(
+        "--warm-ranks",
+        action="store_true",
+        help="with --cpu-smoke: fork the ranks from a server that imported torch once instead "
+        "of spawning cold interpreters (faster; not how a GPU run starts its ranks)",
+    )
+    args = p.parse_args(argv)
+    if args.warm_ranks and not args.cpu_smoke:
+        p.error("--warm-ranks needs --cpu-smoke (a CUDA process is never forked)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -789,6 +810,7 @@ def main(argv: list[str] | None = None) -> int:
                 "gpu": args.gpu,
                 "timeout": args.timeout,
                 "cpu_smoke": args.cpu_smoke,
+                "warm_ranks": args.warm_ranks,
             }
             t0 = time.monotonic()
             ranks, why = launch(cfg)

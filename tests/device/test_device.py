@@ -722,6 +722,8 @@ def test_gpu_benchmark_runs_every_way_on_a_host_stand_in(tmp_path):
     # ``--cpu-smoke``: benchmarks/gpu.py's code paths (ranks, the four ways, the
     # device way through ShmLoader(device=HostOps()), aggregation, targets, outputs)
     # run without a GPU, so the benchmark cannot rot before it first meets one.
+    # --warm-ranks: forked from a warm server, not 8 cold interpreters (the ranks'
+    # start, as a GPU run makes it, is the cap test's below).
     import json
     import subprocess
     import sys
@@ -730,8 +732,9 @@ def test_gpu_benchmark_runs_every_way_on_a_host_stand_in(tmp_path):
 
     assert isinstance(HostOps(), cudaops.DeviceOps)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    argv = ["--cpu-smoke", "--sizes", "1", "--sp", "2", "--steps", "3", "--warmup", "1"]
-    argv += ["--workers", "0", "--gpu-ms", "1", "--timeout", "120", "--out", str(tmp_path)]
+    argv = ["--cpu-smoke", "--warm-ranks", "--sizes", "1", "--sp", "2", "--steps", "3"]
+    argv += ["--warmup", "1", "--workers", "0", "--gpu-ms", "1", "--timeout", "120"]
+    argv += ["--out", str(tmp_path)]
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu", *argv],
         capture_output=True,

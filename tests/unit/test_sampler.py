@@ -5,18 +5,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import random
-import socket
 from collections import Counter
-from datetime import timedelta
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as tmp
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
@@ -723,58 +718,41 @@ def test_dataloader_integration():
 
 
 # ---------------------------------------------------------------------------- multi-process
-def _dist_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+def _dist_worker(rank: int, world: int) -> dict:
+    """In a rank of ``harness.run_ranks`` (gloo initialised): what its samplers draw."""
+    blocks = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    sp_group = blocks[rank // 2]
+    sampler = ShardedSampler(
+        range(37),
+        **dict(zip(("num_replicas", "rank"), dp_topology_from_group(sp_group), strict=True)),
+    )
+    result = {"topo": [sampler.num_replicas, sampler.rank], "epochs": []}
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        result["epochs"].append(list(sampler))
+    unseeded = ShardedSampler(range(37), num_replicas=2, rank=sampler.rank, seed=None)
+    result["seed"] = unseeded.seed
+    result["unseeded"] = list(unseeded)
+    result["strided"] = list(dp_topology_from_group(strided[rank % 2]))
+    result["no_sp"] = list(dp_topology_from_group(None))
+    uneven = [dist.new_group([0]), dist.new_group([1, 2, 3])]
     try:
-        blocks = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-        sp_group = blocks[rank // 2]
-        sampler = ShardedSampler(
-            range(37),
-            **dict(zip(("num_replicas", "rank"), dp_topology_from_group(sp_group), strict=True)),
-        )
-        result = {"topo": [sampler.num_replicas, sampler.rank], "epochs": []}
-        for epoch in range(2):
-            sampler.set_epoch(epoch)
-            result["epochs"].append(list(sampler))
-        unseeded = ShardedSampler(range(37), num_replicas=2, rank=sampler.rank, seed=None)
-        result["seed"] = unseeded.seed
-        result["unseeded"] = list(unseeded)
-        result["strided"] = list(dp_topology_from_group(strided[rank % 2]))
-        result["no_sp"] = list(dp_topology_from_group(None))
-        uneven = [dist.new_group([0]), dist.new_group([1, 2, 3])]
-        try:
-            dp_topology_from_group(uneven[min(rank, 1)])
-            result["uneven"] = "accepted"
-        except ValueError as exc:
-            result["uneven"] = str(exc)
-        tmp_file = Path(out_dir, f"rank{rank}.tmp")
-        tmp_file.write_text(json.dumps(result))
-        tmp_file.rename(Path(out_dir, f"rank{rank}.json"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        dp_topology_from_group(uneven[min(rank, 1)])
+        result["uneven"] = "accepted"
+    except ValueError as exc:
+        result["uneven"] = str(exc)
+    return result
 
 
 @pytest.mark.timeout(120)
-def test_multiprocess_sp_peers_draw_identical_indices(tmp_path):
+def test_multiprocess_sp_peers_draw_identical_indices():
+    # warm ranks (NOTE [warm ranks]): seed=None's seed comes from secrets, which a fork
+    # does not repeat, so a rank drawing its own seed still shows
+    from tests.support.harness import run_ranks
+
     world = 4
-    tmp.start_processes(
-        _dist_worker,
-        args=(world, _free_port(), str(tmp_path)),
-        nprocs=world,
-        join=True,
-        start_method="spawn",
-    )
-    res = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(world)]
+    res = run_ranks(_dist_worker, world, timeout=100)
     assert [r["topo"] for r in res] == [[2, 0], [2, 0], [2, 1], [2, 1]]
     assert [r["strided"] for r in res] == [[2, 0], [2, 1], [2, 0], [2, 1]]
     assert [r["no_sp"] for r in res] == [[4, r] for r in range(world)]

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from . import provenance
 from .rank import Case, Recorder, Shared, now_ns, read_all
-from .run import DEFAULT_OUT, launch
+from .run import DEFAULT_OUT, launch, warm_starts
 from .workload import BatchSpec, TemplatedBatches, transport_loader
 
 MiB = 1 << 20
@@ -194,7 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--no-cache-effect", action="store_true", help="skip the cache-effect table")
+    p.add_argument(
+        "--warm-ranks",
+        action="store_true",
+        help="fork the ranks (and their workers' server) from a server that imported torch "
+        "once, as benchmarks.run --quick does: a smoke run's start in seconds less",
+    )
     args = p.parse_args(argv)
+    if args.warm_ranks:
+        warm_starts()
     record = provenance.start("benchmarks.breakdown", argv)
     missing = missing_targets()
     if missing:

@@ -163,9 +163,10 @@ def lease(mm: mmap.mmap, at: int, nbytes: int) -> np.ndarray:
 def mapping_of(view: np.ndarray) -> mmap.mmap | None:
     """The mapping a view made by ``lease`` (or ``np.frombuffer`` of an mmap) rests on."""
     base = view.base
-    ref = getattr(base, "mapping", None)
-    if ref is not None:
-        return ref()
+    for lent in (base, getattr(base, "obj", None)):  # the lease, or a memoryview of it
+        ref = getattr(lent, "mapping", None)
+        if ref is not None:
+            return ref()
     mm = getattr(base, "obj", base)
     return mm if isinstance(mm, mmap.mmap) else None
 

@@ -6,8 +6,10 @@ the harness made): a ``LightningDataModule`` returns the wrapped
 same fit over plain DataLoaders, a ``ModelCheckpoint`` taken mid-way through
 the second epoch holds every rank's loader state, and ``fit(ckpt_path=...)``
 with a new trainer, data module, loader and seed delivers exactly the rest.
-The resume runs in the processes that saved (Lightning's import is most of
-this test's time); the DCP and torchtitan tests resume in new ones.
+The resume runs in the processes that saved (Lightning's import was most of
+this test's time: the ranks now come from a warm server that imported it
+once, ``run_ranks(preload=...)``); the DCP and torchtitan tests resume in new
+ones.
 """
 
 from __future__ import annotations
@@ -129,7 +131,9 @@ def test_lightning_fit_shares_batches_and_resumes_every_rank_exactly_mid_epoch()
     from tests.support.harness import run_ranks
 
     with tempfile.TemporaryDirectory() as ckpt:
-        runs = run_ranks(lightning_ranks, 4, kwargs={"ckpt": ckpt}, timeout=280)
+        runs = run_ranks(
+            lightning_ranks, 4, kwargs={"ckpt": ckpt}, timeout=280, preload=["lightning.pytorch"]
+        )
         saved = torch.load(f"{ckpt}/step={STOP}.ckpt", weights_only=True)
     (state,) = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
     assert {f"rank{r}" for r in range(4)} <= set(state)  # every rank's, in rank 0's file

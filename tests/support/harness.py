@@ -31,6 +31,10 @@ NOTE [warm ranks]
     started (``huge_dir``), so ranks always see the mounts the test sees.
     ``cold=True`` starts cold interpreters (spawn) instead, for tests whose
     subject is a fresh process (what importing the package does).
+    ``preload=[...]``: modules a test's ranks all import that cost seconds
+    each (Lightning): its ranks come from a second warm server that imported
+    ``WARM_MODULES`` and those too, started once per pytest process and kept
+    (``_preloaded_server``); other tests' ranks never see them.
     ``SHMLOADER_TEST_COLD_RANKS=1`` in the pytest process's environment makes
     every rank cold (``cold_ranks``), as ranks were started before the warm
     launcher: ``tests/mutation_check.py`` runs its tests both ways to show
@@ -124,6 +128,49 @@ def rank_context(cold: bool = False) -> Any:
         server.ensure_running()
         _warm_ns.append(_mount_ns())
     return mp.get_context("forkserver")
+
+
+#: Servers with extra preloads: modules -> (address, alive fd, pid, mount namespace).
+_extra_servers: dict[tuple[str, ...], tuple[Any, int, int, str]] = {}
+_SERVER_STATE = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
+
+
+def _point(server: Any, state: tuple) -> None:
+    """Point ``multiprocessing``'s forkserver singleton at another server's (address, fd, pid)."""
+    for attr, value in zip(_SERVER_STATE, state, strict=True):
+        setattr(server, attr, value)
+
+
+@contextlib.contextmanager
+def _preloaded_server(modules: list[str]):
+    """Start processes of ``rank_context()`` from a warm server that also imported ``modules``.
+
+    ``multiprocessing`` talks to one forkserver (a module singleton): for the
+    block, it is pointed at a second one, kept for later calls with the same
+    modules and restarted if started in another mount namespace (NOTE [warm
+    ranks]). The default server is untouched and restored after.
+    """
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    key = tuple(modules)
+    with server._lock:
+        saved = tuple(getattr(server, a) for a in _SERVER_STATE), server._preload_modules
+    try:
+        old = _extra_servers.pop(key, None)
+        with server._lock:
+            _point(server, old[:3] if old else (None, None, None))
+            server._preload_modules = [*WARM_MODULES, *modules]
+        if old is not None and old[3] != _mount_ns():
+            server._stop()  # started outside the namespace this process is in now
+        server.ensure_running()  # a no-op while that server lives
+        with server._lock:
+            _extra_servers[key] = (*(getattr(server, a) for a in _SERVER_STATE), _mount_ns())
+        yield
+    finally:
+        with server._lock:
+            _point(server, saved[0])
+            server._preload_modules = saved[1]
 
 
 #: Pids of every process this harness started from the warm forkserver.
@@ -307,6 +354,7 @@ def run_ranks(
     gc_after: bool = False,
     node_shm_size: str = "2g",
     cold: bool = False,
+    preload: list[str] | None = None,
 ) -> list[Any]:
     """Run ``fn`` on ``world`` real ranks and return their results in rank order.
 
@@ -315,7 +363,8 @@ def run_ranks(
         every node once the ranks are gone (for runs where a rank was SIGKILLed).
     ``node_shm_size`` sizes the simulated nodes' tmpfs (Docker's default is 64m).
     ``cold``: start each rank as a fresh interpreter instead of a warm fork
-    (NOTE [warm ranks]).
+    (NOTE [warm ranks]). ``preload``: more modules the warm server imports
+    once for every rank (NOTE [warm ranks]); ignored by cold ranks.
     """
     target = fn if isinstance(fn, str) else f"{fn.__module__}:{fn.__qualname__}"
     cold = cold_ranks(cold)
@@ -331,28 +380,31 @@ def run_ranks(
     procs = []
     with simulated_nodes(max(node_of) + 1, node_shm_size) as shm_dirs:
         try:
-            for rank in range(world):
-                rank_vars = {**os.environ, **(env or {})}
-                if nodes is not None:
-                    rank_vars["SHMLOADER_NODE"] = f"node{node_of[rank]}"
-                rank_vars.update((rank_env or {}).get(rank, {}))
-                p = ctx.Process(
-                    target=_rank_main,
-                    args=(
-                        rank,
-                        world,
-                        port,
-                        target,
-                        kwargs or {},
-                        outdir,
-                        rank_vars,
-                        shm_dirs[node_of[rank]],
-                        cold,
-                    ),
-                    daemon=False,
-                )
-                p.start()
-                procs.append(started(p))
+            with contextlib.ExitStack() as starting:
+                if preload and not cold:
+                    starting.enter_context(_preloaded_server(preload))
+                for rank in range(world):
+                    rank_vars = {**os.environ, **(env or {})}
+                    if nodes is not None:
+                        rank_vars["SHMLOADER_NODE"] = f"node{node_of[rank]}"
+                    rank_vars.update((rank_env or {}).get(rank, {}))
+                    p = ctx.Process(
+                        target=_rank_main,
+                        args=(
+                            rank,
+                            world,
+                            port,
+                            target,
+                            kwargs or {},
+                            outdir,
+                            rank_vars,
+                            shm_dirs[node_of[rank]],
+                            cold,
+                        ),
+                        daemon=False,
+                    )
+                    p.start()
+                    procs.append(started(p))
             deadline = time.monotonic() + timeout
             for p in procs:
                 p.join(max(0.1, deadline - time.monotonic()))

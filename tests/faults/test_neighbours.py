@@ -347,13 +347,17 @@ _SIGTERM = """
     from shmloader._transport.channel import Hub
     from shmloader._node.ring import RingWriter
     mode = sys.argv[1] if len(sys.argv) > 1 else "default"
+    carried = []  # "carry-on": the signals its handler saw
     if mode == "chained":
         def app(signum, frame):
             print("app handler ran", flush=True)
             raise SystemExit(3)
         signal.signal(signal.SIGTERM, app)
     elif mode == "carry-on":
-        signal.signal(signal.SIGTERM, lambda s, f: print("carrying on", flush=True))
+        def app(signum, frame):
+            print("carrying on", flush=True)
+            carried.append(signum)
+        signal.signal(signal.SIGTERM, app)
     w = RingWriter("{token}", frozenset({{1}}), {{"job": "t"}})
     slot = w.acquire(1000)  # named: rank 1 never attached
     if mode == "grown":  # a forked worker grows a pool slot in our name (pool._grow)
@@ -368,9 +372,18 @@ _SIGTERM = """
             os._exit(0)
         os.waitpid(child, 0)
     hub = Hub(socket_path(make_private_dir(None)))
+    from shmloader._node.segment import SHM_DIR
+    def held():
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith("shml-{token}-"))
+    named = held()
     print("ready", flush=True)
-    for _ in range(200):
+    for _ in range(200):  # the other modes die of the signal in here
+        if carried:  # carried on: 1 s more, then the ring must still be whole
+            time.sleep(1.0)
+            break
         time.sleep(0.1)
+    if held() == named:
+        print("ring kept", flush=True)
     print("still here", flush=True)
     hub.close()
     w.close()
@@ -469,6 +482,7 @@ def test_an_application_that_carries_on_after_sigterm_keeps_its_ring(no_leaks) -
     token = new_token()
     code, out, left, dirs = _sigterm_run(token, no_leaks, "carry-on")
     assert code == 0 and "carrying on" in out and "still here" in out, (code, out)
+    assert "ring kept" in out, out  # SIGTERM took nothing from a process that carried on
     assert left == set() and dirs == []  # removed by its own close() at the end
 
 

@@ -345,6 +345,9 @@ class Follower:
             if msg.kind == Kind.END:
                 if theirs[1:] != mine[1:]:
                     raise receiver.diverged("ended", theirs, mine)
+                # the writer's last word of the iteration, taken: a close without BYE
+                # after it (a loader dropped with its iterator) is no loss (settle_left)
+                self.out.send(wire.frames(Kind.ACK, msg.seq, rank=topo.me))
                 ctx.mirror(msg["draws"])
                 ctx.cursor.finish()
                 return

@@ -391,8 +391,12 @@ class NodeWriter:
 
         A reader that said BYE and left is not lost: its BYE travels on the
         other socket and may trail the unsubscription that shows it left, so
-        each is given ``BYE_GRACE_S`` for it. Either way it is dropped, and
-        the slots it held are free again.
+        each is given ``BYE_GRACE_S`` for it. Nor is one that ACKed the
+        writer's last word (END, ERROR or STOP: stamped with ``seq``, the next
+        batch number) and left without BYE: a loader dropped with its iterator
+        right after its epoch closes in its finalizer, which says no BYE, and
+        the writer, still in its END, saw it gone. Either way it is dropped,
+        and the slots it held are free again.
         """
         lost: PeerLostError | None = None
         for rank in sorted(self.hub.left - self.gone):
@@ -402,10 +406,12 @@ class NodeWriter:
                 if (got := self.hub.receive(0.02)) is not None:
                     self.handle(*got)
             if rank not in self.gone:
+                took_last_word = self.acked.get(rank, 0) > self.seq
                 self.drop_reader(rank)
-                lost = lost or PeerLostError(
-                    rank, self.topo.role(rank), "its socket closed without a BYE"
-                )
+                if not took_last_word:
+                    lost = lost or PeerLostError(
+                        rank, self.topo.role(rank), "its socket closed without a BYE"
+                    )
         return lost
 
     def drop_reader(self, rank: int) -> None:

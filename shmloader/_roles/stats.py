@@ -192,7 +192,10 @@ class Reporter:
             mine = {"role": self.role, "batches": writer.seq, **waits,
                     "traffic_bytes": published, **device}  # fmt: skip
             ranks = {str(topo.me): mine}
-            for rank, acked in writer.acked.items():
+            # an ACK of the writer's last word (END, ERROR, STOP) counts one past its
+            # batches: what a reader took is at most what was published
+            taken = {rank: min(acked, writer.seq) for rank, acked in writer.acked.items()}
+            for rank, acked in taken.items():
                 row = {"role": topo.role(rank), "batches": acked, "lag": writer.seq - acked}
                 ranks[str(rank)] = row
             if len(ranks) > DESCRIBED_RANKS:  # the control segment holds 16 KiB
@@ -203,7 +206,7 @@ class Reporter:
                 return
             client.report(topo.ring_token, topo.me, published=writer.seq, role=self.role,
                           nbytes=published, device=device, waits={**waits, **hist})  # fmt: skip
-            for rank, acked in writer.acked.items():
+            for rank, acked in taken.items():
                 client.report(topo.ring_token, rank, consumed=acked, lag=writer.seq - acked)
         elif client is not None:
             received = counts["received"]

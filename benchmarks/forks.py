@@ -33,23 +33,9 @@ import time
 from typing import Any
 
 from . import provenance
+from .hugedir import Filled  # sample i: a float32 tensor of nbytes filled with i
 
 MiB = 1 << 20
-
-
-class Filled:
-    """Sample ``i``: a float32 tensor of ``nbytes`` filled with ``i``."""
-
-    def __init__(self, n: int, nbytes: int) -> None:
-        self.n, self.nbytes = n, nbytes
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> Any:
-        import torch
-
-        return torch.full((self.nbytes // 4,), float(i))
 
 
 def _private_mib() -> float:

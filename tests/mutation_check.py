@@ -195,7 +195,7 @@ BUGS = [
             "[8-10]",
             f"{FORKS}test_os_fork_returns_once_the_child_has_its_copy",
         ),
-        "forks from several threads share one snapshot of the batch views (issue 40 item 1)",
+        "forks from several threads share one snapshot of the batch views",
         "The lock becomes a semaphore that excludes nothing: racing forks overwrite each "
         "other's state, as the process-wide snapshot did before. The 8-thread case catches "
         "it every time; the 2-thread case (2 x 40 children) caught it warm and missed it "
@@ -211,7 +211,7 @@ BUGS = [
             f"{FORKS}test_a_child_that_cannot_copy_reads_its_batch_from_a_slot_held_until_it_exits",
             f"{FORKS}test_a_child_under_an_address_space_limit_copies_its_batch_in_pieces",
         ),
-        "a child whose copy fails gets its view made inaccessible: SIGSEGV (issue 40 item 3)",
+        "a child whose copy fails gets its view made inaccessible: SIGSEGV",
     ),
     Bug(
         "fork-parent-does-not-wait",
@@ -222,7 +222,7 @@ BUGS = [
             f"{FORKS}test_os_fork_returns_once_the_child_has_its_copy",
             f"{FORKS}test_a_child_under_an_address_space_limit_copies_its_batch_in_pieces",
         ),
-        "os.fork() returns before the child copied what it inherited (issue 40 item 8)",
+        "os.fork() returns before the child copied what it inherited",
     ),
     Bug(
         "fork-copies-the-queue",
@@ -233,7 +233,7 @@ BUGS = [
             f"{FORKS}test_a_fork_copies_the_batch_user_code_holds_and_drops_what_the_loop_queued",
             f"{FORKS}test_a_delivered_batch_is_read_in_forked_children_as_a_plain_tensor_is[2]",
         ),
-        "a fork copies the batches the loop queued, not only the user's (issue 40 item 2)",
+        "a fork copies the batches the loop queued, not only the user's",
     ),
     Bug(
         "ahead-queue-bound",
@@ -244,7 +244,7 @@ BUGS = [
             f"{AHEAD}test_every_rank_has_the_next_batch_before_it_asks[one-node]",
             f"{AHEAD}test_every_rank_has_the_next_batch_before_it_asks[two-nodes]",
         ),
-        "a loop ahead holds one batch more than SHMLOADER_SLOTS - 1 ready (issue 40 item 8)",
+        "a loop ahead holds one batch more than SHMLOADER_SLOTS - 1 ready",
     ),
     Bug(
         "drop-unmapped-in-place",
@@ -256,7 +256,7 @@ BUGS = [
             f"{DROPS}test_batches_dropped_ahead_are_unmapped_by_the_unmap_thread_on_every_role"
             "[one-node]",
         ),
-        "a dropped batch is unmapped on the thread that dropped it (issue 39 item 8)",
+        "a dropped batch is unmapped on the thread that dropped it",
     ),
     Bug(
         "unwatched-dir-made",
@@ -264,8 +264,7 @@ BUGS = [
         "            daemon.check_ring_dir(ring_dir())\n",
         "            pass  # planted: no check before the control segment\n",
         (f"{TENANTS}test_a_ring_in_a_directory_the_daemon_does_not_watch_is_refused",),
-        "a node-mode job makes its control segment in a directory the daemon never reaps "
-        "(issue 40 item 5)",
+        "a node-mode job makes its control segment in a directory the daemon never reaps",
     ),
 ]
 

@@ -33,7 +33,7 @@ cross-process wake-up round trip (``--trips``) by two ``posix_ipc.Semaphore``,
 two ``posix_ipc.MessageQueue`` and a ZeroMQ ``PAIR`` over ``ipc://`` (what
 shmloader's channel uses, with XPUB/ROUTER); the uncontended lock and unlock
 of a pool partition (``fcntl.lockf`` on a byte of the control segment, what
-``shmloader._workers.pool`` does) against a semaphore; and whether each lock
+``shmloader._workers.partition`` does) against a semaphore; and whether each lock
 is given back when its holder is killed. Writes ``shm_open.json`` and
 ``shm_open.md`` to ``--out`` (default a new temporary directory).
 """

@@ -340,7 +340,7 @@ class RingWriter:
     def add_pooled(self, segment: Segment) -> Slot:
         """Append a slot that DataLoader workers write (``pool``): touched here, never acquired.
 
-        Its name stays linked while the pool lives (NOTE [pool names] in ``_workers.pool``).
+        Its name stays linked while the pool lives (NOTE [pool names] in ``_workers.control``).
         """
         slot = self._pooled_slot(len(self.slots), 0, segment, populate=True)
         self.slots.append(slot)

@@ -28,7 +28,9 @@ from torch.utils.data import get_worker_info
 
 from .._proto import codec
 from ..errors import LoaderStateError, ShmLoaderError
-from .pool import PoolSpec, SlotRef, WorkerPool, WorkerSlots, estimate_bytes
+from .control import PoolSpec
+from .partition import WorkerSlots, estimate_bytes
+from .pool import SlotRef, WorkerPool
 
 
 class WorkerFailure:
@@ -89,7 +91,7 @@ def _rebuild_failure(
 class _Arena:
     """Bump allocator over a claimed slot's payload: the collate's shared-memory outputs.
 
-    ``track`` is told of every piece handed out (NOTE [kept collate outputs] in ``pool``).
+    ``track`` is told of every piece handed out (NOTE [kept collate outputs] in ``partition``).
 
     NOTE [collate into the slot]
         Inside a DataLoader worker, torch's ``default_collate`` stacks each
@@ -108,7 +110,7 @@ class _Arena:
         the whole batch, as without the allocator. A collate may keep references
         to its outputs past the call (a memory bank, a view of one leaf): the
         pieces it keeps are copied out of the slot, at their addresses, before
-        the slot is written again (NOTE [kept collate outputs] in ``pool``), so
+        the slot is written again (NOTE [kept collate outputs] in ``partition``), so
         they keep their bytes as with plain PyTorch.
         ``SHMLOADER_COLLATE_IN_SLOT=0`` (``Config.collate_in_slot``, carried to
         the workers in the ``PoolSpec``) turns the allocator off: every batch is

@@ -360,7 +360,7 @@ _SIGTERM = """
         signal.signal(signal.SIGTERM, app)
     w = RingWriter("{token}", frozenset({{1}}), {{"job": "t"}})
     slot = w.acquire(1000)  # named: rank 1 never attached
-    if mode == "grown":  # a forked worker grows a pool slot in our name (pool._grow)
+    if mode == "grown":  # a forked worker grows a pool slot in our name (WorkerSlots._grow)
         import dataclasses
         from shmloader._node.segment import KIND_DATA, MY_START, Segment
         parent, start = os.getpid(), MY_START
@@ -435,7 +435,7 @@ def test_sigterm_removes_segments_a_forked_worker_made_in_our_name(no_leaks) -> 
 @pytest.mark.timeout(30)
 def test_a_worker_stopped_by_sigterm_leaves_the_slot_it_handed_to_the_leader(no_leaks) -> None:
     """A DataLoader worker grows a pool slot and writes the leader into its header
-    (``pool._grow``); the DataLoader stops a worker slow to exit with SIGTERM.
+    (``WorkerSlots._grow``); the DataLoader stops a worker slow to exit with SIGTERM.
     Its cleanup must not unlink that slot: the leader's later workers open it by
     name. What still names the worker goes."""
     token = new_token()

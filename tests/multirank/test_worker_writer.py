@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from shmloader._node.ring import RingWriter, new_token, private_view
 from shmloader._proto import codec
 from shmloader._workers.collate import SlotCollate, WorkerFailure, install
-from shmloader._workers.pool import PoolState, WorkerPool, per_worker_slots
+from shmloader._workers.control import PoolState, per_worker_slots
+from shmloader._workers.pool import WorkerPool
 from shmloader.errors import ShmCapacityError, UnsupportedBatchError
 from tests.multirank.test_sharing import assert_same
 from tests.support.harness import run_ranks
@@ -348,12 +349,12 @@ def test_pool_names_cannot_be_predicted_or_squatted():
 
 
 def test_pool_larger_than_dev_shm_is_a_capacity_error_before_any_batch(monkeypatch):
-    import shmloader._workers.pool as pool_mod
+    import shmloader._workers.partition as partition
 
     big = [torch.full((1 << 18,), float(i)) for i in range(4)]  # 1 MiB samples
     loader = DataLoader(big, batch_size=2, num_workers=1, multiprocessing_context="fork")
     leader = Leader(loader)
-    monkeypatch.setattr(pool_mod, "shm_free_bytes", lambda: 1 << 10)  # inherited by fork
+    monkeypatch.setattr(partition, "shm_free_bytes", lambda: 1 << 10)  # inherited by fork
     try:
         with pytest.raises(ShmCapacityError) as info:
             for item in loader:
@@ -596,7 +597,7 @@ def _bare_pool(num_workers: int, per_worker_ring_slots: int = 2) -> tuple[RingWr
 
 
 def test_a_claim_takes_the_smallest_free_slot_that_fits_else_grows_the_largest():
-    from shmloader._workers.pool import PoolState, WorkerSlots
+    from shmloader._workers.partition import WorkerSlots
 
     ring, pool = _bare_pool(1)
     try:
@@ -618,7 +619,7 @@ def test_a_claim_takes_the_smallest_free_slot_that_fits_else_grows_the_largest()
 
 
 def test_worker_partitions_never_overlap():
-    from shmloader._workers.pool import WorkerSlots
+    from shmloader._workers.partition import WorkerSlots
 
     ring, pool = _bare_pool(3)
     try:
@@ -640,8 +641,6 @@ def test_worker_partitions_never_overlap():
 
 def test_a_slot_filled_by_a_worker_that_died_is_reclaimed_and_a_live_ones_is_not():
     import subprocess
-
-    from shmloader._workers.pool import PoolState
 
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -665,7 +664,7 @@ def test_a_slot_filled_by_a_worker_that_died_is_reclaimed_and_a_live_ones_is_not
 
 def test_garbage_in_the_control_segment_leaves_no_name_after_close():
     """close() unlinks what was made for the pool, whatever its control words say."""
-    from shmloader._workers.pool import WorkerSlots
+    from shmloader._workers.partition import WorkerSlots
 
     ring, pool = _bare_pool(2)
     token = ring.token
@@ -693,7 +692,7 @@ def test_a_slot_another_live_worker_still_references_is_never_claimed():
     same worker id (two iterators alive at once) off memory a collate still holds."""
     import subprocess
 
-    from shmloader._workers.pool import WorkerSlots
+    from shmloader._workers.partition import WorkerSlots
 
     dead = subprocess.Popen(["true"])
     dead.wait()

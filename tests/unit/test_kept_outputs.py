@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, default_collate
 
-from shmloader._workers.pool import _page_ranges, _privatise
+from shmloader._workers.partition import _page_ranges, _privatise
 from tests.multirank.test_collate_in_slot import Rows, _run
 from tests.multirank.test_sharing import assert_same
 

@@ -22,7 +22,9 @@ from torch.utils.data import DataLoader, Dataset
 from shmloader._node import segment
 from shmloader._node.release import ReaderWords
 from shmloader._node.ring import GRANULE, RingReader, RingWriter, SlotState, new_token, private_view
-from shmloader._workers.pool import PoolState, SlotRef, WorkerPool, WorkerSlots
+from shmloader._workers.control import PoolState
+from shmloader._workers.partition import WorkerSlots
+from shmloader._workers.pool import SlotRef, WorkerPool
 from shmloader.errors import ProtocolError
 from tests.support.harness import run_ranks
 
@@ -233,10 +235,10 @@ def test_no_word_is_stored_at_interpreter_exit_while_a_view_lives(tmp_path):
 
 
 def test_a_worker_waits_for_a_slot_about_to_be_released_rather_than_grow(node, monkeypatch):
-    import shmloader._workers.pool as pool_mod
+    import shmloader._workers.partition as partition
 
     # a grace no busy machine outlasts: the release below comes within it
-    monkeypatch.setattr(pool_mod, "GROW_GRACE_S", LONG_TIMEOUT_S)
+    monkeypatch.setattr(partition, "GROW_GRACE_S", LONG_TIMEOUT_S)
     i, ticket, views = node.publish()  # slot i: the batch ranks hold
     fits = NBYTES  # slot i fits; make every other one too small, and EMPTY
     for k in node.worker.partition:
@@ -318,17 +320,17 @@ def test_a_lockstep_job_cycles_through_two_slots():
 
 
 def test_after_a_wait_ran_out_a_worker_grows_at_once_until_ranks_release_again(node, monkeypatch):
-    import shmloader._workers.pool as pool_mod
+    import shmloader._workers.partition as partition
 
     i, ticket, views = node.publish()
     for k in node.worker.partition:
         if k != i:
             node.worker._record(k).capacity = 0
     node.worker.last_filled = -1
-    monkeypatch.setattr(pool_mod, "GROW_GRACE_S", 0.05)
+    monkeypatch.setattr(partition, "GROW_GRACE_S", 0.05)
     first = node.worker.claim(NBYTES)  # ranks keep slot i past the grace: grows another
     assert first[0] != i and not node.worker.patient
-    monkeypatch.setattr(pool_mod, "GROW_GRACE_S", LONG_TIMEOUT_S)
+    monkeypatch.setattr(partition, "GROW_GRACE_S", LONG_TIMEOUT_S)
     t0 = time.monotonic()
     second = node.worker.claim(NBYTES)
     assert second[0] not in (i, first[0])

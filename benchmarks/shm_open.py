@@ -111,10 +111,11 @@ class Ways:
     """The three ways' create / attach / touch, each one call that cleans up after itself."""
 
     def __init__(self, size: int) -> None:
-        from shmloader._node import segment
+        from shmloader._node import mapping, segment
 
         self.pi = _posix_ipc()
         self.seg = segment
+        self.touch = mapping.touch
         self.size = size
         self.count = 0
         self.capacity = size - segment.HEADER_SIZE  # the same file size every way
@@ -135,7 +136,7 @@ class Ways:
     def pi_touch(self) -> None:
         shm = self.pi.SharedMemory(self._name(), self.pi.O_CREX, mode=0o600, size=self.size)
         mm = mmap.mmap(shm.fd, self.size)
-        self.seg.touch(mm)
+        self.touch(mm)
         mm.close()
         shm.close_fd()
         shm.unlink()
@@ -164,7 +165,7 @@ class Ways:
         else:
             os.ftruncate(fd, self.size)
         mm = mmap.mmap(fd, self.size)
-        self.seg.touch(mm)
+        self.touch(mm)
         mm.close()
         os.close(fd)
         os.unlink(path)
@@ -181,7 +182,7 @@ class Ways:
     def shml_touch(self) -> None:
         s = self.seg.Segment.create_unique(f"/{STEM}-d", self.seg.KIND_DATA, "bench", self.capacity)
         mm = s.map_shared()
-        self.seg.touch(mm)
+        self.touch(mm)
         mm.close()
         s.close()
         s.unlink()
@@ -284,7 +285,7 @@ def facts_child() -> None:
     """Every fact of the table, tested; one JSON object on stdout (run in a fresh process)."""
     why_not = _private_namespace()  # first: before any thread exists
     pi = _posix_ipc()
-    from shmloader._node import ringdir, segment
+    from shmloader._node import mapping, ringdir, segment
     from shmloader.errors import ProtocolError, ShmCapacityError
 
     S = segment
@@ -406,7 +407,7 @@ def facts_child() -> None:
         mm_s = seg.map_shared()
         seg.close()
         p = f"no: mmap.mmap keeps a duplicate ({_fd_count(pi_path)} left after close_fd)"
-        s = f"yes (segment._map: {_fd_count(shml_path)} left after close)"
+        s = f"yes (mapping.map_fd: {_fd_count(shml_path)} left after close)"
         fact("a mapping holds no descriptor of the segment", p, s)
         mm_pi.close()
         mm_s.close()
@@ -432,7 +433,7 @@ def facts_child() -> None:
             with S.in_dir(huge):
                 seg = shml_create(4 * MiB - S.HEADER_SIZE)
                 mm = seg.map_shared()
-                S.touch(mm)
+                mapping.touch(mm)
                 pmd = _pmd_kb(mm)
                 mm.close()
                 seg.close()

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from shmloader._node import segment as segment_module
+from shmloader._node.mapping import touch
 from shmloader._node.segment import (
     HEADER_SIZE,
     KIND_DATA,
@@ -31,7 +32,6 @@ from shmloader._node.segment import (
     process_alive,
     shm_free_bytes,
     shm_path,
-    touch,
 )
 from shmloader.errors import ProtocolError, ShmCapacityError, human_bytes
 
@@ -57,7 +57,7 @@ def populate(mm: mmap.mmap) -> None:
     """Fault every page of ``mm`` in without holding the GIL (NOTE [pool off the loop]).
 
     libc's ``madvise(MADV_POPULATE_WRITE)`` through ``ctypes`` (a foreign call
-    releases the GIL); where the kernel lacks it, ``segment.touch`` writes
+    releases the GIL); where the kernel lacks it, ``mapping.touch`` writes
     page by page, in bytecode that yields the GIL between pages.
     """
     if _MADVISE is not None:

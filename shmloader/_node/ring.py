@@ -32,6 +32,7 @@ import numpy as np
 
 from ..errors import ProtocolError, ShmCapacityError
 from . import cleanup, forks, ringdir, unmap
+from .mapping import populate, touch
 from .release import ReaderWords
 from .segment import (
     HEADER_SIZE,
@@ -41,10 +42,8 @@ from .segment import (
     PREFIX,
     Segment,
     huge_ring,
-    populate,
     ring_dir,
     shm_free_bytes,
-    touch,
 )
 
 log = logging.getLogger(__name__)
@@ -582,7 +581,7 @@ def private_view(
 ) -> np.ndarray:
     """A copy-on-write uint8 view of ``segment``'s first ``nbytes`` of payload.
 
-    ``prefault``: its pages are mapped in now (``segment.populate``), by a loop
+    ``prefault``: its pages are mapped in now (``mapping.populate``), by a loop
     that runs ahead of the user (NOTE [running ahead] in ``_roles.ahead``).
     ``later``: once dropped, it is unmapped (and released) on the unmap thread,
     not on the thread that dropped it (NOTE [unmapped off the step] in ``unmap``).

@@ -48,7 +48,7 @@ SYSTEMD_RING_DIR = "/mnt/shmloader"
 #      (``ring.slot_capacity_for``), since ``huge=within_size`` gives a huge
 #      page only where the file's size covers all of it.
 #    - every mapping puts file offset 0 on a 2 MiB boundary of the address
-#      space (``segment._placeholder``): a payload mapped from offset
+#      space (``mapping._placeholder``): a payload mapped from offset
 #      ``HEADER_SIZE`` sits at an address ``HEADER_SIZE`` past a boundary, so
 #      the page tables map each file huge page with one entry. A mapping at
 #      a 2 MiB-aligned address of an offset that is not (what a plain

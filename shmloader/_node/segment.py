@@ -4,16 +4,16 @@ It owns the segment header (layout: docs/internals/wire.md), segment names
 (``/shml-<token>-<what>.<random>``: NOTE [unpredictable names]), the exclusive
 create and ``posix_fallocate``, checked opens and validated attach (NOTE
 [segment trust]), every mapping of a segment (shared, read-only and private
-views, none keeping a descriptor: NOTE [no inherited descriptors]; what a forked
-child gets of them is ``forks``'), process liveness, and ``touch`` off the GIL.
-It touches only files under the ring directory and imports only ``cleanup``,
-``forks``, ``ringdir`` and ``errors``.
+views, none keeping a descriptor: NOTE [no inherited descriptors]; how a mapping
+is made without one and how its pages are faulted in is ``mapping``'s, what a
+forked child gets of them ``forks``'), and process liveness. It touches only
+files under the ring directory and imports only ``cleanup``, ``forks``,
+``mapping``, ``ringdir`` and ``errors``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import logging
 import mmap
@@ -24,11 +24,12 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..errors import ConfigError, ProtocolError, ShmCapacityError
 from . import cleanup, forks, ringdir
+from .mapping import map_fd
 
 MAGIC = b"SHMLDR\x00\x01"
 HEADER_VERSION = 2
@@ -418,9 +419,9 @@ class Segment:
         cleanup]).
         """
         if inherit:
-            return _map(self.fd, HEADER_SIZE + self.capacity, mmap.MAP_SHARED, pages=self.pages)
+            return map_fd(self.fd, HEADER_SIZE + self.capacity, mmap.MAP_SHARED, pages=self.pages)
         with forks.no_fork():  # never a child between the mapping and its advice
-            mm = _map(self.fd, HEADER_SIZE + self.capacity, mmap.MAP_SHARED, pages=self.pages)
+            mm = map_fd(self.fd, HEADER_SIZE + self.capacity, mmap.MAP_SHARED, pages=self.pages)
             forks.dont_fork(mm)
         return mm
 
@@ -454,7 +455,7 @@ class Segment:
             end = min(HEADER_SIZE + self.capacity, _round_up(end, ringdir.HUGE))
         prot = mmap.PROT_READ | mmap.PROT_WRITE
         with forks.no_fork():  # a child gets the view registered: NOTE [batches cross a fork]
-            mm = _map(self.fd, end - start, mmap.MAP_PRIVATE, prot, start, pages=self.pages)
+            mm = map_fd(self.fd, end - start, mmap.MAP_PRIVATE, prot, start, pages=self.pages)
             forks.copy_at_fork(mm)
         forks.let_go()  # views held for children that are gone since
         return mm
@@ -468,7 +469,7 @@ class Segment:
             raise ProtocolError(f"segment {self.name} is closed; its slot was retired")
         size = HEADER_SIZE + self.capacity
         with forks.no_fork():  # never a child between the mapping and its advice
-            mm = _map(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ, pages=self.pages)
+            mm = map_fd(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ, pages=self.pages)
             forks.dont_fork(mm)
         return mm
 
@@ -499,100 +500,12 @@ class Segment:
 #     ``Segment`` closes its descriptor in a forked child (``os.register_at_fork``:
 #     a child opens what it needs by name, as ``ring.open_slot_for_worker``
 #     does), so does any other descriptor of a ``/dev/shm/shml-*`` file there
-#     (one left open by an object dropped unclosed), and every mapping made
-#     here gives up its duplicate at once (``_map``: the ``mmap`` object is
-#     made anonymous, without a descriptor, and libc's ``mmap`` puts the
-#     segment's pages over it at the same address).
+#     (one left open by an object dropped unclosed), and every mapping of a
+#     segment gives up its duplicate at once (``mapping.map_fd``: the ``mmap``
+#     object is made anonymous, without a descriptor, and libc's ``mmap`` puts
+#     the segment's pages over it at the same address).
 #: Every ``Segment`` of this process whose descriptor may be open.
 _OPEN: weakref.WeakSet[Segment] = weakref.WeakSet()
-
-
-#: libc's ``mmap`` and ``munmap``, prototyped and resolved at import in ``ringdir`` (a
-#: forked child must not ``dlopen``/``dlsym``: another thread of the parent may have held
-#: the loader's lock at the fork); the pool uses them too.
-LIBC_MMAP: Callable[..., int] | None = forks.LIBC_MMAP
-LIBC_MUNMAP: Callable[..., int] | None = forks.LIBC_MUNMAP
-
-
-def _map(
-    fd: int,
-    length: int,
-    flags: int,
-    prot: int | None = None,
-    offset: int = 0,
-    *,
-    pages: ringdir.Facts | None = None,
-) -> mmap.mmap:
-    """``mmap.mmap`` of ``fd`` that holds no duplicate of it (NOTE [no inherited descriptors]).
-
-    The object is made over an anonymous placeholder (no descriptor at all),
-    and libc's ``mmap`` with ``MAP_FIXED`` puts the segment's pages at the
-    same address: the object unmaps, advises and exports that range as
-    usual. Without a libc ``mmap`` it is a plain ``mmap.mmap`` (with its
-    duplicate). In a huge-page ring (``pages.huge``) the placeholder puts file
-    offset 0 on a 2 MiB boundary, and the mapping is advised ``MADV_HUGEPAGE``
-    where the directory needs it (NOTE [huge-page ring] in ``ringdir``).
-    """
-    if prot is None:
-        prot = mmap.PROT_READ | mmap.PROT_WRITE
-    if LIBC_MMAP is None:
-        return mmap.mmap(fd, length, flags=flags, prot=prot, offset=offset)
-    huge = pages is not None and pages.huge
-    mm = _placeholder(length, prot, offset % ringdir.HUGE if huge else None)
-    addr = forks.address(mm)
-    got = LIBC_MMAP(addr, length, prot, flags | forks.MAP_FIXED, fd, offset)
-    if got != addr:
-        err = ctypes.get_errno()
-        mm.close()
-        raise OSError(err, f"mmap of a shared memory segment failed: {os.strerror(err)}")
-    if huge and pages is not None and pages.advise:
-        with contextlib.suppress(OSError):
-            mm.madvise(ringdir.MADV_HUGEPAGE)
-    return mm
-
-
-def _placeholder(length: int, prot: int, phase: int | None) -> mmap.mmap:
-    """An anonymous ``mmap.mmap`` of ``length``; at an address ``phase`` past a 2 MiB
-    boundary when ``phase`` is not None (NOTE [huge-page ring] in ``ringdir``).
-
-    ``mmap.mmap`` takes no address, so a hole of exactly ``length`` is made
-    at the wanted address inside a larger ``PROT_NONE`` reservation and
-    objects are mapped until one lands in it: the kernel's top-down search
-    takes the highest gap that fits, and a gap above ours (a batch's view
-    unmapped since) takes the first tries, which are kept until the end so
-    that the next one looks further down. Then the reservation's rest and the
-    misses are given back. After ``PLACE_TRIES`` misses (another thread
-    mapping at the same time) the object lies elsewhere: correct, only not
-    aligned (4 KiB page-table entries over the huge pages).
-    """
-    if phase is None or LIBC_MUNMAP is None or LIBC_MMAP is None:
-        return mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE, prot=prot)
-    span = length + ringdir.HUGE
-    anon = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | forks.MAP_NORESERVE
-    base = LIBC_MMAP(None, span, 0, anon, -1, 0)  # PROT_NONE
-    if base is None or base == forks.MAP_FAILED:
-        return mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE, prot=prot)
-    at = base + (phase - base) % ringdir.HUGE
-    LIBC_MUNMAP(at, length)
-    misses: list[mmap.mmap] = []
-    try:
-        for _ in range(PLACE_TRIES):
-            mm = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE, prot=prot)
-            if forks.address(mm) == at:
-                return mm
-            misses.append(mm)
-        log.debug("shmloader: a mapping missed its 2 MiB alignment (other threads mapping)")
-        return misses.pop()
-    finally:
-        for miss in misses:
-            miss.close()
-        if at > base:
-            LIBC_MUNMAP(base, at - base)
-        LIBC_MUNMAP(at + length, base + span - at - length)
-
-
-#: Placeholders mapped at most while looking for an aligned hole (``_placeholder``).
-PLACE_TRIES = 16
 
 
 def _close_inherited() -> None:
@@ -738,62 +651,6 @@ def list_segments() -> list[str]:
 #     itself (``ring.open_slot_for_worker``). A batch's private views are
 #     inherited and made the child's own at once (NOTE [batches cross a fork]
 #     in ``forks``).
-
-
-#: ``madvise`` advice that faults every page of a range in for writing (Linux 5.14+).
-MADV_POPULATE_WRITE = 23
-#: libc's ``madvise`` (``ringdir.LIBC``, prototyped at import): a ``ctypes`` call
-#: releases the GIL for its duration (NOTE [touch off the GIL]).
-LIBC_MADVISE: Callable[..., int] | None = ringdir.LIBC.madvise
-
-
-def touch(mm: mmap.mmap) -> None:
-    """Fault every page of a fresh mapping in, once, without holding the GIL.
-
-    Writing into fresh tmpfs pages costs about ten times a rewrite of touched
-    ones; the ring pays it once at slot creation instead of on every batch.
-    On a MAP_PRIVATE mapping each write fault copies the page (``own_views``).
-
-    NOTE [touch off the GIL]
-        Faulting in a slot takes as long as its pages take to allocate and
-        zero: hundreds of ms per GiB, seconds on a loaded node (2 GiB froze
-        every other thread for 16.7 s). ``mmap.madvise`` holds the GIL for
-        the whole call, so the touch calls libc's
-        ``madvise(MADV_POPULATE_WRITE)`` through ``ctypes``, which releases
-        it, as the daemon's warm segments do (NOTE [pool off the loop] in
-        ``shmloaderd.warm``). Where the kernel refuses it (before 5.14) a
-        write per page does the same in bytecode, which yields the GIL
-        between pages.
-    """
-    if (
-        LIBC_MADVISE is not None
-        and len(mm) > 0
-        and LIBC_MADVISE(forks.address(mm), len(mm), MADV_POPULATE_WRITE) == 0
-    ):
-        return
-    view = memoryview(mm)
-    try:
-        for off in range(0, len(mm), PAGE):
-            view[off] = view[off]  # a write fault that keeps the header (and data) intact
-    finally:
-        view.release()
-
-
-#: ``madvise`` advice that maps every page of a range in for reading (Linux 5.14+).
-MADV_POPULATE_READ = 22
-
-
-def populate(mm: mmap.mmap) -> None:
-    """Map every page of ``mm`` in for reading, off the GIL; nothing where the kernel refuses.
-
-    A batch's pages faulted in on the thread that runs ahead (NOTE [running
-    ahead] in ``_roles.ahead``) cost the user's step nothing when it reads
-    them. On a private (copy-on-write) mapping the pages stay the slot's own,
-    read-only, until written. Best effort: before Linux 5.14 the user's reads
-    fault them in, as without it.
-    """
-    if LIBC_MADVISE is not None and len(mm) > 0:
-        LIBC_MADVISE(forks.address(mm), len(mm), MADV_POPULATE_READ)
 
 
 def unlink_name(name: str) -> bool:

@@ -32,16 +32,15 @@ from typing import Any
 import numpy as np
 
 from .._node import segment as _segment
+from .._node.mapping import LIBC_MMAP, touch
 from .._node.release import ReleaseWords
 from .._node.ring import slot_capacity_for, slot_stem
 from .._node.segment import (
     HEADER_SIZE,
     KIND_DATA,
-    LIBC_MMAP,
     Segment,
     process_alive,
     shm_free_bytes,
-    touch,
     unlink_name,
 )
 from ..errors import PeerLostError, ShmCapacityError, ShmLoaderError, human_bytes
@@ -425,7 +424,7 @@ class WorkerSlots:
             segment.close()
 
 
-_LIBC = ctypes.CDLL(None, use_errno=True)  # mremap and munmap; mmap is segment's LIBC_MMAP
+_LIBC = ctypes.CDLL(None, use_errno=True)  # mremap and munmap; mmap is mapping's LIBC_MMAP
 _LIBC.mremap.restype = ctypes.c_void_p
 _LIBC.mremap.argtypes = [
     ctypes.c_void_p,

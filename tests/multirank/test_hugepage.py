@@ -18,7 +18,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from shmloader import Config
-from shmloader._node import forks, inventory, reaping, ring, ringdir, segment
+from shmloader._node import forks, inventory, mapping, reaping, ring, ringdir, segment
 from shmloader.errors import ConfigError
 from shmloader.tools import stat as stat_cli
 from tests.support import ranks
@@ -116,7 +116,7 @@ def test_huge_tmpfs_is_detected_and_slots_are_whole_huge_pages(huge_dir, monkeyp
     )
     try:
         writer = seg.map_shared()
-        segment.touch(writer)
+        mapping.touch(writer)
         # several views alive at once (wherever the kernel would put them next):
         # file offset 0 of each on a 2 MiB boundary, its payload HEADER_SIZE past one
         views = [seg.map_private(n) for n in (1 << 20, 3 << 20, 5 << 20)]
@@ -169,7 +169,7 @@ def test_a_batch_view_maps_whole_huge_pages_from_the_first(huge_dir, monkeypatch
     )
     try:
         writer = seg.map_shared()
-        segment.touch(writer)
+        mapping.touch(writer)
         writer[segment.HEADER_SIZE : segment.HEADER_SIZE + 4] = b"abcd"
         released = []
         view = ring.private_view(seg, nbytes, lambda: released.append(1))

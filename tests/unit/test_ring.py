@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from shmloader._node import ring, segment
+from shmloader._node import mapping, ring, segment
 from shmloader._node.ring import (
     GRANULE,
     RingReader,
@@ -340,7 +340,7 @@ def test_touch_faults_every_page(made) -> None:
     seg = made("a", capacity=8 * PAGE)
     mm = seg.map_shared()
     mm[HEADER_SIZE : HEADER_SIZE + 3] = b"abc"
-    segment.touch(mm)  # MADV_POPULATE_WRITE, or a write per page: contents unchanged
+    mapping.touch(mm)  # MADV_POPULATE_WRITE, or a write per page: contents unchanged
     assert mm[HEADER_SIZE : HEADER_SIZE + 3] == b"abc"
     assert mm[:8] == MAGIC
     mm.close()
@@ -348,18 +348,18 @@ def test_touch_faults_every_page(made) -> None:
 
 def test_touch_without_madvise_populate_keeps_header_and_data(made, monkeypatch) -> None:
     """Kernels before 5.14 refuse MADV_POPULATE_WRITE: the per-page fallback must not write."""
-    monkeypatch.setattr(segment, "LIBC_MADVISE", lambda addr, length, advice: -1)
+    monkeypatch.setattr(mapping, "LIBC_MADVISE", lambda addr, length, advice: -1)
     seg = made("old", capacity=8 * PAGE)
     mm = mmap.mmap(seg.fd, HEADER_SIZE + 8 * PAGE, flags=mmap.MAP_SHARED)
     mm[HEADER_SIZE + PAGE : HEADER_SIZE + PAGE + 3] = b"xyz"
-    segment.touch(mm)
+    mapping.touch(mm)
     assert mm[:8] == MAGIC and mm[HEADER_SIZE + PAGE : HEADER_SIZE + PAGE + 3] == b"xyz"
     mm.close()
     assert segment.read_header(seg.name) == seg.header
 
 
 def test_touch_lets_other_threads_run(made) -> None:
-    """NOTE [touch off the GIL] (segment): another thread makes progress while a
+    """NOTE [touch off the GIL] (mapping): another thread makes progress while a
     big slot's pages fault in. The switch interval is raised so that this thread
     never hands the GIL over by itself: the counter moves during the touch only
     if the touch releases it (with ``mmap.madvise`` it stays where it was)."""
@@ -382,7 +382,7 @@ def test_touch_lets_other_threads_run(made) -> None:
         sys.setswitchinterval(1000.0)
         time.sleep(0.01)  # the spinner's next wait for the GIL reads the new interval
         before = count[0]
-        segment.touch(mm)
+        mapping.touch(mm)
         during = count[0] - before
     finally:
         sys.setswitchinterval(interval)

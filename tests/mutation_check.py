@@ -104,7 +104,7 @@ BUGS = [
     ),
     Bug(
         "view-release",
-        "shmloader/_node/ring.py",
+        "shmloader/_node/views.py",
         "    weakref.finalize(mm, _view_died, address, entry, release)\n",
         "    weakref.finalize(mm, _view_died, address, entry, lambda: None)\n",
         (

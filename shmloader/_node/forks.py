@@ -116,7 +116,7 @@ os.register_at_fork(after_in_child=_reserve_in_child)
 #     pages). A delivered batch is a view of a private (copy-on-write) mapping
 #     of a slot (``Segment.map_private``), and its unwritten pages show
 #     whatever the slot holds now: what keeps them the batch's is the parent's
-#     hold on the slot (NOTE [slot lifetime] in ``ring``), which a child has no
+#     hold on the slot (NOTE [slot lifetime] in ``views``), which a child has no
 #     part in. So at a fork:
 #
 #     - every live private view that user code can reach is inherited and, in

@@ -53,7 +53,7 @@ from .segment import HEADER_SIZE, KIND_DATA, MY_PIDNS, Segment, process_alive
 #     mapping shows the file's *later* writes on every page it has not
 #     copied. So a word is written only once the mapping is gone: from a
 #     finalizer of the mmap object, which CPython runs after ``munmap``
-#     (``ring.private_view``; never at interpreter exit, when the mapping is
+#     (``views.private_view``; never at interpreter exit, when the mapping is
 #     still there). A reader that closes first makes every page it still
 #     holds its own (NOTE [held past close] in ``ring``) and only then says
 #     BYE, which is what sets GONE; a dead reader has no mappings left. A

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 #     module's queue (microseconds), and one thread per process, the only
 #     one that takes from it, unmaps it (``mmap.close``) and drops it, which
 #     runs the mapping's finalizers: the slot's release still follows the
-#     unmap (NOTE [slot lifetime] in ``ring``), only later and elsewhere.
+#     unmap (NOTE [slot lifetime] in ``views``), only later and elsewhere.
 #     Before the unmap the mapping is retired for forks under ``no_fork``
 #     (``forks.retire``: never copied into a child, never inherited), and the
 #     unmap itself runs outside that lock, so neither a fork nor the loop

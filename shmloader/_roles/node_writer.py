@@ -20,7 +20,8 @@ from typing import Any, Literal, overload
 
 import numpy as np
 
-from .._node.ring import RingWriter, Slot, SlotState, private_view
+from .._node.ring import RingWriter, Slot, SlotState
+from .._node.views import private_view
 from .._proto import codec, wire
 from .._proto.bodies import error_body
 from .._proto.checksum import check_payload_crc, payload_crc

@@ -4,7 +4,7 @@ It owns each slot's read-only shared mapping, registered with CUDA once
 (:class:`Registrar`; NOTE [registration]), and the few reused pinned staging
 buffers every other leaf is copied into first (:class:`Staging`; NOTE [pinned
 staging]), with the locked bytes counted, so that no copy reads pageable memory
-(NOTE [no pageable copies]). It maps slots through ``ring`` and ``segment`` and
+(NOTE [no pageable copies]). It maps slots through ``views`` and ``segment`` and
 does every device call through ``DeviceOps``.
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .._node import ring
+from .._node import views
 from .._node.segment import Segment
 from .cuda import DeviceOps
 
@@ -52,7 +52,7 @@ STAGING_SHRINK = 2
 
 # NOTE [registration]
 #     Each rank maps each slot segment once, read-only and MAP_SHARED
-#     (``ring.map_shared_readonly``), and registers that mapping once with
+#     (``views.map_shared_readonly``), and registers that mapping once with
 #     ``cudaHostRegisterReadOnly | cudaHostRegisterPortable`` (measured on an
 #     H200: 51-108 ms per GiB, once; copies at 53 GB/s, like a pinned tensor;
 #     default flags on a read-only mapping are refused; registering the
@@ -111,7 +111,7 @@ class Registrar:
 
     def lookup(self, tensor: torch.Tensor) -> tuple[HostMapping, int] | None:
         """The registered mapping ``tensor`` can be copied from and its byte offset there."""
-        found = ring.view_source(tensor.data_ptr())
+        found = views.view_source(tensor.data_ptr())
         if found is None:
             return None  # not a view of a slot (sharing off, SHMLOADER_COPY, no payload)
         segment, offset = found
@@ -141,7 +141,7 @@ class Registrar:
         return False
 
     def _open(self, segment: Segment) -> HostMapping | None:
-        mm, payload_at = ring.map_shared_readonly(segment)
+        mm, payload_at = views.map_shared_readonly(segment)
         array = np.frombuffer(mm, dtype=np.uint8)
         address = array.__array_interface__["data"][0]
         error = self._ops.register(address, len(mm))

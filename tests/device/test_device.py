@@ -31,7 +31,8 @@ import pytest
 import torch
 
 from shmloader import Config, ShmLoader
-from shmloader._node.ring import RingWriter, SlotState, new_token, private_view, view_source
+from shmloader._node.ring import RingWriter, SlotState, new_token
+from shmloader._node.views import private_view, view_source
 from shmloader._proto import codec
 from shmloader.config import DEFAULT_PREFETCH
 from shmloader.device import cuda as cudaops
@@ -483,17 +484,17 @@ def deliver_on_fake_device(
     """Rank function: SP group of ``world`` ranks, batches through a fake device."""
     import torch.distributed as dist
 
-    from shmloader._node import ring
+    from shmloader._node import views
     from tests.support import ranks
 
     mapped: list[str] = []  # segments this rank mapped for registration
-    real_map = ring.map_shared_readonly
+    real_map = views.map_shared_readonly
 
     def counting_map(segment):
         mapped.append(segment.name)
         return real_map(segment)
 
-    ring.map_shared_readonly = counting_map
+    views.map_shared_readonly = counting_map
     ops = FakeOps(auto=True)
     group = dist.new_group(list(range(world)))
     loader = ShmLoader(

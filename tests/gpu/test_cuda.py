@@ -196,16 +196,16 @@ def gpu_rank(rank: int, world: int, *, devices: dict, write: bool, steps: int) -
         return real(self, address, nbytes, flags)
 
     cudaops._Cudart.register = counting  # type: ignore[method-assign]
-    from shmloader._node import ring
+    from shmloader._node import views
 
     mapped: list[str] = []
-    real_map = ring.map_shared_readonly
+    real_map = views.map_shared_readonly
 
     def counting_map(segment):
         mapped.append(segment.name)
         return real_map(segment)
 
-    ring.map_shared_readonly = counting_map
+    views.map_shared_readonly = counting_map
     group = dist.new_group(list(range(world)))
 
     def make():

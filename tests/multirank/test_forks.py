@@ -185,7 +185,7 @@ def _read_when_told(x: torch.Tensor, conn) -> None:  # pragma: no cover - forked
 
 
 def batch_across_fork(rank: int, world: int, *, num_workers: int, share: bool) -> dict:
-    from shmloader._node.ring import view_source
+    from shmloader._node.views import view_source
 
     fork = mp.get_context("fork")
     loader = ShmLoader(

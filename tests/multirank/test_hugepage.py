@@ -18,7 +18,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from shmloader import Config
-from shmloader._node import forks, inventory, mapping, reaping, ring, ringdir, segment
+from shmloader._node import forks, inventory, mapping, reaping, ring, ringdir, segment, views
 from shmloader.errors import ConfigError
 from shmloader.tools import stat as stat_cli
 from tests.support import ranks
@@ -155,7 +155,7 @@ def test_ranks_share_through_a_huge_page_ring(huge_dir):
 
 
 def test_a_batch_view_maps_whole_huge_pages_from_the_first(huge_dir, monkeypatch):
-    """A batch's copy-on-write view (``ring.private_view``, every rank's) maps each
+    """A batch's copy-on-write view (``views.private_view``, every rank's) maps each
     2 MiB page of the slot with one entry, the first too: it starts at the file's
     first byte, so the huge page holding the header and the payload's start is
     whole (from offset HEADER_SIZE, 2044 of its kB took 4 KiB entries)."""
@@ -172,7 +172,7 @@ def test_a_batch_view_maps_whole_huge_pages_from_the_first(huge_dir, monkeypatch
         mapping.touch(writer)
         writer[segment.HEADER_SIZE : segment.HEADER_SIZE + 4] = b"abcd"
         released = []
-        view = ring.private_view(seg, nbytes, lambda: released.append(1))
+        view = views.private_view(seg, nbytes, lambda: released.append(1))
         assert len(view) == nbytes and bytes(view[:4]) == b"abcd", "the payload, not the header"
         assert int(view[::4096].sum()) + int(view[-1]) == ord("a")  # every page read
         kb = ranks.mapping_kb(view.ctypes.data)

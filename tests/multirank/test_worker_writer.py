@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from shmloader._node.ring import RingWriter, new_token, private_view
+from shmloader._node.ring import RingWriter, new_token
+from shmloader._node.views import private_view
 from shmloader._proto import codec
 from shmloader._workers.collate import SlotCollate, WorkerFailure, install
 from shmloader._workers.control import PoolState, per_worker_slots

@@ -21,7 +21,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from shmloader._node import segment
 from shmloader._node.release import ReaderWords
-from shmloader._node.ring import GRANULE, RingReader, RingWriter, SlotState, new_token, private_view
+from shmloader._node.ring import GRANULE, RingReader, RingWriter, SlotState, new_token
+from shmloader._node.views import private_view
 from shmloader._workers.control import PoolState
 from shmloader._workers.partition import WorkerSlots
 from shmloader._workers.pool import SlotRef, WorkerPool
@@ -222,7 +223,8 @@ def test_no_word_is_stored_at_interpreter_exit_while_a_view_lives(tmp_path):
     flag = tmp_path / "stored"
     script = textwrap.dedent(f"""
         from shmloader._node import segment
-        from shmloader._node.ring import RingWriter, new_token, private_view
+        from shmloader._node.ring import RingWriter, new_token
+        from shmloader._node.views import private_view
         ring = RingWriter(new_token(), frozenset(), {{}}, self_rank=0)
         slot = ring.add_pooled(
             segment.Segment.create_unique(f"/shml-{{ring.token}}-0.0", 2, ring.token, 65536))

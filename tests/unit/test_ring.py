@@ -887,7 +887,8 @@ import json, os, sys
 import numpy as np
 from shmloader._node import segment
 from shmloader.errors import ProtocolError
-from shmloader._node.ring import RingReader, RingWriter, map_shared_readonly, new_token
+from shmloader._node.ring import RingReader, RingWriter, new_token
+from shmloader._node.views import map_shared_readonly
 
 out = {"header": segment.HEADER_SIZE}
 token = new_token()

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from shmloader._node import unmap
-from shmloader._node.ring import RingReader, RingWriter, new_token, private_view
+from shmloader._node.ring import RingReader, RingWriter, new_token
+from shmloader._node.views import private_view
 
 pytestmark = pytest.mark.timeout(60)
 NBYTES = 8 << 20

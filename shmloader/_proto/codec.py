@@ -6,9 +6,10 @@ docs/internals/wire.md): ``encode`` walks a batch once and refuses what it
 cannot carry before a byte is written, ``write_payload`` copies leaves into any
 writable buffer (NOTE [placed leaves]), ``decode`` rebuilds the batch as views
 of a buffer, validating untrusted metadata, and ``rebuild_mapping`` is the one
-rebuild of a mapping (NOTE [mappings]). It touches only the buffers it is given
-and imports only ``errors``; the ring and the cross-node path take its output as
-a value.
+rebuild of a mapping (NOTE [mappings]); how a batch's types are named and looked
+up is ``typenames``' (NOTE [no imports from metadata]). It touches only the buffers
+it is given and imports only ``typenames`` and ``errors``; the ring and the
+cross-node path take its output as a value.
 """
 
 from __future__ import annotations
@@ -17,11 +18,9 @@ import collections
 import collections.abc
 import copy
 import dataclasses
-import importlib
 import json
 import math
 import pickle
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeGuard
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import ProtocolError, UnsupportedBatchError
+from .typenames import name_of, resolve, resolves_back
 
 FORMAT_VERSION = 1
 ALIGN = 64
@@ -257,16 +257,8 @@ class _Encoder:
         """``t``'s importable name; refuse (before anything is written) a type
         that followers could not import by that name, e.g. one defined inside a
         function: they would otherwise drop every batch as malformed."""
-        name = _type_name(t)
-        if _RESOLVED.get((what, name)) is not t:
-            _RESOLVED.pop((what, name), None)  # not seen yet, or stale (a reloaded module)
-            try:
-                ok = _resolve(name, what) is t
-            except ProtocolError:
-                ok = False
-        else:
-            ok = True
-        if not ok:
+        name = name_of(t)
+        if not resolves_back(name, what, t):
             raise UnsupportedBatchError(
                 path,
                 obj,
@@ -451,10 +443,6 @@ def _key_text(key: Any) -> str:
         return repr(key)
     except ValueError:
         return f"<{type(key).__name__} key>"
-
-
-def _type_name(t: type) -> str:
-    return f"{t.__module__}:{t.__qualname__}"
 
 
 def encode(
@@ -672,11 +660,11 @@ class _Decoder:
                 return int(text, 16)
             if tag == "N":
                 name, items = args
-                cls = _resolve(name, "namedtuple")
+                cls = resolve(name, "namedtuple")
                 return cls(*(self.node(v, depth + 1) for v in _list(items)))
             if tag == "M":
                 name, items, *rest = args
-                cls = _resolve(name, "mapping")
+                cls = resolve(name, "mapping")
                 factory = None
                 if issubclass(cls, collections.defaultdict):
                     (fname,) = rest
@@ -695,7 +683,7 @@ class _Decoder:
                     ) from None
             if tag == "C":
                 name, items = args
-                cls = _resolve(name, "dataclass")
+                cls = resolve(name, "dataclass")
                 obj: Any = object.__new__(cls)
                 names = {f.name for f in dataclasses.fields(cls)}
                 for field, value in _pairs(items):
@@ -721,78 +709,6 @@ def _pairs(items: Any) -> Iterator[tuple[Any, Any]]:
         if not (isinstance(pair, list) and len(pair) == 2):
             raise ProtocolError(f"expected a [key, value] pair, got {pair!r:.60}")
         yield pair[0], pair[1]
-
-
-#: Modules a peer's metadata may make this rank import (``allow_modules``).
-_ALLOWED_MODULES: set[str] = set()
-
-
-def allow_modules(*names: str) -> None:
-    """Let batch metadata name types of these modules even before they are imported.
-
-    NOTE [no imports from metadata]
-        Metadata names the namedtuple/dataclass types of a batch as
-        ``module:qualname``. A rank only ever looks such a type up in a module
-        it has already imported (``sys.modules``): importing a module runs its
-        code, and a name chosen by a peer (or a corrupted message) must not
-        decide which code runs here. A module that a rank does not import on
-        its own (the leader's data code imports it lazily) is either imported
-        by the training script on every rank or listed here.
-    """
-    for name in names:
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"module names are non-empty strings, got {name!r}")
-        _ALLOWED_MODULES.add(name)
-
-
-#: Keyed by (what, name): a name checked as a dataclass must not pass later as
-#: a namedtuple (its __init__, and __post_init__, would run on follower input).
-_RESOLVED: dict[tuple[str, str], type] = {}
-
-
-def _resolve(name: Any, what: str) -> type:
-    """Look up a namedtuple/dataclass/mapping type named by the leader.
-
-    Only in modules already imported here, or allowed (NOTE [no imports from
-    metadata]). Only types that really are what ``what`` says are accepted
-    (a mapping: a ``Mapping`` class other than ``dict``); nothing is called but
-    the type's own constructor (namedtuple, mapping) or ``object.__new__``.
-    """
-    cls = _RESOLVED.get((what, name)) if isinstance(name, str) else None
-    if cls is not None:
-        return cls
-    if not isinstance(name, str) or name.count(":") != 1:
-        raise ProtocolError(f"bad type name {name!r:.80}")
-    module_name, qualname = name.split(":")
-    obj: Any = sys.modules.get(module_name)
-    if obj is None and module_name not in _ALLOWED_MODULES:
-        raise ProtocolError(
-            f"the {what} type {name} lives in module {module_name!r}, which this rank has not "
-            "imported; shmloader never imports a module a peer names. Import it on every rank "
-            f"before iterating, or call shmloader._proto.codec.allow_modules({module_name!r})"
-        )
-    try:
-        if obj is None:
-            obj = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except Exception as exc:  # any failure to import (a module may raise anything) is bad input
-        raise ProtocolError(
-            f"cannot import the {what} type {name} on this rank ({exc}); define it in an "
-            "importable module (not inside a function) so every rank can rebuild it"
-        ) from None
-    if not isinstance(obj, type):
-        ok = False
-    elif what == "namedtuple":
-        ok = issubclass(obj, tuple) and hasattr(obj, "_fields")
-    elif what == "mapping":  # NOTE [mappings]: never dict itself ("D" carries it)
-        ok = issubclass(obj, collections.abc.Mapping) and obj is not dict
-    else:
-        ok = dataclasses.is_dataclass(obj)
-    if not ok:
-        raise ProtocolError(f"{name} is not a {what}")
-    _RESOLVED[(what, name)] = obj
-    return obj
 
 
 def decode(

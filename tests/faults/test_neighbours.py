@@ -35,7 +35,7 @@ from shmloader._node import cleanup, forks, inventory, reaping, segment
 from shmloader._node.ring import RingReader, RingWriter, new_token
 from shmloader._node.rundir import SOCKET_NAME, make_private_dir, rundir_prefix, socket_path
 from shmloader._node.segment import KIND_DATA, KIND_PROBE, PAGE, Segment
-from shmloader._proto import codec
+from shmloader._proto import codec, typenames
 from shmloader._roles import rng
 from shmloader._transport.channel import Hub, Peer, Spoke
 from shmloader.errors import ProtocolError
@@ -733,7 +733,7 @@ def test_an_allowed_module_may_be_imported_by_name(tmp_path, monkeypatch) -> Non
         "import collections\nPair = collections.namedtuple('Pair', 'a b')\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(codec, "_ALLOWED_MODULES", {"shml_allowed_mod"})
+    monkeypatch.setattr(typenames, "_ALLOWED_MODULES", {"shml_allowed_mod"})
     meta = json.dumps(
         {"v": codec.FORMAT_VERSION, "n": 0, "L": [], "t": ["N", "shml_allowed_mod:Pair", [1, 2]]}
     ).encode()

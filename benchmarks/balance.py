@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from shmloader import BalancedBatchSampler, ShardedSampler
-from shmloader.samplers.balanced import _greedy_bins
+from shmloader.samplers._packing import greedy_bins
 
 from . import provenance
 
@@ -67,7 +67,7 @@ def baseline(lengths: list[int], n: int, max_tokens: int, seed: int) -> dict[str
     streams = []
     for r in range(n):
         order = list(ShardedSampler(range(len(lengths)), num_replicas=n, rank=r, seed=seed))
-        bins = _greedy_bins([lengths[i] for i in order], max_tokens)
+        bins = greedy_bins([lengths[i] for i in order], max_tokens)
         streams.append([[order[p] for p in b] for b in bins])
     counts = [len(s) for s in streams]
     steps = min(counts)

@@ -19,14 +19,14 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 
 from shmloader import BalancedBatchSampler, TopologyMismatchError
-from shmloader.samplers.balanced import (
-    _greedy_bins,
-    _group_and_refine,
-    _pack_levels,
-    _pack_lpt,
-    _refine,
-    plan_window,
+from shmloader.samplers._packing import (
+    greedy_bins,
+    group_and_refine,
+    pack_levels,
+    pack_lpt,
+    refine,
 )
+from shmloader.samplers.balanced import plan_window
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -102,7 +102,7 @@ def test_every_sample_once_within_budget_equal_steps(lengths, n, window, cost, s
     # Equal step counts, the same __len__ on every rank: as many steps as plain greedy
     # packing of the epoch's order into max_tokens bins, spread over n replicas.
     order = sampler._order(epoch)
-    greedy = len(_greedy_bins([lengths[i] for i in order], CAP))
+    greedy = len(greedy_bins([lengths[i] for i in order], CAP))
     assert [len(r) for r in runs] == [math.ceil(greedy / n)] * n == [len(sampler)] * n
     for micro in itertools.chain.from_iterable(runs):
         assert micro, "an empty micro-batch"
@@ -124,7 +124,7 @@ def test_drop_last_never_repeats(lengths, n, window, seed):
     counts = Counter(flat(runs))
     assert all(c == 1 for c in counts.values())
     order = make(lengths, n, 0, seed=seed)._order(0)
-    greedy = len(_greedy_bins([lengths[i] for i in order], CAP))
+    greedy = len(greedy_bins([lengths[i] for i in order], CAP))
     assert [len(r) for r in runs] == [greedy // n] * n
     assert len(padded[0]) == math.ceil(greedy / n)
     for micro in itertools.chain.from_iterable(runs):
@@ -174,7 +174,7 @@ def test_refinement_never_exceeds_the_budget():
     lengths, costs = [1, 1, 8, 4, 4], [1, 1, 6, 0, 0]
     step = [[0, 1, 2], [3, 4]]
     cost, tokens = [8, 0], [10, 8]
-    _refine(step, lengths, costs, 10, cost, tokens)
+    refine(step, lengths, costs, 10, cost, tokens)
     assert sorted(p for b in step for p in b) == [0, 1, 2, 3, 4]
     assert 2 in step[0]
     for b, c, t in zip(step, cost, tokens, strict=True):
@@ -186,7 +186,7 @@ def test_refinement_never_exceeds_the_budget():
 def test_steps_group_bins_of_similar_cost():
     bins = [[0], [1], [2], [3]]
     lengths = [50, 40, 55, 45]
-    plan, score = _group_and_refine(bins, lengths, lengths, 2, 2, 100)
+    plan, score = group_and_refine(bins, lengths, lengths, 2, 2, 100)
     assert plan == [[[2], [0]], [[3], [1]]]  # (55, 50) and (45, 40), not (50, 40), (55, 45)
     assert score == pytest.approx(55 / 52.5 + 45 / 42.5)
 
@@ -194,7 +194,7 @@ def test_steps_group_bins_of_similar_cost():
 @pytest.mark.parametrize("cost", ["tokens", "attention"])
 def test_plan_window_keeps_the_better_packing(cost):
     lengths = _long_tail(1500, seed=4)
-    windows = _greedy_bins(lengths, 16384)
+    windows = greedy_bins(lengths, 16384)
     n, steps = 4, 6
     cut = windows[n * steps - 1][-1] + 1
     lens = lengths[:cut]
@@ -202,11 +202,11 @@ def test_plan_window_keeps_the_better_packing(cost):
     order = sorted(range(len(lens)), key=lambda p: (-costs[p], -lens[p], p))
     scores = []
     for bins in (
-        _pack_lpt(lens, costs, order, n * steps, 16384),
-        _pack_levels(lens, costs, order, steps, n, 16384),
+        pack_lpt(lens, costs, order, n * steps, 16384),
+        pack_levels(lens, costs, order, steps, n, 16384),
     ):
         assert bins is not None
-        scores.append(_group_and_refine(bins, lens, costs, n, steps, 16384)[1])
+        scores.append(group_and_refine(bins, lens, costs, n, steps, 16384)[1])
     plan = plan_window(lens, costs, num_replicas=n, steps=steps, max_tokens=16384)
     got = 0.0
     for step in plan:
@@ -228,7 +228,7 @@ def _greedy_baseline_ratio(lengths, n, cost_of, cap, seed) -> float:
     streams = []
     for r in range(n):
         order = list(ShardedSampler(range(len(lengths)), num_replicas=n, rank=r, seed=seed))
-        bins = _greedy_bins([lengths[i] for i in order], cap)
+        bins = greedy_bins([lengths[i] for i in order], cap)
         streams.append([[order[p] for p in b] for b in bins])
     steps = min(len(s) for s in streams)
     ratios = []

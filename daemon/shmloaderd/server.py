@@ -5,7 +5,8 @@ requests; every step bounded, ``stop`` ends it within ``SLICE_S``: drawn in
 docs/internals/flow.md), moving the control socket's bytes through ``zmtp.Wire``
 (the ZMTP it speaks, the bounds on what clients send), serving each request
 after its peer's credentials are checked, and the stats document with each
-asker's view (``view``). Nothing a client sends can stop the loop: a malformed
+asker's view (``view``); what the registry adds to the document and the per-uid
+accounts are ``document``'s. Nothing a client sends can stop the loop: a malformed
 request, or an exception while serving one, is answered ``ok: false`` and
 logged; a connection that breaks a bound is dropped and logged. It unlinks only
 what the reaping rule allows (through ``shmloader._node.reaping``), its own warm
@@ -29,10 +30,7 @@ import zmq
 from shmloader._node import segment as segment_module
 from shmloader._node.cleanup import remove_runtime_dir
 from shmloader._node.inventory import (
-    DEVICE_KEYS,
     build_document,
-    device_fields,
-    empty_job,
     ring_dirs,
     scan_entries,
 )
@@ -41,8 +39,9 @@ from shmloader._node.segment import HEADER_SIZE
 from shmloader._transport.daemon_client import DaemonClient
 from shmloader.errors import ProtocolError, human_bytes
 
-from . import notify, protocol, zmtp
+from . import document, notify, protocol, zmtp
 from ._version import __version__
+from .document import UidAccounts, left
 from .guard import DEFAULT_MAX_UID_CONNECTIONS, ConnectionGuard, shut_down
 from .registry import MAX_OWNERS, Job, Registry, RegistryFull, _from_description
 from .tenants import Peer, Tenancy, UidBudgets, peer_of, user_name
@@ -59,18 +58,6 @@ IDLE_PROBE_S = 60.0
 WAITING_S = 0.002
 #: Longest ipc:// path (sockaddr_un.sun_path less its NUL).
 MAX_SOCKET_PATH = 107
-
-
-_RANK_KEYS = (
-    "role", "batches", "wait_ms_p50", "wait_ms_p95", "wait_ms_p99", "wait_share", "lag",
-    "traffic_bytes", "updated_unix", *DEVICE_KEYS,
-)  # fmt: skip
-#: What a rank's report sets in its ``stat`` row, as (report field, row field).
-_ROW_FROM_REPORT = (
-    ("role", "role"), ("wait_ms_p50", "wait_ms_p50"), ("wait_ms_p95", "wait_ms_p95"),
-    ("wait_ms_p99", "wait_ms_p99"), ("wait_share", "wait_share"), ("lag", "lag"),
-    ("bytes", "traffic_bytes"),
-)  # fmt: skip
 
 
 class StartError(Exception):
@@ -135,7 +122,7 @@ class Daemon:
             tenants=tenants,
             dirs=self.shm_dirs,
         )
-        self.reaped_by_uid: dict[int, list[int]] = {}  # uid -> [segments, bytes]
+        self.accounts = UidAccounts(self.registry, self.uid_budgets)  # NOTE [over budget]
         self.sock: zmq.Socket | None = None
         self.ctx: zmq.Context | None = None
         self.started = time.time()
@@ -144,7 +131,6 @@ class Daemon:
         self.reaped_bytes = 0
         self.reaped_sockets = 0
         self.reap_failures = 0  # reap passes that failed, files it could not remove
-        self.over_budget: dict[tuple[int, str], str] = {}  # NOTE [over budget]: key -> job
         self.requests: dict[str, int] = {}
         self._count_lock = threading.Lock()  # requests is read by the metrics thread
         self._bad = _RateLimited()
@@ -503,9 +489,7 @@ class Daemon:
                         uid = freed.extra["uid"]
                         n, b = reaped.get((uid, freed.token), (0, 0))
                         reaped[(uid, freed.token)] = (n + 1, b + freed.bytes)
-                        count = self.reaped_by_uid.setdefault(uid, [0, 0])
-                        count[0] += 1
-                        count[1] += freed.bytes
+                        self.accounts.note_reaped(uid, freed.bytes)
                         log.info(
                             "reaped %s (%s, %s, uid %d %s, %s): owner pid %d (start %d) is gone",
                             freed.name,
@@ -528,8 +512,8 @@ class Daemon:
             room = None if budget is None else budget - self.registry.in_use()
             self.warm.request_refill(room)  # NOTE [pool off the loop]
             doc = self._document(kept)
-            self._note_over_budget(doc)
-            self._snapshot = {"stats": doc, "waits": self._waits()}
+            self.accounts.note_over_budget(doc)
+            self._snapshot = {"stats": doc, "waits": document.waits(self.registry)}
         except Exception:
             self.reap_failures += 1
             log.exception("reap pass failed; retrying at the next one")
@@ -604,70 +588,8 @@ class Daemon:
             "daemon",
             self.shm_dirs,
         )
-        jobs = {(j["uid"], j["token"]): j for j in doc["jobs"]}  # NOTE [whose job]
         now = time.monotonic()
-        for key, job in self.registry.jobs.items():
-            token = job.token
-            j = jobs.get(key)
-            if j is None:
-                j = jobs[key] = empty_job(token)
-                alive = job.alive()
-                j["state"] = "live" if alive else "unknown" if alive is None else "dead"
-            j["registered"] = job.registered
-            if job.uid is not None:
-                j["uid"], j["user"] = job.uid, user_name(job.uid)
-            if job.name is not None:
-                j["job"] = job.name
-            if j["started_unix"] is None:
-                j["started_unix"] = job.since
-                j["age_s"] = round(max(0.0, time.time() - job.since), 3)
-            for name, attr in (
-                ("group", "group"),
-                ("node_ranks", "node"),
-                ("leader", "leader"),
-                ("writer", "writer"),
-                ("world", "world"),
-            ):
-                if getattr(job, attr) is not None:
-                    j[name] = getattr(job, attr)
-            if job.pids:
-                j["pids"] = {str(r): list(p) for r, p in sorted(job.pids.items())}
-            # NOTE [honest bytes]: ``bytes`` is /dev/shm's; grants are reserved apart
-            j["granted_pending_bytes"] = job.pending(now)
-            ranks = j["ranks"]
-            for rank, rep in sorted(job.reports.items()):
-                row = ranks.setdefault(str(rank), dict.fromkeys(_RANK_KEYS))
-                writes = rep.get("role") in ("leader", "node leader") or "consumed" not in rep
-                row["batches"] = rep.get("published") if writes else rep["consumed"]
-                for source, field in _ROW_FROM_REPORT:
-                    if rep.get(source) is not None:
-                        row[field] = rep[source]
-                if rep.get("device") is not None:  # the rank's own, newer than the writer's
-                    row.update(device_fields(rep))
-                row["updated_unix"] = rep["updated_unix"]
-                if row["lag"] is None and rep.get("consumed") is not None:
-                    published = rep.get("published", j.get("published"))
-                    if published is not None:
-                        row["lag"] = max(published - rep["consumed"], 0)
-            followers = {}
-            for rank, rep in sorted(job.reports.items()):
-                f = {
-                    "consumed": rep.get("consumed"),
-                    "lag": rep.get("lag"),
-                    "receive_ms": rep.get("receive_ms"),
-                    "updated_unix": rep["updated_unix"],
-                }
-                if f["lag"] is None and f["consumed"] is not None:
-                    published = rep.get("published", j.get("published"))
-                    if published is not None:
-                        f["lag"] = max(published - f["consumed"], 0)
-                followers[str(rank)] = f
-            j["followers"] = followers
-        self.registry.forget_ended()
-        for key, rec in self.registry.ended.items():
-            if key not in jobs:
-                jobs[key] = _ended_job(rec)
-        doc["jobs"] = [jobs[k] for k in sorted(jobs, key=_by_token)]
+        document.add_registry(doc, self.registry, now)
         doc["node"]["shmloader_bytes"] = sum(j["bytes"] for j in doc["jobs"]) + self.warm.nbytes
         doc["daemon"] = {
             "pid": os.getpid(),
@@ -676,7 +598,7 @@ class Daemon:
             "budget_bytes": self.budget(),
             "in_use_bytes": self.registry.in_use(now),
             "granted_pending_bytes": sum(j.pending(now) for j in self.registry.jobs.values()),
-            "budget_left_bytes": _left(self.budget(), self.registry.in_use(now)),
+            "budget_left_bytes": left(self.budget(), self.registry.in_use(now)),
             "uptime_s": round(time.time() - self.started, 3),
             "reaped_segments": self.reaped_segments,
             "reaped_bytes": self.reaped_bytes,
@@ -686,110 +608,10 @@ class Daemon:
             "pool_segments": len(self.warm.items),
             "tenants": self.tenancy.enabled,
             "connections_shed": 0 if self.guard is None else self.guard.shed,
-            "uids": self._uids(doc["jobs"], now),
+            "uids": self.accounts.rows(doc["jobs"], now, self.guard),
         }
-        _mark_over_budget(doc["jobs"], doc["daemon"]["uids"])
+        document.mark_over_budget(doc["jobs"], doc["daemon"]["uids"])
         return doc
-
-    # NOTE [over budget]
-    #     A uid's budget binds the jobs that ask the daemon (NOTE [finding the
-    #     daemon] in ``shmloader.config``); a job that did not (``SHMLOADER_DAEMON=off``,
-    #     or memory taken before it found the daemon) can hold more than its uid's
-    #     budget, and nothing can take that memory back. In node mode the daemon
-    #     counts every job of a uid it sees in the ring directories, embedded or
-    #     not, and when the uid holds more than its budget it marks each of its
-    #     live jobs that holds memory: ``over_budget`` in ``stat --json`` (the job,
-    #     and the uid's row with ``over_budget_bytes``), ``OVER BUDGET`` in the
-    #     table, ``shmloaderd_job_over_budget`` and ``shmloaderd_uid_over_budget``
-    #     in the metrics, and one warning in its log per job when it is first
-    #     marked (and a line when it is back within). Its next ``admit``, if it
-    #     asks, is refused as any over the budget.
-    def _note_over_budget(self, doc: dict[str, Any]) -> None:
-        """Log the jobs newly marked over their uid's budget, and those back within it
-        (NOTE [over budget]); called once per reap pass."""
-        uids = (doc.get("daemon") or {}).get("uids") or {}
-        marked = {(j["uid"], j["token"]): j for j in doc["jobs"] if j.get("over_budget")}
-        for key, j in marked.items():
-            if key in self.over_budget:
-                continue
-            row = uids.get(str(key[0])) or {}
-            how = (
-                "registered with shmloaderd"
-                if j.get("registered")
-                else "not registered: it runs embedded (SHMLOADER_DAEMON=off, or it has not "
-                "found the daemon yet), its memory was never admitted"
-            )
-            log.warning(
-                "job %s (ring %s) of uid %d (%s) is over its uid's budget: the uid's jobs hold "
-                "%s of %s; the job holds %s, %s. shmloaderd cannot take back memory already "
-                "held; it refuses the uid's next admissions",
-                j.get("job") or "-",
-                j["token"],
-                key[0],
-                row.get("user") or key[0],
-                human_bytes(row.get("bytes") or 0),
-                human_bytes(row.get("budget_bytes") or 0),
-                human_bytes(j.get("bytes") or 0),
-                how,
-            )
-        live = {(j["uid"], j["token"]) for j in doc["jobs"] if j.get("state") == "live"}
-        for key, name in self.over_budget.items():
-            if key not in marked and key in live:
-                log.info("%s of uid %d is within its uid's budget again", name, key[0])
-        self.over_budget = {
-            k: f"job {j.get('job') or '-'} (ring {j['token']})" for k, j in marked.items()
-        }
-
-    def _waits(self) -> list[dict[str, Any]]:
-        """Each reporting rank's wait histogram since its first batch (for metrics)."""
-        out = []
-        for job in self.registry.jobs.values():
-            token = job.token
-            for rank, rep in job.reports.items():
-                if rep.get("wait_hist") is not None:
-                    out.append({
-                        "token": token, "job": job.name or "", "rank": str(rank),
-                        "uid": "" if job.uid is None else str(job.uid),
-                        "role": rep.get("role") or "", "counts": list(rep["wait_hist"]),
-                        "sum_ms": rep.get("wait_ms_sum") or 0.0,
-                    })  # fmt: skip
-        return out
-
-    def _uids(self, jobs: list[dict[str, Any]], now: float) -> dict[str, Any]:
-        """Per uid: its jobs, bytes held, budget and what is left of it, bytes reaped."""
-        uids = {j["uid"] for j in jobs if j.get("uid") is not None} | set(self.reaped_by_uid)
-        uids |= {uid for uid, _ in self.registry.admissions if uid >= 0}
-        uids |= {uid for uid, _ in self.registry.refusals if uid >= 0}
-        uids |= set(self.uid_budgets.per_uid)
-        uids |= set(self.guard.counts() if self.guard is not None else ())
-        return {str(uid): self._uid_row(uid, jobs, now) for uid in sorted(uids)}
-
-    def _uid_row(self, uid: int, jobs: list[dict[str, Any]], now: float) -> dict[str, Any]:
-        budget = self.uid_budgets(uid)
-        held = self.registry.uid_in_use(uid, now)
-        mine = [j for j in jobs if j.get("uid") == uid]
-        held = max(held, sum(j["bytes"] for j in mine if j["state"] != "dead"))
-        reaped = self.reaped_by_uid.get(uid, [0, 0])
-        return {
-            "user": user_name(uid),
-            "jobs": len(mine),
-            "bytes": held,
-            "budget_bytes": budget,
-            "budget_left_bytes": _left(budget, held),
-            "reaped_segments": reaped[0],
-            "reaped_bytes": reaped[1],
-            "admissions_granted": self.registry.admissions.get((uid, "granted"), 0),
-            "admissions_refused": self.registry.admissions.get((uid, "refused"), 0),
-            # NOTE [over budget]; NOTE [budget] in ``registry``: every refusal, by reason
-            "over_budget": budget is not None and held > budget,
-            "over_budget_bytes": 0 if budget is None else max(held - budget, 0),
-            "refusals": {
-                code: n for (u, code), n in sorted(self.registry.refusals.items()) if u == uid
-            },
-            "last_refusal": self.registry.last_refusal.get(uid),
-            # NOTE [connection bound] in ``guard``: its connections to the socket now
-            "connections": 0 if self.guard is None else self.guard.counts().get(uid, 0),
-        }
 
     def view(self, doc: dict[str, Any], peer: Peer | None) -> dict[str, Any]:
         """What ``peer`` may see of a stats document (NOTE [tenants]).
@@ -812,7 +634,7 @@ class Daemon:
         ]
         if doc.get("daemon"):
             daemon = dict(doc["daemon"])
-            daemon["uids"] = {str(uid): self._uid_row(uid, mine, time.monotonic())}
+            daemon["uids"] = {str(uid): self.accounts.row(uid, mine, time.monotonic(), self.guard)}
             out["daemon"] = daemon
         return out
 
@@ -863,49 +685,6 @@ class Daemon:
                     log.warning("could not remove %s: %s", self.path, exc)
 
 
-def _ended_job(rec: Any) -> dict[str, Any]:
-    """The ``stat`` record of a dead job the daemon reaped (NOTE [dead jobs stay visible])."""
-    job = rec.job
-    j = empty_job(job.token)
-    j.update(
-        state="dead",
-        registered=job.registered,
-        job=job.name,
-        started_unix=job.since,
-        group=job.group,
-        leader=job.leader,
-        writer=job.writer,
-        node_ranks=job.node,
-        world=job.world,
-        pids={str(r): list(p) for r, p in sorted(job.pids.items())},
-        writer_alive=False,
-        uid=job.uid,
-        user=None if job.uid is None else user_name(job.uid),
-        ended={
-            "unix": rec.unix,
-            "why": rec.why,
-            "reaped_segments": rec.reaped_segments,
-            "reaped_bytes": rec.reaped_bytes,
-        },
-    )
-    return j
-
-
-def _mark_over_budget(jobs: list[dict[str, Any]], uids: dict[str, Any]) -> None:
-    """``over_budget`` on each job: live, holding memory, of a uid over its budget
-    (NOTE [over budget])."""
-    for j in jobs:
-        row = uids.get(str(j.get("uid")))
-        j["over_budget"] = bool(
-            row and row.get("over_budget") and j.get("state") == "live" and j.get("bytes")
-        )
-
-
-def _by_token(key: tuple[Any, str]) -> tuple[str, int]:
-    """Jobs in the document: by token, then uid (NOTE [whose job])."""
-    return (key[1], -1 if key[0] is None else key[0])
-
-
 def _src_fd(frame: zmq.Frame) -> int | None:
     """libzmq's descriptor of the connection a frame came from (None if not told)."""
     try:
@@ -925,7 +704,3 @@ def _file_uid(name: Any) -> int | None:
         except OSError:
             continue
     return None
-
-
-def _left(budget: int | None, used: int) -> int | None:
-    return None if budget is None else max(budget - used, 0)

@@ -386,7 +386,7 @@ def format_table(doc: dict[str, Any]) -> str:
                 f"{human_bytes(j['bytes']):>10} {_dash(j['slots']):>5} "
                 f"{_dash(j['published']):>8} {_dash(j['publish_ms_avg'], '{:.2f}'):>7}"
             )
-            if j.get("over_budget"):  # NOTE [over budget] in ``shmloaderd.server``
+            if j.get("over_budget"):  # NOTE [over budget] in ``shmloaderd.document``
                 lines.append(
                     f"    OVER BUDGET: uid {_dash(j.get('uid'))} holds more than its budget"
                     + (

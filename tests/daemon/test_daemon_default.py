@@ -4,7 +4,7 @@ NOTE [finding the daemon] (``shmloader.config``): with ``SHMLOADER_DAEMON`` unse
 job asks the well-known socket, which ``SHMLOADER_RUNTIME_DIR`` moves (here: a
 directory of the test's own, so no daemon of the machine is ever found); a job
 that started before the daemon registers at its first call once the daemon
-answers. NOTE [over budget] (``shmloaderd.server``): in node mode the daemon
+answers. NOTE [over budget] (``shmloaderd.document``): in node mode the daemon
 marks every job of a uid over its budget, embedded or not, in ``stat``, the
 metrics and its log. The node-mode test forks users as in
 ``test_daemon_tenants`` (root, two unused uids).

@@ -1,67 +1,11 @@
-"""Running ahead (``Ahead``): a role's loop on its own thread, its batches handed to the user.
+"""Running ahead (``Ahead``): a role's loop on the loader's producer thread, its batches
+handed to the user.
 
-It owns the thread that runs a role's loop (the leader's publish, a node leader's
-cross-node receive, a follower's map) ahead of the user, the queue between them, the
-hand-over (draws mirrored, the position a checkpoint reads) and the halt when the user
-leaves an iteration. It imports ``base`` and ``rng`` only; which roles run ahead is
-``_setup.build``'s choice; one batch's way through it is in docs/internals/flow.md.
-
-NOTE [running ahead]
-    A step should never wait for data that could have been ready. So the
-    per-batch work of the leader (take the worker's slot, send it to every
-    node leader, announce it), of a node leader (receive the payload into
-    its ring, announce it) and of a follower (wait for the announcement,
-    map, decode, fault the pages in: ``prefault``, ``madvise(MADV_POPULATE_READ)``
-    of each view the loop makes) runs on one background thread per
-    loader, up to ``depth`` batches ahead of the user's ``next()``, which
-    then only takes a ready batch from the queue::
-
-        background thread (holds the gate)         the user's thread (never in the gate)
-        ----------------------------------         -----------------------------------
-        role loop: next() -> batch k+2     put ->  [ k+1 | k+2 ]  -> take: mirror draws,
-        waits in slices: closed? halted?            queue, depth     set position, yield k+1
-
-    What stays on the user's thread, exactly where it is with sharing off:
-
-    - ``iter()`` of the user's loader (the leader opens it at the user's
-      ``iter()``: its draws, base seed and sampler seed, are made there);
-    - the RNG: a receiver's draws are not mirrored by its loop but at the
-      hand-over of the batch (or END) they came with (``defer``), and the
-      step boundary is captured at the user's request (``Boundary`` in its
-      prefetching mode). The leader runs ahead only where ``next()`` of its
-      loader draws nothing from the default generators (a DataLoader with
-      workers; NOTE [draws ahead] in ``leader``);
-    - the position: the loop's ``Cursor`` runs ahead; checkpoints read the
-      position of the last batch handed over (``position``, snapshotted on
-      the thread right after the loop yielded it), as under device
-      prefetch (NOTE [checkpoints under prefetch]).
-
-    Errors keep their place: the loop's exception is queued behind the
-    batches it produced before it and raised at the step it would have
-    reached. The user leaving an iteration (``break``, the iterator
-    dropped) halts the thread: its next check raises ``Halted``, so it ends
-    without telling the peers anything (as a loop left at a ``yield`` tells
-    them nothing) and drops what it queued; ``settle`` (before the next
-    ``iter()``, ``set_epoch`` or ``close``) waits for it to end, and the
-    loader puts the cursor back where the user was. Two waits cannot be cut
-    short: a node leader's gloo receive of the leader's next header and the
-    leader's wait for a send to be received (gloo has no receive or send
-    that can be polled or cancelled). ``settle`` therefore waits until the
-    thread ended *or is parked* in one of them (``Gate.parked``), where it
-    touches nothing and from where its next step is a check: it ends as
-    soon as its peer takes the message. A header a halted node leader then
-    gets is a later iteration's (kept as the role's ``stash``) or a
-    leftover, whose payload it takes into nothing at once so that the
-    leader's send of it completes; the next iteration's thread joins every
-    earlier one before its loop starts, so two threads never run one role's
-    loop, and each loader's cross-node messages carry a tag of their own
-    (``loader_tag``). What is left in flight at ``close()`` is drained
-    there (NOTE [closing across nodes] in ``_transport.xnode``). An error the
-    leader's loop raised past where every user left (its user never reached
-    it) is dropped by the readers, as the leader's own user never sees it.
-    ``close()`` from any thread stops the thread through the gate (NOTE
-    [close from any thread] in ``base``); it is a daemon, so interpreter
-    exit never waits for it.
+It owns the producer (one thread per loader, for its whole life), the queue between
+it and the user, the hand-over (draws mirrored, the position a checkpoint reads)
+and the halt when the user leaves an iteration (NOTE [running ahead], below). It
+imports ``base`` and ``rng`` only; which roles run ahead is ``_setup.build``'s
+choice; one batch's way through it is in docs/internals/flow.md.
 """
 
 from __future__ import annotations
@@ -78,7 +22,69 @@ from .._node import forks, unmap
 from .._transport.channel import SLICE_S
 from ..errors import ShmLoaderError
 from . import rng
-from .base import Gate, Halted, log
+from .base import CLOSED_MESSAGE, Gate, Halted, log
+
+# NOTE [running ahead]
+#     A step should never wait for data that could have been ready. So the
+#     per-batch work of the leader (take the worker's slot, send it to every
+#     node leader, announce it), of a node leader (receive the payload into
+#     its ring, announce it) and of a follower (wait for the announcement,
+#     map, decode, fault the pages in: ``prefault``, ``madvise(MADV_POPULATE_READ)``
+#     of each view the loop makes) runs on the loader's producer thread, up to
+#     ``depth`` batches ahead of the user's ``next()``, which then only takes a
+#     ready batch from the queue::
+#
+#         producer (holds the gate)                  the user's thread (never in the gate)
+#         -------------------------                  -----------------------------------
+#         role loop: next() -> batch k+2     put ->  [ k+1 | k+2 ]  -> take: mirror draws,
+#         waits in slices: closed? halted?            queue, depth     set position, yield k+1
+#
+#     The producer is started at the loader's first ``iter()`` and ends at its
+#     ``close()``; it runs one iteration at a time and waits between them, so
+#     no thread starts or ends at an epoch boundary (where a DataLoader forks
+#     its workers) and two loops of one role never run at once.
+#
+#     What stays on the user's thread, exactly where it is with sharing off:
+#
+#     - ``iter()`` of the user's loader (the leader opens it at the user's
+#       ``iter()``: its draws, base seed and sampler seed, are made there);
+#     - the RNG: a receiver's draws are not mirrored by its loop but at the
+#       hand-over of the batch (or END) they came with (``defer``), and the
+#       step boundary is captured at the user's request (``Boundary`` in its
+#       prefetching mode). The leader runs ahead only where ``next()`` of its
+#       loader draws nothing from the default generators (a DataLoader with
+#       workers; NOTE [draws ahead] in ``leader``);
+#     - the position: the loop's ``Cursor`` runs ahead; checkpoints read the
+#       position of the last batch handed over (``position``, snapshotted on
+#       the producer right after the loop yielded it), as under device
+#       prefetch (NOTE [checkpoints under prefetch]).
+#
+#     Errors keep their place: the loop's exception is queued behind the
+#     batches it produced before it and raised at the step it would have
+#     reached. The user leaving an iteration (``break``, the iterator
+#     dropped) halts it (the run's ``halt`` event, ``Gate.halted_by``): the
+#     producer's next check raises ``Halted``, so the iteration ends without
+#     telling the peers anything (as a loop left at a ``yield`` tells them
+#     nothing) and what it queued is dropped; ``settle`` (before the next
+#     ``iter()``, ``set_epoch`` or ``close``) waits for the producer to leave
+#     it, and the loader puts the cursor back where the user was. Two waits
+#     cannot be cut short: a node leader's gloo receive of the leader's next
+#     header and the leader's wait for a send to be received (gloo has no
+#     receive or send that can be polled or cancelled). ``settle`` therefore
+#     waits until the producer left the iteration *or is parked* in one of
+#     them (``Gate.parked``), where it touches nothing and from where its next
+#     step is a check: it leaves as soon as its peer takes the message, and
+#     only then takes the next iteration. A header a halted node leader then
+#     gets is a later iteration's (kept as the role's ``stash``) or a
+#     leftover, whose payload it takes into nothing at once so that the
+#     leader's send of it completes; each loader's cross-node messages carry
+#     a tag of their own (``loader_tag``). What is left in flight at
+#     ``close()`` is drained there (NOTE [closing across nodes] in
+#     ``_transport.xnode``). An error the leader's loop raised past where
+#     every user left (its user never reached it) is dropped by the readers,
+#     as the leader's own user never sees it. ``close()`` from any thread
+#     stops the producer through the gate (NOTE [close from any thread] in
+#     ``base``); it is a daemon, so interpreter exit never waits for it.
 
 
 class _Batch(NamedTuple):
@@ -100,15 +106,18 @@ _Item = _Batch | _End | _Failed
 
 
 class _Run:
-    """One iteration run ahead: its thread, its queue, the draws its loop deferred."""
+    """One iteration run ahead: its loop, its queue, the draws its loop deferred."""
 
-    def __init__(self) -> None:
+    def __init__(self, inner: Iterator[Any], position: Callable[[], Any]) -> None:
+        self.inner = inner
+        self.position = position
         self.queue: collections.deque[_Item] = collections.deque()
         self.ready = threading.Condition()
-        self.finished = False  # the thread queued its last item (or ended without one)
-        self.draws = 0  # deferred on the thread since its last item
-        self.waiting: _Batch | None = None  # the batch the thread waits to queue (``_put``)
-        self.thread: threading.Thread | None = None
+        self.finished = False  # the producer queued its last item (or ended without one)
+        self.draws = 0  # deferred on the producer since its last item
+        self.waiting: _Batch | None = None  # the batch the producer waits to queue (``_put``)
+        #: set when the user left this iteration: the producer's next check raises ``Halted``
+        self.halt = threading.Event()
 
     def take_draws(self) -> int:
         n, self.draws = self.draws, 0
@@ -116,7 +125,14 @@ class _Run:
 
 
 class Ahead:
-    """A role's loop run ``depth`` batches ahead of the user on its own thread."""
+    """A role's loop run ``depth`` batches ahead of the user, on the loader's producer thread.
+
+    The producer is one thread for the loader's whole life: started at the
+    first ``run``, it takes one iteration at a time and waits between them;
+    it ends once ``stop`` was called. No thread starts or ends at an epoch
+    boundary, where a DataLoader forks its workers (python/cpython#112275: a
+    thread state made or freed at the moment of ``fork()`` can hang the child).
+    """
 
     def __init__(
         self,
@@ -132,15 +148,18 @@ class Ahead:
         #: (``patient``): the loader's timeout
         self.timeout = timeout
         self._user_since: float | None = None  # when the user began to wait, if waiting
-        #: run once per slice while the thread waits to queue (a follower flushes the
-        #: RELEASEs that the user's thread queued: NOTE [one thread per socket])
+        #: run once per slice while the producer waits to queue or for an iteration (a
+        #: follower flushes the RELEASEs the user's thread queued: NOTE [one thread per socket])
         self.idle = idle
         #: (delivered, exhausted, boundary state, loader state) of the last batch handed
         #: over; None outside an iteration (checkpoints read the live cursor then)
         self.position: Any = None
-        self._run: _Run | None = None
-        self._earlier: list[threading.Thread] = []  # threads of earlier runs (a node leader's)
-        self._local = threading.local()  # .run: the run the calling thread produces for
+        self._run: _Run | None = None  # the user's iteration (the last one started)
+        self._jobs = threading.Condition()  # guards ``_next`` and ``_stopped``
+        self._next: _Run | None = None  # started by the user, not yet taken by the producer
+        self._stopped = False
+        self._thread: threading.Thread | None = None  # the producer
+        self._current: _Run | None = None  # the run the producer works on (its thread only)
         forks.hide(self)  # a forked child drops the batches queued here (hidden_addresses)
 
     @property
@@ -175,7 +194,9 @@ class Ahead:
 
     def defer(self, draws: int) -> None:
         """The loop's ``mirror``: draws to replay at the next hand-over (NOTE [running ahead])."""
-        self._local.run.draws += draws
+        run = self._current
+        assert run is not None, "defer() outside the producer's iteration"
+        run.draws += draws
 
     def run(
         self,
@@ -184,25 +205,26 @@ class Ahead:
         request: Callable[[], None] | None,
         waited: Callable[[float], None],
     ) -> Iterator[Any]:
-        """The user's side: batches of ``inner``, which runs on the thread started here.
+        """The user's side: batches of ``inner``, which the producer runs.
 
         ``position()``: the live position, snapshotted after each batch on the
-        thread. ``request()``: the user asks for a batch (the step boundary's
+        producer. ``request()``: the user asks for a batch (the step boundary's
         capture), before anything is handed over. ``waited(t0)``: the user
         waited for a batch since ``perf_counter()`` ``t0``.
         """
-        previous = [t for t in self._earlier if t.is_alive()]
         self.settle()
         self.position = position()
-        run = self._run = _Run()
-        run.thread = threading.Thread(
-            target=self._produce,
-            args=(run, inner, position, previous),
-            name="shmloader-ahead",
-            daemon=True,
-        )
-        run.thread.start()
-        self._earlier = [*previous, run.thread]
+        run = self._run = _Run(inner, position)
+        with self._jobs:
+            if self._stopped:
+                raise ShmLoaderError(CLOSED_MESSAGE)
+            self._next = run  # an earlier run not yet taken was halted by settle: it goes
+            self._jobs.notify_all()
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._serve, name="shmloader-producer", daemon=True
+                )
+                self._thread.start()
         return self._hand_over(run, request, waited)
 
     def _hand_over(
@@ -236,8 +258,8 @@ class Ahead:
                     self.gate()  # closed: the closed error, as any wait
                     if run.finished:
                         raise ShmLoaderError(
-                            "the loader's background thread ended without a batch or an error "
-                            "(it was halted or closed)"
+                            "the loader's producer thread ended this iteration without a batch "
+                            "or an error (it was halted or closed)"
                         )
                     run.ready.wait(SLICE_S)
             finally:
@@ -247,23 +269,40 @@ class Ahead:
             run.ready.notify_all()
             return item
 
-    # -- the background thread ---------------------------------------------
+    # -- the producer --------------------------------------------------------
 
-    def _produce(
-        self,
-        run: _Run,
-        inner: Iterator[Any],
-        position: Callable[[], Any],
-        previous: list[threading.Thread],
-    ) -> None:
-        gate = self.gate
-        self._local.run = run
-        unmap.unmap_here()  # what this loop drops is unmapped here: NOTE [unmapped off the step]
+    def _serve(self) -> None:
+        """The producer's life: one iteration at a time until ``stop``."""
+        unmap.unmap_here()  # what the loop drops is unmapped here: NOTE [unmapped off the step]
+        while (run := self._await_run()) is not None:
+            self._current = run
+            try:
+                with self.gate.halted_by(run.halt):
+                    self._produce(run)
+            finally:
+                self._current = None
+
+    def _await_run(self) -> _Run | None:
+        """The next iteration the user started; None once stopped. Between iterations the
+        producer only runs ``idle``, once a slice, where the gate is free at once."""
+        while True:
+            with self._jobs:
+                if self._next is not None:
+                    run, self._next = self._next, None
+                    return run
+                if self._stopped:
+                    return None
+                self._jobs.wait(SLICE_S)
+                if self._next is not None or self._stopped:
+                    continue
+            if self.idle is not None:
+                with self.gate.attempt() as inside:
+                    if inside:
+                        self.idle()
+
+    def _produce(self, run: _Run) -> None:
+        gate, inner, position = self.gate, run.inner, run.position
         try:
-            for thread in previous:  # NOTE [running ahead]: one loop at a time, ever
-                while thread.is_alive():
-                    gate()
-                    thread.join(SLICE_S)
             with gate.hold():
                 while True:
                     box = []  # NOTE [no batch in the frame] (base)
@@ -282,7 +321,7 @@ class Ahead:
         finally:
             with contextlib.suppress(Exception):
                 inner.close()  # type: ignore[attr-defined]
-            gate.halted.discard(threading.current_thread())
+            run.inner = iter(())  # the finished loop's frame, and what it holds, go now
             with run.ready:
                 run.finished = True
                 run.ready.notify_all()
@@ -307,12 +346,9 @@ class Ahead:
     # -- stopping -----------------------------------------------------------
 
     def _halt(self, run: _Run) -> None:
-        """The user left the iteration: its thread stops at its next check; drop its queue."""
-        thread = run.thread
-        if thread is None:
-            return
-        if thread.is_alive():
-            self.gate.halted.add(thread)
+        """The user left the iteration: the producer stops it at its next check; drop its
+        queue."""
+        run.halt.set()
         with run.ready:
             dropped = list(run.queue)  # their batches die outside the lock
             run.queue.clear()
@@ -320,16 +356,22 @@ class Ahead:
         del dropped
 
     def stop(self) -> Any:
-        """``close()``: halt, and give the thread two slices to end (it left the gate;
-        close never waits for the user's code, which the thread may be in). Returns
-        ``settle``'s position."""
-        return self.settle(2 * SLICE_S)
+        """``close()``: halt, give the producer two slices to leave the iteration (it left
+        the gate; close never waits for the user's code, which it may be in), and let it
+        end. Returns ``settle``'s position."""
+        position = self.settle(2 * SLICE_S)
+        with self._jobs:
+            self._stopped = True
+            self._next = None
+            self._jobs.notify_all()
+        return position
 
     def settle(self, timeout: float | None = None) -> Any:
-        """Halt the running iteration and wait for its thread, at most ``timeout`` seconds.
+        """Halt the user's iteration and wait for the producer to leave it, at most
+        ``timeout`` seconds.
 
         ``timeout``: default the gate's limit, with a warning when it is
-        over. A thread parked in a cross-node wait (``Gate.parked``) is not
+        over. A producer parked in a cross-node wait (``Gate.parked``) is not
         waited for (NOTE [running ahead]).
 
         Returns the position the user was at (None: no iteration ran ahead
@@ -337,27 +379,36 @@ class Ahead:
         running: the caller may touch what the loop owns from its own thread.
         """
         run = self._run
-        if run is None or run.thread is None:
+        if run is None:
             return None
         self._halt(run)
-        thread = run.thread
         limit = self.gate.limit if timeout is None else timeout
         deadline = time.monotonic() + limit
-        while thread.is_alive() and thread not in self.gate.parked_threads:
+        while not self._left(run):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            thread.join(min(left, SLICE_S))
-        if timeout is None and thread.is_alive() and thread not in self.gate.parked_threads:
+            with run.ready:
+                if not run.finished:
+                    run.ready.wait(min(left, SLICE_S))
+        if timeout is None and not self._left(run):
             log.warning(
-                "shmloader: the loader's background thread did not stop within %.0f s "
-                "(it is inside the user's loader); going on without it",
+                "shmloader: the loader's producer thread did not leave its iteration within "
+                "%.0f s (it is inside the user's loader); going on without it",
                 self.gate.limit,
             )
-        if not thread.is_alive():
-            self.gate.halted.discard(thread)
         position, self.position = self.position, None
         return position
+
+    def _left(self, run: _Run) -> bool:
+        """Whether the producer is out of ``run``: finished it, never took it, or parked in
+        a wait nothing can cut short (it touches nothing there)."""
+        with self._jobs:
+            untaken = self._next is run
+        if run.finished or untaken:
+            return True
+        thread = self._thread
+        return thread is None or not thread.is_alive() or thread in self.gate.parked_threads
 
 
 def _addresses(obj: Any, found: list[int], depth: int = 0) -> None:

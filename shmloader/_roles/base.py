@@ -89,9 +89,8 @@ class Gate:
         self._holder = 0  # the thread inside, 0 when none
         self._closer = 0  # the thread running close(): its own waits go on
         self._held_by_close = False
-        #: background threads told to stop: their next check raises ``Halted`` (thread
-        #: objects, not idents: an ident is reused once its thread ended)
-        self.halted: set[threading.Thread] = set()
+        #: per thread: the event that halts the work it does now (``halted_by``)
+        self._local = threading.local()
         #: threads outside in a wait gloo cannot cut short (``parked``)
         self.parked_threads: set[threading.Thread] = set()
 
@@ -100,13 +99,27 @@ class Gate:
         ``Halted`` in a thread that was told to stop."""
         if self.closed and threading.get_ident() != self._closer:
             raise ShmLoaderError(CLOSED_MESSAGE)
-        if self.halted and threading.current_thread() in self.halted:
+        if self._halted():
             raise Halted("this iteration was halted")
+
+    def _halted(self) -> bool:
+        halt = getattr(self._local, "halt", None)
+        return halt is not None and halt.is_set()
+
+    @contextlib.contextmanager
+    def halted_by(self, halt: threading.Event) -> Iterator[None]:
+        """In the body, the calling thread's checks raise ``Halted`` once ``halt`` is set:
+        the producer's work for one iteration (NOTE [running ahead] in ``ahead``)."""
+        self._local.halt = halt
+        try:
+            yield
+        finally:
+            self._local.halt = None
 
     def quiet(self) -> bool:
         """Whether a loop that fails now must tell no peer: the loader closed (``close()``
-        tells them) or this thread was halted (its iteration was left by the user)."""
-        return self.closed or threading.current_thread() in self.halted
+        tells them) or this thread's iteration was halted (its user left it)."""
+        return self.closed or self._halted()
 
     def _enter(self) -> None:
         limit = self.limit
@@ -131,6 +144,18 @@ class Gate:
         finally:
             if self.inside():
                 self._leave()
+
+    @contextlib.contextmanager
+    def attempt(self) -> Iterator[bool]:
+        """Inside the gate if it is free now and open (True), else nothing waited (False)."""
+        if self.closed or not self._lock.acquire(blocking=False):
+            yield False
+            return
+        self._holder = threading.get_ident()
+        try:
+            yield not self.closed
+        finally:
+            self._leave()
 
     def inside(self) -> bool:
         """Whether the calling thread is inside the gate."""

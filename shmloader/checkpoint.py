@@ -4,29 +4,25 @@ It owns the state's format (``STATE_FORMAT``: cursor, RNG at the step boundary
 and the epoch's start, sampler and loader state, topology, the dataset's
 identity), ``Checkpoints.state_dict`` and ``load`` and ``validate_state`` (NOTE
 [checkpoints]) and what a state must share with the loader it is loaded into
-(NOTE [a resume fits the loader]). It reads the ``Cursor`` and ``Boundary``, the leader's
-``Source``, the device stage's and the ahead loop's hand-over positions, and on load writes only
-the cursor's pending resume and the boundary's pending RNG, which take effect at
-the next ``iter()`` (docs/internals/flow.md).
+(NOTE [a resume fits the loader]). It reads the ``Cursor`` (the position handed over
+to the user, NOTE [the position handed over]), the ``Boundary`` and the leader's
+``Source``, and on load writes only the cursor's pending resume and the boundary's
+pending RNG, which take effect at the next ``iter()`` (docs/internals/flow.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
 from ._roles import rng
 from ._roles.base import log
-from ._roles.cursor import Boundary, Cursor
+from ._roles.cursor import Boundary, Cursor, Position
 from ._roles.local import Source, stateful
 from .errors import ConfigError, TopologyMismatchError
 from .samplers.sharded import ShardedBatchSampler, ShardedSampler
-
-if TYPE_CHECKING:
-    from ._roles.ahead import Ahead
-    from .device.stage import DeviceStage
 
 STATE_FORMAT = "shmloader.state/3"
 #: Earlier formats ``load_state_dict`` still accepts: 2 has no RNG of the epoch's start
@@ -43,55 +39,34 @@ class Checkpoints:
         boundary: Boundary,
         source: Source | None,
         group_ranks: list[int] | None,
-        stage: DeviceStage | None,
-        ahead: Ahead | None = None,
     ) -> None:
         self.cursor = cursor
         self.boundary = boundary
         self.source = source  # the leader's and local ranks' loader; None on others
         self.group_ranks = group_ranks
-        self.stage = stage
-        self.ahead = ahead  # the role's loop on its own thread (NOTE [running ahead])
         self.resumed_ended = False  # the loaded state's ``ended``, until its iteration
 
     @property
     def loader(self) -> Any:
         return self.source.loader if self.source is not None else None
 
-    def live_position(self) -> tuple[int, bool, Any, Any]:
-        """(delivered, exhausted, boundary state, loader state) of the role's loop now."""
+    def snapshot(self) -> Position:
+        """The role's loop's position now (NOTE [the position handed over] in ``cursor``)."""
         now = self.source.state() if self.source is not None else None
-        return self.cursor.delivered, self.cursor.exhausted, self.boundary.loader_state, now
+        cursor = self.cursor
+        return Position(
+            cursor.epoch, cursor.delivered, cursor.exhausted, self.boundary.loader_state, now
+        )
 
-    def position(self) -> tuple[int, bool, Any, Any]:
-        """``live_position()`` as of the last batch handed over by a loop that runs ahead.
-
-        A loop on its own thread (NOTE [running ahead] in ``_roles.ahead``) is
-        up to its depth further: what was published ahead is never checkpointed.
-        """
-        ahead = self.ahead
-        if ahead is not None and ahead.position is not None:
-            return ahead.position
-        return self.live_position()
-
-    def user_position(self) -> tuple[int, bool, Any, Any]:
-        """``position()`` as of the last batch the user received.
-
-        With device prefetch the loop has pulled up to ``prefetch`` batches
-        more than the user has: the stage keeps the position from when the
-        batch it handed over last was pulled.
-        """
-        if self.stage is not None and self.stage.position is not None:
-            return self.stage.position
-        return self.position()
+    def position(self) -> Position:
+        """The user's position: the last one handed over, or, where no loop runs ahead of
+        the user, the loop's (NOTE [the position handed over])."""
+        handed = self.cursor.handed
+        return handed if handed is not None else self.snapshot()
 
     def user_request(self) -> None:
         """The user's ``next()`` under device prefetch (NOTE [checkpoints under prefetch])."""
-        handed = self.stage.position if self.stage is not None else None
-        if handed is None and self.ahead is not None:
-            handed = self.ahead.position  # NOTE [running ahead] (_roles.ahead)
-        delivered = handed[0] if handed is not None else self.cursor.delivered  # none handed yet
-        self.boundary.user_request(delivered)
+        self.boundary.user_request(self.cursor.user_delivered())
 
     def topology(self) -> dict[str, Any]:
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -111,12 +86,13 @@ class Checkpoints:
         """This rank's state (``ShmLoader.state_dict``)."""
         cursor, boundary, loader = self.cursor, self.boundary, self.loader
         k = boundary.steps
+        user = self.position()
+        saved, now = user.step_state, user.loader_state
         if cursor.resumes_here():
             at = delivered = cursor.resume[1]  # type: ignore[index]  # loaded, not iterated yet
-            _, _, saved, now = self.position()
             ended = self.resumed_ended
         else:
-            delivered, ended, saved, now = self.user_position()
+            delivered, ended = user.delivered, user.exhausted
             at = delivered if ended else delivered - delivered % k
         partial = at != delivered
         state: dict[str, Any] = {

@@ -159,9 +159,7 @@ class ShmLoader:
             me,
             world,
         )
-        self._checkpoints = Checkpoints(
-            self._cursor, self._boundary, self._built.source, ranks, self._stage, self._ahead
-        )
+        self._checkpoints = Checkpoints(self._cursor, self._boundary, self._built.source, ranks)
 
     @property
     def is_leader(self) -> bool:
@@ -213,8 +211,6 @@ class ShmLoader:
         self._end_pass(f"set_epoch({epoch})")
         self._settle()
         changed = self._cursor.set_epoch(epoch)
-        if changed and self._stage is not None:
-            self._stage.position = None  # the user's position, too
         self._role.set_epoch(epoch)
         if changed and self._built.length is not None:
             self._built.length.changed()  # NOTE [length per epoch] (length)
@@ -236,15 +232,14 @@ class ShmLoader:
         on_device = stage is not None and stage.on_device
         reporter = self._built.reporter
         settled = reporter.now if reporter is not None else None
-        if stage is not None:
-            stage.position = None
         if self._ahead is not None:  # NOTE [running ahead] (_roles.ahead)
             if on_device:  # NOTE [copies issued by the loop ahead] (device.stage)
                 assert stage is not None
                 inner = stage.issue(inner, self._gate, self._ahead.idle, start=cursor)
             inner = self._ahead.run(
                 inner,
-                self._checkpoints.live_position,
+                self._checkpoints.snapshot,
+                self._cursor.hand,
                 self._checkpoints.user_request,
                 self._user_waited,
             )
@@ -256,10 +251,11 @@ class ShmLoader:
         elif stage is not None and self._ahead is None:
             inner = stage.wrap(
                 inner,
-                self._checkpoints.position,
+                self._checkpoints.snapshot,
                 self._checkpoints.user_request,
                 settled,
                 start=cursor,
+                hand=self._cursor.hand,
             )
         # every next() runs inside the gate (NOTE [close from any thread] in _roles.base);
         # the iterator keeps this loader alive (NOTE [an iterator keeps its loader])
@@ -282,15 +278,10 @@ class ShmLoader:
             self._built.reporter.first_wait()
 
     def _settle(self) -> None:
-        """No loop runs ahead now; the cursor is back where the user is (NOTE [running ahead])."""
-        if self._ahead is None:
-            return
-        self._rewind(self._ahead.settle())
-
-    def _rewind(self, handed: Any) -> None:
-        """The cursor back at the last batch handed over (``Ahead.settle``'s position)."""
-        if handed is not None:
-            self._cursor.delivered, self._cursor.exhausted = handed[0], handed[1]
+        """No loop runs ahead now (NOTE [running ahead]); the user's position is the last
+        one handed over (NOTE [the position handed over] in ``_roles.cursor``)."""
+        if self._ahead is not None:
+            self._ahead.settle()
 
     def stats(self) -> dict[str, Any]:
         """Counters of this rank: batches, bytes, times (ms), ring size."""
@@ -316,8 +307,7 @@ class ShmLoader:
         hand = self._hand.stop() if self._hand is not None else False
         try:
             if self._ahead is not None:  # it left the gate: it ends at its next check
-                # a state_dict() after close describes what the user took (NOTE [running ahead])
-                self._rewind(self._ahead.stop())
+                self._ahead.stop()
             if self._built.reporter is not None:
                 self._built.reporter.close()
             if self._stage is not None:

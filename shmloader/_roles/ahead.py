@@ -4,7 +4,7 @@ handed to the user.
 It owns the producer (one thread per loader, for its whole life), the queue between
 it and the user, the hand-over (draws mirrored, the position a checkpoint reads)
 and the halt when the user leaves an iteration (NOTE [running ahead], below). It
-imports ``base`` and ``rng`` only; which roles run ahead is ``_setup.build``'s
+imports ``base``, ``cursor`` and ``rng`` only; which roles run ahead is ``_setup.build``'s
 choice; one batch's way through it is in docs/internals/flow.md.
 """
 
@@ -23,6 +23,7 @@ from .._transport.channel import SLICE_S
 from ..errors import ShmLoaderError
 from . import rng
 from .base import CLOSED_MESSAGE, Gate, Halted, log
+from .cursor import Position
 
 # NOTE [running ahead]
 #     A step should never wait for data that could have been ready. So the
@@ -55,9 +56,9 @@ from .base import CLOSED_MESSAGE, Gate, Halted, log
 #       loader draws nothing from the default generators (a DataLoader with
 #       workers; NOTE [draws ahead] in ``leader``);
 #     - the position: the loop's ``Cursor`` runs ahead; checkpoints read the
-#       position of the last batch handed over (``position``, snapshotted on
-#       the producer right after the loop yielded it), as under device
-#       prefetch (NOTE [checkpoints under prefetch]).
+#       position of the last batch handed over (its ``Position``, snapshotted
+#       on the producer right after the loop yielded it: NOTE [the position
+#       handed over] in ``cursor``), as under device prefetch.
 #
 #     Errors keep their place: the loop's exception is queued behind the
 #     batches it produced before it and raised at the step it would have
@@ -67,7 +68,7 @@ from .base import CLOSED_MESSAGE, Gate, Halted, log
 #     telling the peers anything (as a loop left at a ``yield`` tells them
 #     nothing) and what it queued is dropped; ``settle`` (before the next
 #     ``iter()``, ``set_epoch`` or ``close``) waits for the producer to leave
-#     it, and the loader puts the cursor back where the user was. Two waits
+#     it; the user's position stays the last one handed over. Two waits
 #     cannot be cut short: a node leader's gloo receive of the leader's next
 #     header and the leader's wait for a send to be received (gloo has no
 #     receive or send that can be polled or cancelled). ``settle`` therefore
@@ -90,12 +91,12 @@ from .base import CLOSED_MESSAGE, Gate, Halted, log
 class _Batch(NamedTuple):
     batch: Any
     draws: int  # default-generator draws to mirror at its hand-over
-    position: Any  # what a checkpoint reads once the user has it
+    position: Position  # what a checkpoint reads once the user has it
 
 
 class _End(NamedTuple):
     draws: int
-    position: Any
+    position: Position
 
 
 class _Failed(NamedTuple):
@@ -108,7 +109,7 @@ _Item = _Batch | _End | _Failed
 class _Run:
     """One iteration run ahead: its loop, its queue, the draws its loop deferred."""
 
-    def __init__(self, inner: Iterator[Any], position: Callable[[], Any]) -> None:
+    def __init__(self, inner: Iterator[Any], position: Callable[[], Position]) -> None:
         self.inner = inner
         self.position = position
         self.queue: collections.deque[_Item] = collections.deque()
@@ -151,9 +152,6 @@ class Ahead:
         #: run once per slice while the producer waits to queue or for an iteration (a
         #: follower flushes the RELEASEs the user's thread queued: NOTE [one thread per socket])
         self.idle = idle
-        #: (delivered, exhausted, boundary state, loader state) of the last batch handed
-        #: over; None outside an iteration (checkpoints read the live cursor then)
-        self.position: Any = None
         self._run: _Run | None = None  # the user's iteration (the last one started)
         self._jobs = threading.Condition()  # guards ``_next`` and ``_stopped``
         self._next: _Run | None = None  # started by the user, not yet taken by the producer
@@ -201,19 +199,22 @@ class Ahead:
     def run(
         self,
         inner: Iterator[Any],
-        position: Callable[[], Any],
+        position: Callable[[], Position],
+        hand: Callable[[Position], None],
         request: Callable[[], None] | None,
         waited: Callable[[float], None],
     ) -> Iterator[Any]:
         """The user's side: batches of ``inner``, which the producer runs.
 
-        ``position()``: the live position, snapshotted after each batch on the
-        producer. ``request()``: the user asks for a batch (the step boundary's
-        capture), before anything is handed over. ``waited(t0)``: the user
-        waited for a batch since ``perf_counter()`` ``t0``.
+        ``position()``: the loop's position, snapshotted after each batch on the
+        producer and now, before it starts; ``hand(p)``: the user has reached
+        ``p`` (NOTE [the position handed over] in ``cursor``). ``request()``: the
+        user asks for a batch (the step boundary's capture), before anything is
+        handed over. ``waited(t0)``: the user waited for a batch since
+        ``perf_counter()`` ``t0``.
         """
         self.settle()
-        self.position = position()
+        hand(position())
         run = self._run = _Run(inner, position)
         with self._jobs:
             if self._stopped:
@@ -225,10 +226,14 @@ class Ahead:
                     target=self._serve, name="shmloader-producer", daemon=True
                 )
                 self._thread.start()
-        return self._hand_over(run, request, waited)
+        return self._hand_over(run, hand, request, waited)
 
     def _hand_over(
-        self, run: _Run, request: Callable[[], None] | None, waited: Callable[[float], None]
+        self,
+        run: _Run,
+        hand: Callable[[Position], None],
+        request: Callable[[], None] | None,
+        waited: Callable[[float], None],
     ) -> Iterator[Any]:
         try:
             while True:
@@ -240,7 +245,7 @@ class Ahead:
                 if isinstance(item, _Failed):
                     raise item.exc
                 rng.mirror_draws(item.draws)
-                self.position = item.position
+                hand(item.position)
                 if isinstance(item, _End):
                     return
                 box = [item.batch]  # NOTE [no batch in the frame] (base)
@@ -355,18 +360,17 @@ class Ahead:
             run.ready.notify_all()
         del dropped
 
-    def stop(self) -> Any:
+    def stop(self) -> None:
         """``close()``: halt, give the producer two slices to leave the iteration (it left
         the gate; close never waits for the user's code, which it may be in), and let it
-        end. Returns ``settle``'s position."""
-        position = self.settle(2 * SLICE_S)
+        end."""
+        self.settle(2 * SLICE_S)
         with self._jobs:
             self._stopped = True
             self._next = None
             self._jobs.notify_all()
-        return position
 
-    def settle(self, timeout: float | None = None) -> Any:
+    def settle(self, timeout: float | None = None) -> None:
         """Halt the user's iteration and wait for the producer to leave it, at most
         ``timeout`` seconds.
 
@@ -374,13 +378,13 @@ class Ahead:
         over. A producer parked in a cross-node wait (``Gate.parked``) is not
         waited for (NOTE [running ahead]).
 
-        Returns the position the user was at (None: no iteration ran ahead
-        since the last ``settle``). Once it waited, the role's loop is not
-        running: the caller may touch what the loop owns from its own thread.
+        Once it waited, the role's loop is not running: the caller may touch
+        what the loop owns from its own thread. Nothing is rewound: the user's
+        position is the last one handed over (NOTE [the position handed over]).
         """
         run = self._run
         if run is None:
-            return None
+            return
         self._halt(run)
         limit = self.gate.limit if timeout is None else timeout
         deadline = time.monotonic() + limit
@@ -397,8 +401,6 @@ class Ahead:
                 "%.0f s (it is inside the user's loader); going on without it",
                 self.gate.limit,
             )
-        position, self.position = self.position, None
-        return position
 
     def _left(self, run: _Run) -> bool:
         """Whether the producer is out of ``run``: finished it, never took it, or parked in

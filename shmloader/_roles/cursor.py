@@ -10,12 +10,37 @@ numbers]) and where this rank left an unfinished iteration. It imports only
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import rng
 
 #: Iterations a rank remembers having left early (NOTE [iteration numbers]).
 LEFT_KEPT = 5
+
+
+class Position(NamedTuple):
+    """Where a rank is in its epoch, as a checkpoint reads it (NOTE [the position handed
+    over]): one snapshot, taken where the batch it follows was produced."""
+
+    epoch: int
+    delivered: int  # batches of the epoch before this point (handed over or skipped)
+    exhausted: bool  # the iteration ran to its end
+    step_state: Any  # a stateful loader's state at the last optimizer-step boundary
+    loader_state: Any  # its state at this point
+
+
+# NOTE [the position handed over]
+#     A rank's loop may run ahead of its user (NOTE [running ahead] in ``ahead``,
+#     NOTE [checkpoints under prefetch] in ``device.stage``): the ``Cursor``'s
+#     ``delivered`` and ``exhausted`` are the loop's. What a checkpoint describes
+#     is the user's position: the ``Position`` snapshotted right after the loop
+#     produced the batch, which travels with it and becomes ``handed`` when the
+#     batch (or the end) is handed to the user. ``handed`` is None while no loop
+#     has run ahead of the user since the iteration began (a loop in step with
+#     its user, or before the first batch): the loop's position is the user's
+#     then. Nothing is rewound when the user leaves an iteration: ``handed``
+#     stays where the user left until the next ``iter()`` or ``set_epoch`` to
+#     another epoch, and where a rank left an iteration is read from it.
 
 
 # NOTE [iteration numbers]
@@ -51,6 +76,7 @@ LEFT_KEPT = 5
 #     it, iter_epoch  begin (ShmLoader.__iter__)       every role
 #     delivered       begin; count (the role's loop)   roles, checkpoints
 #     exhausted       begin; finish (the role's loop)  checkpoints
+#     handed          hand (the user's thread), begin  checkpoints, note_left
 #     sampler_base    begin, set_epoch                 checkpoints
 #     resume          checkpoint.load, begin takes it  checkpoints
 #     left, noted     note_left                        reader (a writer still in a left iteration)
@@ -67,8 +93,18 @@ class Cursor:
     # (epoch, cursor, skip) from load_state_dict; skip is False when the
     # leader's loader restored its own position
     resume: tuple[int, int, bool] | None = None
+    #: the user's position, where a loop runs ahead (NOTE [the position handed over])
+    handed: Position | None = None
     left: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # it -> (e, pos)
     noted: int = 0  # the last iteration note_left accounted for
+
+    def hand(self, position: Position) -> None:
+        """A batch (or the end) whose snapshot is ``position`` reached the user."""
+        self.handed = position
+
+    def user_delivered(self) -> int:
+        """Batches of this epoch the user has (NOTE [the position handed over])."""
+        return self.delivered if self.handed is None else self.handed.delivered
 
     def mine(self, it: int) -> tuple[int, int, int]:
         """(iteration, epoch, position) of the batch this rank asks for next."""
@@ -88,6 +124,7 @@ class Cursor:
         if changed:
             self.note_left()
             self.delivered, self.exhausted, self.sampler_base = 0, False, 0
+            self.handed = None
         self.epoch = epoch
         return changed
 
@@ -105,6 +142,7 @@ class Cursor:
         cursor, skip = (0, False) if resume is None or resume[0] != self.epoch else resume[1:]
         self.delivered = cursor
         self.exhausted = False
+        self.handed = None
         self.sampler_base = 0 if skip else cursor
         return cursor, skip
 
@@ -121,9 +159,13 @@ class Cursor:
         if self.noted == self.it:
             return
         self.noted = self.it
-        if self.exhausted or self.it == 0:
+        user = self.handed  # NOTE [the position handed over]: not the loop's
+        delivered, exhausted = (
+            (self.delivered, self.exhausted) if user is None else (user.delivered, user.exhausted)
+        )
+        if exhausted or self.it == 0:
             return
-        self.left[self.it] = (self.iter_epoch, self.delivered)
+        self.left[self.it] = (self.iter_epoch, delivered)
         for old in [k for k in self.left if k < self.it - LEFT_KEPT + 1]:
             del self.left[old]
 

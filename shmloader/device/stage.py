@@ -257,8 +257,6 @@ class DeviceStage:
         self._room = threading.Condition(threading.Lock())
         #: batches pulled from the role's iterator and not yet handed to the user
         self.ahead = 0
-        #: what ``position()`` returned when the last handed-over batch was pulled
-        self.position: Any = None
 
     @property
     def on_device(self) -> bool:
@@ -272,15 +270,17 @@ class DeviceStage:
         settled: Callable[[], None] | None = None,
         *,
         start: int = 0,
+        hand: Callable[[Any], None] | None = None,
     ) -> Iterator[Any]:
         """Iterate ``inner`` through ``select`` and, on a device, the prefetcher.
 
-        ``position()`` is called after every pull and at the end, so that
-        the loader can report where the *user* is, not the stage; until the
-        first hand-over ``self.position`` stays None (nothing handed over yet:
-        the loop's own position is the user's). Not at the start: asking a
-        loader for its state before ``iter()`` may open it (torchdata's
-        ``StatefulDataLoader`` does, drawing a base seed). ``request()`` is
+        ``position()`` is called after every pull and at the end, and what it
+        returned for a batch goes to ``hand()`` when the batch is handed over
+        (the end's at the end), so that the loader reports where the *user*
+        is, not the stage (NOTE [the position handed over] in
+        ``_roles.cursor``). Not at the start: asking a loader for its state
+        before ``iter()`` may open it (torchdata's ``StatefulDataLoader``
+        does, drawing a base seed). ``request()`` is
         called at every ``next()`` of the user, before the stage pulls
         anything for it (NOTE [checkpoints under prefetch]). ``settled()``
         is called once the iteration is over and its copies have settled (the
@@ -291,7 +291,7 @@ class DeviceStage:
             raise ShmLoaderError("this ShmLoader is closed; make a new one")
         if self._ops is None:
             return self._host(inner, start)
-        return self._prefetching(inner, position, request, settled, start)
+        return self._prefetching(inner, position, request, settled, start, hand)
 
     def _select(self, batch: Any, step: int) -> Any:
         if self.select is None:
@@ -320,8 +320,9 @@ class DeviceStage:
     #
     #     - position: ``position()`` is snapshotted right after each pull (cursor,
     #       end of epoch, a stateful loader's state and its state at the step
-    #       boundary) and travels with the batch; handing the batch over makes its
-    #       snapshot ``self.position``, what ``state_dict()`` reads;
+    #       boundary) and travels with the batch; handing the batch over hands its
+    #       snapshot on (``hand``: the cursor's ``handed``, what ``state_dict()``
+    #       reads, NOTE [the position handed over] in ``_roles.cursor``);
     #     - RNG: the capture at a step's first micro-batch (NOTE [RNG at the step
     #       boundary] in ``rng``) happens in ``request()``, at the user's
     #       ``next()``, not where the loop pulls (that is up to ``prefetch``
@@ -341,13 +342,13 @@ class DeviceStage:
         request: Callable[[], None] | None,
         settled: Callable[[], None] | None,
         start: int,
+        hand: Callable[[Any], None] | None,
     ) -> Iterator[Any]:
         queue: collections.deque[_Ready] = collections.deque()
         error: Exception | None = None
         done = False
         end_position: Any = None
         step = start  # the epoch position of the next batch pulled
-        self.position = None
         try:
             while True:  # one turn per next() of the user
                 if self._closed:
@@ -371,11 +372,14 @@ class DeviceStage:
                 if not queue:
                     if error is not None:
                         raise error
-                    if position is not None:
-                        self.position = end_position
+                    if hand is not None and end_position is not None:
+                        hand(end_position)
                     return
                 self.ahead = len(queue) - 1
-                yield self._hand_over(queue.popleft())
+                box = [queue.popleft()]  # NOTE [no batch in the frame] (_roles.base)
+                if hand is not None and box[0].position is not None:
+                    hand(box[0].position)
+                yield self._hand_over(box.pop())
         finally:
             self.ahead = 0
             queue.clear()
@@ -417,8 +421,8 @@ class DeviceStage:
     #     - What stays on the user's thread: the consumer stream's wait and
     #       ``record_stream`` (a thread's current stream is its own), the step
     #       boundary's capture (``Ahead``'s ``request``) and the hand-over
-    #       position (``Ahead.position``, snapshotted on the loop's thread right
-    #       after each batch was issued: NOTE [checkpoints under prefetch]).
+    #       position (``Ahead``'s, snapshotted on the producer right after each
+    #       batch was issued: NOTE [the position handed over] in ``_roles.cursor``).
     #     - Bounds: the loop pulls a batch only while fewer than ``prefetch``
     #       issued batches wait for the user (``_room_ahead``, in slices that
     #       check the gate), so ``prefetch`` batches are on the device ahead of
@@ -485,7 +489,6 @@ class DeviceStage:
     ) -> Iterator[Any]:
         """The user's half (NOTE [copies issued by the loop ahead]): each issued batch
         handed over on the consumer's stream; ``settled`` as in ``wrap``."""
-        self.position = None  # the loop's hand-over position is Ahead's
         try:
             while True:
                 if self._closed:
@@ -759,7 +762,6 @@ class DeviceStage:
             ops.wait(ready.end)  # the consumer's stream waits; the host does not
         for tensor in ready.tensors:
             ops.hand_over(tensor)
-        self.position = ready.position  # None from ``issue``: Ahead keeps the position
         self._stats["device_batches"] += 1
         return ready.batch
 

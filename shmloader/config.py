@@ -147,7 +147,7 @@ class Config:
         ahead: each rank's per-batch work (the leader's publish and cross-node
             send, a node leader's receive, a follower's map) runs on a background
             thread, up to ``slots`` batches ahead of the user (``SHMLOADER_AHEAD``,
-            on by default; NOTE [running ahead] in ``shmloader._roles.ahead``). The
+            on by default; NOTE [running ahead] in ``shmloader._roles.producer``). The
             leader runs ahead only for a DataLoader with workers.
 
     A ``Config`` built directly holds exactly its arguments: it does not read

@@ -1,10 +1,11 @@
 """``ShmLoader``: the public façade over one role object.
 
-It owns construction, ``__iter__`` (the sharing line at the first; every
-``next()`` inside the gate), ``__len__``, ``set_epoch``, ``state_dict`` and
-``load_state_dict``, ``stats`` and ``close`` (every step of closing, in order,
-from any thread), and holds by composition what ``shmloader._setup.build`` made
-for this rank: one role object, the gate, the ``Cursor`` and ``Boundary``, the
+It owns construction, ``__iter__`` (the sharing line at the first; the
+pipeline from the role's loop on the producer to the user), ``__len__``,
+``set_epoch``, ``state_dict`` and ``load_state_dict``, ``stats`` and ``close``
+(``_Closing``: every step of closing, in order, once, from any thread), and
+holds by composition what ``shmloader._setup.build`` made for this rank: one
+role object, its producer and ``Owner``, the ``Cursor`` and ``Boundary``, the
 checkpoints, the group's length and the device stage. It keeps no role's state
 itself; the roles it may hold are mapped in docs/architecture.md; how its calls
 reach them, and one batch's way, in docs/internals/flow.md.
@@ -13,6 +14,7 @@ reach them, and one batch's way, in docs/internals/flow.md.
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -22,13 +24,22 @@ import torch.distributed as dist
 
 from ._proto import codec, wire  # noqa: F401  (tests/faults patch loader.codec, .wire)
 from ._proto.wire import Kind  # noqa: F401  (tests/faults patch loader.wire.frames by kind)
-from ._roles.base import CLOSE_WAIT_S, Gate, Role
+from ._roles.base import CLOSE_WAIT_S, Owner, Role
 from ._roles.cursor import Boundary, Cursor
 from ._roles.iteration import Iteration
+from ._roles.producer import Producer
 from ._roles.stats import RankStats
 from ._roles.topology import GroupTopology
 from ._setup import arrival, banner
-from ._setup.build import Shared, build, build_local, close_quietly, group_ranks, resolve_config
+from ._setup.build import (
+    Built,
+    Shared,
+    build,
+    build_local,
+    close_quietly,
+    group_ranks,
+    resolve_config,
+)
 from ._transport.xnode import CrossNode  # noqa: F401  (tests/faults patch loader.CrossNode)
 from .checkpoint import Checkpoints
 from .config import Config
@@ -101,9 +112,9 @@ class ShmLoader:
         if target is not None or select is not None:
             self._stage = DeviceStage(target, select=select, prefetch=self.config.prefetch)
         self.accumulation_steps = accumulation_steps
-        # NOTE [close from any thread] (_roles.base): a thread waits at most a role's
-        # longest wait (the timeout) for another to leave the loader's code
-        self._gate = Gate(float(self.config.timeout or 0) + 2 * CLOSE_WAIT_S)
+        # NOTE [one owner] (_roles.base): close() waits at most a role's longest wait (the
+        # timeout) and then some for the producer to free what it owns
+        self._owner = Owner(float(self.config.timeout or 0) + 2 * CLOSE_WAIT_S)
         self._cursor = Cursor()
         self._boundary = Boundary(
             accumulation_steps, prefetching=self._stage is not None and self._stage.on_device
@@ -113,7 +124,7 @@ class ShmLoader:
         #: (NOTE [an iterator keeps its loader] in _roles.iteration)
         self._pass: weakref.ref[Iteration] | None = None
         shared = Shared(
-            self.config, self._cursor, self._boundary, self._stats, self._stage, self._gate
+            self.config, self._cursor, self._boundary, self._stats, self._stage, self._owner
         )
         ranks = group_ranks(group)
         if isinstance(device, DeviceOps):
@@ -130,23 +141,20 @@ class ShmLoader:
                 if self._stage is not None:
                     close_quietly([self._stage.close])
                 raise
-            # Runs only in this process, never in a forked child at its exit
-            # (NOTE [creator-only cleanup] in segment).
-            closers = [self._stage.close] if self._stage is not None else []
-            ahead = self._built.ahead
-            if ahead is not None:
-                closers.insert(0, ahead.stop)
-            self._finalizer = weakref.finalize(
-                self, _close_in, os.getpid(), self._gate, closers + self._built.closers
-            )
         self._role: Role = self._built.role
-        #: the role's loop on its own thread (NOTE [running ahead] in _roles.ahead); the
-        #: user's side of it has a gate of its own, so the two never wait for each other
-        self._ahead = self._built.ahead
-        self._hand = Gate(self._gate.limit) if self._ahead is not None else None
-        if self._ahead is not None:
+        #: the producer, which runs the role's loop (NOTE [one path] in _roles.producer); None
+        #: with sharing off
+        self._producer = self._built.producer
+        if self._producer is not None:
             self._boundary.prefetching = True  # the step boundary at the user's request
             self._stats.ahead = True
+        self._closing = _Closing(self._owner, self._producer, self._stage, self._role, self._built)
+        if self._producer is not None:
+            self._producer.closing = self._closing.free
+        if self._role.name != "local":
+            # a loader dropped unclosed, or at exit; only in this process, never in a
+            # forked child at its exit (NOTE [creator-only cleanup] in segment)
+            weakref.finalize(self, self._closing, at_exit=True)
         up = dist.is_available() and dist.is_initialized()
         me, world = (dist.get_rank(), dist.get_world_size()) if up else (0, 1)
         reporter = self._built.reporter
@@ -227,39 +235,62 @@ class ShmLoader:
             self._line = None
         cursor, skip = self._cursor.begin()
         self._boundary.begin(cursor)  # NOTE [RNG at the step boundary] (rng)
-        inner = self._role.iterate(self._cursor.it, cursor, skip)
-        stage = self._stage
+        it = self._cursor.it
+        inner = self._role.iterate(it, cursor, skip)
+        stage, producer = self._stage, self._producer
         on_device = stage is not None and stage.on_device
         reporter = self._built.reporter
         settled = reporter.now if reporter is not None else None
-        if self._ahead is not None:  # NOTE [running ahead] (_roles.ahead)
-            if on_device:  # NOTE [copies issued by the loop ahead] (device.stage)
-                assert stage is not None
-                inner = stage.issue(inner, self._gate, self._ahead.idle, start=cursor)
-            inner = self._ahead.run(
-                inner,
-                self._checkpoints.snapshot,
-                self._cursor.hand,
-                self._checkpoints.user_request,
-                self._user_waited,
+        checkpoints, hand = self._checkpoints, self._cursor.hand
+        if producer is None:  # sharing off: the user's loader, on this thread
+            if stage is not None:
+                inner = (
+                    stage.wrap(
+                        inner,
+                        checkpoints.snapshot,
+                        checkpoints.user_request,
+                        settled,
+                        start=cursor,
+                        hand=hand,
+                    )
+                    if on_device
+                    else stage.wrap(inner, start=cursor)
+                )
+        elif on_device and not producer.in_step:  # NOTE [copies issued by the loop ahead]
+            assert stage is not None
+            inner = stage.issue(inner, self._owner, producer.idle, start=cursor)
+            inner = producer.run(
+                inner, checkpoints.snapshot, hand, checkpoints.user_request, self._user_waited
             )
-            if on_device:
+            inner = stage.deliver(inner, settled)
+        else:  # NOTE [one path] (_roles.producer)
+            fed = self._role.supply(it, cursor, skip)  # in step, the leader's loader
+            if on_device:  # the stage pulls ahead on this thread; it hands the positions over
                 assert stage is not None
-                inner = stage.deliver(inner, settled)
-        if stage is not None and not on_device:
-            inner = stage.wrap(inner, start=cursor)
-        elif stage is not None and self._ahead is None:
-            inner = stage.wrap(
-                inner,
-                self._checkpoints.snapshot,
-                self._checkpoints.user_request,
-                settled,
-                start=cursor,
-                hand=self._cursor.hand,
-            )
-        # every next() runs inside the gate (NOTE [close from any thread] in _roles.base);
+                inner = producer.run(
+                    inner, checkpoints.snapshot, _ignore, None, self._user_waited, fed
+                )
+                inner = stage.wrap(
+                    inner,
+                    checkpoints.snapshot,
+                    checkpoints.user_request,
+                    settled,
+                    start=cursor,
+                    hand=hand,
+                )
+            else:
+                inner = producer.run(
+                    inner,
+                    checkpoints.snapshot,
+                    hand,
+                    checkpoints.user_request,
+                    self._user_waited,
+                    fed,
+                )
+                if stage is not None:
+                    inner = stage.wrap(inner, start=cursor)
         # the iterator keeps this loader alive (NOTE [an iterator keeps its loader])
-        current = Iteration((self._hand or self._gate).guard(inner), self)
+        current = Iteration(inner, self)
         if self.role != "local":
             self._pass = weakref.ref(current)
         return current
@@ -280,16 +311,17 @@ class ShmLoader:
     def _settle(self) -> None:
         """No loop runs ahead now (NOTE [running ahead]); the user's position is the last
         one handed over (NOTE [the position handed over] in ``_roles.cursor``)."""
-        if self._ahead is not None:
-            self._ahead.settle()
+        if self._producer is not None:
+            self._producer.settle()
 
     def stats(self) -> dict[str, Any]:
         """Counters of this rank: batches, bytes, times (ms), ring size."""
         out: dict[str, Any] = {"role": self.role, "epoch": self._cursor.epoch}
         out.update(self._stats.counts)
         out.update(self._role.stats())
-        if self._ahead is not None:  # batches ready for the user (NOTE [running ahead])
-            out["ahead_ready"] = self._ahead.queued
+        ready = self._producer.queued if self._producer is not None else None
+        if ready is not None:  # batches ready for the user (NOTE [running ahead])
+            out["ahead_ready"] = ready
         if self._stage is not None:
             out.update(self._stage.stats())
         return out
@@ -299,31 +331,14 @@ class ShmLoader:
 
         From any thread: an iteration under way on another thread stops first
         (it raises ``ShmLoaderError``), then the peers are told and everything
-        is freed (NOTE [close from any thread] in ``_roles.base``). Every step of
-        closing is here, in this order.
+        is freed, by the thread that owns it (NOTE [one owner] in
+        ``_roles.base``). Every step of closing is ``_Closing``'s, in its order,
+        run once.
         """
-        if not self._gate.stop():  # the iterating thread is out of the roles' code now
-            return
-        hand = self._hand.stop() if self._hand is not None else False
-        try:
-            if self._ahead is not None:  # it left the gate: it ends at its next check
-                self._ahead.stop()
-            if self._built.reporter is not None:
-                self._built.reporter.close()
-            if self._stage is not None:
-                self._stage.close()  # copies in flight finish; unregister before unmap
-            self._role.close()  # a follower's BYE, a writer's STOP
-            if self.role != "local":
-                self._finalizer()
-            if self._built.source is not None:
-                self._built.source.loader = None
-        finally:
-            if hand:
-                self._hand.done()  # type: ignore[union-attr]
-            self._gate.done()
+        self._closing()
 
     def _check_open(self) -> None:
-        self._gate()
+        self._owner()
 
     def __enter__(self) -> ShmLoader:
         return self
@@ -379,19 +394,65 @@ class ShmLoader:
             self._built.length.changed()  # NOTE [length per epoch] (length)
 
 
-def _close_in(creator: int, gate: Gate, closers: list[Callable[[], None]]) -> None:
-    """The finalizer's close (a loader dropped unclosed, or at exit): the gate first.
+def _ignore(_: object) -> None:
+    """A position the device stage hands over itself (NOTE [the position handed over])."""
 
-    The gate is its own object, not a method of the loader: nothing a role
-    holds refers back to the ``ShmLoader``, so a loader the user drops is
-    freed at once and its finalizer runs then, not at the next cycle
-    collection. Called by ``close()`` itself past its own ``stop``.
+
+class _Closing:
+    """Every step of closing one ``ShmLoader``, in order, once, from any thread.
+
+    ``close()`` calls it, and so does the loader's finalizer (a loader dropped
+    unclosed, or at exit: ``at_exit``, which says no goodbye and does nothing
+    in a forked child). Whoever owns the resources frees them (NOTE [one
+    owner] in ``_roles.base``): the producer, once it left its iteration, or
+    the caller, where no producer ever ran or ``close()`` took them from a
+    producer that was away. It refers to what set-up made, never to the
+    ``ShmLoader``: a loader the user drops is freed at once and its finalizer
+    runs then, not at the next cycle collection.
     """
-    if os.getpid() != creator:
-        return
-    stopped = gate.stop()  # False: close() is running us
-    try:
-        close_quietly(closers)
-    finally:
-        if stopped:
-            gate.done()
+
+    def __init__(
+        self,
+        owner: Owner,
+        producer: Producer | None,
+        stage: DeviceStage | None,
+        role: Role,
+        built: Built,
+    ) -> None:
+        self.creator = os.getpid()
+        self.owner, self.producer, self.stage = owner, producer, stage
+        self.role, self.built = role, built
+        self.goodbye = True
+        self._freed = threading.Lock()  # held by whoever frees: it happens once
+
+    def __call__(self, *, at_exit: bool = False) -> None:
+        if at_exit and os.getpid() != self.creator:
+            return
+        if not self.owner.close():  # closed already
+            return
+        self.goodbye = not at_exit
+        producer = self.producer
+        if producer is not None:
+            producer.stop()  # it leaves its iteration at its next check
+            if producer.started:
+                if producer.on_its_thread():  # a finalizer on the producer: it frees when back
+                    return
+                if producer.finish():  # it said its goodbyes and freed what it owns
+                    return
+        with self.owner.closing():  # no producer ever ran, or it was away: ours now
+            self.free()
+
+    def free(self) -> None:
+        """The closing sequence itself: the peers told, then everything freed."""
+        if not self._freed.acquire(blocking=False):
+            return
+        built, goodbye = self.built, self.goodbye
+        if built.reporter is not None and goodbye:
+            built.reporter.close()
+        if self.stage is not None:  # copies in flight finish; unregister before unmap
+            close_quietly([self.stage.close])
+        if goodbye:
+            self.role.close()  # a follower's BYE, a writer's STOP
+        close_quietly(built.closers)
+        if built.source is not None:
+            built.source.loader = None

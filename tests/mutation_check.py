@@ -60,6 +60,7 @@ FORKS = "tests/multirank/test_forks.py::"
 AHEAD = "tests/multirank/test_ahead.py::"
 UNMAP = "tests/unit/test_unmap.py::"
 DROPS = "tests/multirank/test_drops.py::"
+BOUNDARIES = "tests/multirank/test_boundaries.py::"
 TENANTS = "tests/daemon/test_daemon_tenants.py::"
 
 #: The planted bugs, each with the multi-rank tests that exercise its line: the tests that
@@ -226,7 +227,7 @@ BUGS = [
     ),
     Bug(
         "fork-copies-the-queue",
-        "shmloader/_roles/ahead.py",
+        "shmloader/_roles/producer.py",
         "        forks.hide(self)",
         "        pass  # planted: forks.hide(self)",
         (
@@ -237,14 +238,62 @@ BUGS = [
     ),
     Bug(
         "ahead-queue-bound",
-        "shmloader/_roles/ahead.py",
-        "if len(run.queue) < self.depth or isinstance(item, _End):",
-        "if len(run.queue) <= self.depth or isinstance(item, _End):",
+        "shmloader/_roles/producer.py",
+        "if self.in_step or len(run.queue) < self.depth or isinstance(item, _End):",
+        "if self.in_step or len(run.queue) <= self.depth or isinstance(item, _End):",
         (
             f"{AHEAD}test_every_rank_has_the_next_batch_before_it_asks[one-node]",
             f"{AHEAD}test_every_rank_has_the_next_batch_before_it_asks[two-nodes]",
         ),
         "a loop ahead holds one batch more than SHMLOADER_SLOTS - 1 ready",
+    ),
+    Bug(
+        "producer-per-iteration",
+        "shmloader/_roles/producer.py",
+        "            if self._thread is None:\n",
+        "            if True:  # planted: a producer thread per iteration\n",
+        (f"{BOUNDARIES}test_epoch_boundaries_with_forked_workers_start_no_thread",),
+        "a producer thread is started for every iteration, at every epoch boundary",
+    ),
+    Bug(
+        "in-step-made-before-asked",
+        "shmloader/_roles/producer.py",
+        "                    while run.made >= run.asked:\n",
+        "                    while run.made > run.asked:  # planted\n",
+        (f"{AHEAD}test_without_ahead_nothing_is_taken_before_it_is_asked_for",),
+        "an in-step producer makes the next batch before the user asked for it",
+    ),
+    Bug(
+        "position-from-the-loop",
+        "shmloader/checkpoint.py",
+        "        return handed if handed is not None else self.snapshot()\n",
+        "        return self.snapshot()  # planted: the producer's cursor\n",
+        (
+            f"{AHEAD}test_a_resume_saved_while_batches_are_ahead_is_exact[one-node]",
+            f"{AHEAD}test_a_stateful_loaders_state_saved_after_leaving_is_where_the_user_left[break]",
+        ),
+        "a checkpoint reads the producer's position, not the last one handed over",
+    ),
+    Bug(
+        "release-waits-for-a-slice",
+        "shmloader/_roles/follower.py",
+        "        if self.doorbell is not None:\n            self.doorbell.ring()\n",
+        "        pass  # planted: the producer is not woken\n",
+        (
+            f"{DROPS}test_a_dropped_batchs_release_leaves_at_once_so_a_lockstep_job_cycles_two_slots",
+        ),
+        "a dropped batch's RELEASE waits for the producer's slice, not sent at once",
+    ),
+    Bug(
+        "close-waits-for-the-users-code",
+        "shmloader/_roles/base.py",
+        "                self.taken = True\n",
+        "                pass  # planted: close() never takes over\n",
+        (
+            f"{LIFECYCLE}test_close_stops_a_waiting_producer_and_takes_what_one_away_in_the_users_code_owns",
+            f"{LIFECYCLE}test_close_from_another_thread_stops_the_iteration_first[2-nodes5-loader]",
+        ),
+        "close() waits for a producer in the user's code instead of taking its resources",
     ),
     Bug(
         "drop-unmapped-in-place",

@@ -158,7 +158,7 @@ def populate(mm: mmap.mmap) -> None:
     """Map every page of ``mm`` in for reading, off the GIL; nothing where the kernel refuses.
 
     A batch's pages faulted in on the thread that runs ahead (NOTE [running
-    ahead] in ``_roles.ahead``) cost the user's step nothing when it reads
+    ahead] in ``_roles.producer``) cost the user's step nothing when it reads
     them. On a private (copy-on-write) mapping the pages stay the slot's own,
     read-only, until written. Best effort: before Linux 5.14 the user's reads
     fault them in, as without it.

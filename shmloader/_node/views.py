@@ -55,7 +55,7 @@ def private_view(
     """A copy-on-write uint8 view of ``segment``'s first ``nbytes`` of payload.
 
     ``prefault``: its pages are mapped in now (``mapping.populate``), by a loop
-    that runs ahead of the user (NOTE [running ahead] in ``_roles.ahead``).
+    that runs ahead of the user (NOTE [running ahead] in ``_roles.producer``).
     ``later``: once dropped, it is unmapped (and released) on the unmap thread,
     not on the thread that dropped it (NOTE [unmapped off the step] in ``unmap``).
 

@@ -1,14 +1,14 @@
 """The roles behind ``ShmLoader``: their contract and what they share.
 
-It owns ``Role`` (``ready``, ``iterate``, ``set_epoch``, ``close``, ``closers``,
-``stats``), the ``Context`` every role of one loader shares (config, cursor and
-boundary, counters, the report hook: each field with one owner), the ``Gate``
-that lets one thread at a time into a role's code (NOTE [close from any
-thread]) and the rules every role's loop keeps (NOTE [no batch in the frame],
-NOTE [small leaves]). ERROR bodies are ``_proto.bodies``'s, the payload CRC
-``_proto.checksum``'s, owned copies ``codec.owned_copy``. It imports
-``cursor``, ``stats``, ``config`` and ``errors``, never ``loader`` nor a role;
-the map of roles is in docs/architecture.md.
+It owns ``Role`` (``ready``, ``iterate``, ``supply``, ``set_epoch``, ``close``,
+``closers``, ``stats``), the ``Context`` every role of one loader shares (config,
+cursor and boundary, counters, the report hook: each field with one owner), the
+``Owner`` that says which thread owns a loader's resources (NOTE [one owner]) and
+the rules every role's loop keeps (NOTE [no batch in the frame], NOTE [small
+leaves]). ERROR bodies are ``_proto.bodies``'s, the payload CRC
+``_proto.checksum``'s, owned copies ``codec.owned_copy``. It imports ``cursor``,
+``stats``, ``config`` and ``errors``, never ``loader`` nor a role; the map of
+roles is in docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -37,67 +36,69 @@ CLOSED_MESSAGE = "this ShmLoader is closed; make a new one"
 
 
 class Halted(ShmLoaderError):
-    """A background thread's iteration was halted (NOTE [running ahead] in ``ahead``).
+    """A background thread's iteration was halted (NOTE [running ahead] in ``producer``).
 
     Never reaches a user: the thread that raises it is the one that was
     told to stop, and it ends quietly (no ERROR to the peers).
     """
 
 
-class Gate:
-    """Whether a ``ShmLoader`` is open, and the one thread inside its roles' code.
+class Owner:
+    """Whether a ``ShmLoader`` is open, and which thread owns its resources now.
 
-    NOTE [close from any thread]
-        A ``ShmLoader`` is iterated by one thread at a time and may be closed
-        by any thread. Everything a role's loop does with its ZeroMQ
-        sockets, its ring and its cross-node link runs *inside* the gate: the
-        iterating thread holds it from the moment a ``next()`` enters the
-        loop (``guard``, around the outermost iterator ``ShmLoader.__iter__``
-        returns) until it yields, returns or raises. A loop steps *outside*
-        (``outside``) only around what uses none of those: the user's loader
-        (the leader's and a local rank's ``next()`` of it) and the
-        cross-node waits gloo cannot cut short (``parked``: a node leader's
-        receive of the leader's next header, the leader's wait for its sends
-        to be received; NOTE [closing across nodes] in ``_transport.xnode``):
-        ``close()`` never waits for those; the thread stops once it is back.
+    NOTE [one owner]
+        Each resource of a sharing rank has one owner thread: the loader's
+        producer (NOTE [one path] in ``producer``) owns its ring, its ZeroMQ
+        sockets, its cross-node link, the worker pool's main-process side and
+        the device copies it issues; the user's thread owns the hand-over and,
+        in step, the leader's loader. Other threads reach the producer only
+        through its queues and its doorbell: the user's thread takes batches
+        and asks for them, and a finalizer of a dropped batch only queues its
+        RELEASE. No socket is ever used by two threads, and no lock is handed
+        between threads per batch.
 
-        ``close()`` (and the finalizer) first marks the loader closed, then
-        takes the gate (``stop``): an iterating thread in one of its waits
-        sees the mark within one slice (``channel.SLICE_S``: every wait calls
-        the gate as its ``idle``) and leaves with ``ShmLoaderError("this
-        ShmLoader is closed")``; one that is outside comes back in only
-        after ``close()`` is done and gets the same error. Only then does
-        ``close()`` say goodbye (a follower's BYE, a writer's STOP) and free
-        sockets and ring, so no socket is ever used by two threads at once
-        (the follower's own rule, NOTE [one thread per socket] in
-        ``follower``). A loop that ends because the loader closed sends no
-        ERROR: ``close()`` tells the peers (STOP, closed), exactly as for a
-        loader closed between iterations. A role's loop that runs ahead on
-        its own thread (NOTE [running ahead] in ``ahead``) holds the gate for
-        its whole loop (``hold``), steps outside the same way, and is stopped
-        by the same ``stop``; the thread that hands its batches to the user
-        then never enters the gate.
+        ``close()`` from any thread marks the loader closed (``close``) and
+        stops the producer, which sees the mark at its next check (every wait
+        checks once a slice, ``channel.SLICE_S``), leaves its iteration
+        without an ERROR (``close()`` tells the peers: STOP, closed), says its
+        goodbyes (a follower's BYE, a writer's STOP, the leader's closing STOP
+        across nodes) and frees what it owns, in ``ShmLoader``'s one closing
+        sequence, then ends; ``close()`` waits for that, bounded. Two places
+        the producer cannot leave at a check: the user's code (a leader's
+        ``next()`` of its loader when it runs ahead: ``outside``) and a gloo
+        wait that nothing can cut short (``parked``: a node leader's receive
+        of the leader's next header, the leader's wait for its sends to be
+        received; NOTE [closing across nodes] in ``_transport.xnode``). There
+        it touches nothing it owns, so ``close()`` does not wait for it: it
+        takes the resources over (``take``) and closes them itself, and the
+        producer, once back, finds them taken and touches nothing. That is
+        the one moment ownership moves, and it moves once.
+
+        A rank with sharing off has no producer and nothing to own: its loop
+        on the user's thread checks the mark at each batch.
     """
 
     def __init__(self, limit: float) -> None:
-        #: longest a thread waits to enter, and ``close()`` for the thread inside
-        #: to leave: a role's longest wait (``Config.timeout``) and then some
+        #: longest ``close()`` waits for the producer to say its goodbyes and free what it
+        #: owns: a role's longest wait (``Config.timeout``) and then some
         self.limit = limit
         self.closed = False
-        self._marking = threading.Lock()  # two close() at once: one closes
-        self._lock = threading.Lock()
-        self._holder = 0  # the thread inside, 0 when none
-        self._closer = 0  # the thread running close(): its own waits go on
-        self._held_by_close = False
+        self._lock = threading.Lock()  # ``closed``, ``_away`` and ``taken`` change together
+        self._closing = 0  # the thread that runs the closing sequence: its waits go on
+        #: the producer thread, once it runs (``outside`` is a no-op elsewhere)
+        self.producer: threading.Thread | None = None
+        self._away: set[threading.Thread] = set()  # in the user's code or a gloo wait
+        #: ``close()`` took the resources from a producer that was away
+        self.taken = False
         #: per thread: the event that halts the work it does now (``halted_by``)
         self._local = threading.local()
-        #: threads outside in a wait gloo cannot cut short (``parked``)
+        #: threads away in a wait gloo cannot cut short (``parked``)
         self.parked_threads: set[threading.Thread] = set()
 
     def __call__(self) -> None:
-        """Raise ``ShmLoaderError`` once ``close()`` began (in every thread but the closer),
-        ``Halted`` in a thread that was told to stop."""
-        if self.closed and threading.get_ident() != self._closer:
+        """Raise ``ShmLoaderError`` once ``close()`` began (but in the thread that closes),
+        ``Halted`` in a producer whose iteration was halted."""
+        if self.closed and threading.get_ident() != self._closing:
             raise ShmLoaderError(CLOSED_MESSAGE)
         if self._halted():
             raise Halted("this iteration was halted")
@@ -109,7 +110,7 @@ class Gate:
     @contextlib.contextmanager
     def halted_by(self, halt: threading.Event) -> Iterator[None]:
         """In the body, the calling thread's checks raise ``Halted`` once ``halt`` is set:
-        the producer's work for one iteration (NOTE [running ahead] in ``ahead``)."""
+        the producer's work for one iteration (NOTE [running ahead] in ``producer``)."""
         self._local.halt = halt
         try:
             yield
@@ -121,80 +122,46 @@ class Gate:
         tells them) or this thread's iteration was halted (its user left it)."""
         return self.closed or self._halted()
 
-    def _enter(self) -> None:
-        limit = self.limit
-        if not self._lock.acquire(timeout=limit):
-            raise ShmLoaderError(
-                f"another thread stayed inside this ShmLoader's iteration for {limit:.0f} s: "
-                "iterate one ShmLoader from one thread at a time (a prefetch thread is fine)"
-            )
-        self._holder = threading.get_ident()
-
-    def _leave(self) -> None:
-        self._holder = 0
-        self._lock.release()
+    def close(self) -> bool:
+        """Mark the loader closed; False if it was already."""
+        with self._lock:
+            if self.closed:
+                return False
+            self.closed = True
+            return True
 
     @contextlib.contextmanager
-    def hold(self) -> Iterator[None]:
-        """Run the body inside the gate (a background thread's whole loop)."""
-        self._enter()
+    def closing(self) -> Iterator[None]:
+        """The body runs the closing sequence: its own waits are not ended by the mark."""
+        self._closing = threading.get_ident()
         try:
-            self()
             yield
         finally:
-            if self.inside():
-                self._leave()
-
-    @contextlib.contextmanager
-    def attempt(self) -> Iterator[bool]:
-        """Inside the gate if it is free now and open (True), else nothing waited (False)."""
-        if self.closed or not self._lock.acquire(blocking=False):
-            yield False
-            return
-        self._holder = threading.get_ident()
-        try:
-            yield not self.closed
-        finally:
-            self._leave()
-
-    def inside(self) -> bool:
-        """Whether the calling thread is inside the gate."""
-        return self._holder == threading.get_ident()
-
-    def guard(self, inner: Iterator[Any]) -> Iterator[Any]:
-        """``inner``'s batches, each ``next()`` of it run inside the gate."""
-        while True:
-            box = []  # NOTE [no batch in the frame]
-            self._enter()
-            try:
-                self()
-                try:
-                    box.append(next(inner))
-                except StopIteration:
-                    return
-            finally:
-                if self.inside():
-                    self._leave()
-            yield box.pop()
+            self._closing = 0
 
     @contextlib.contextmanager
     def outside(self) -> Iterator[None]:
-        """Run the body outside the gate; raise ``ShmLoaderError`` if closed meanwhile."""
-        if not self.inside():  # a role driven without the façade's guard
+        """The producer steps away from what it owns for the body (the user's code); once
+        back it raises ``ShmLoaderError`` if ``close()`` took its resources meanwhile, or
+        closed the loader (NOTE [one owner])."""
+        me = threading.current_thread()
+        if me is not self.producer:  # the user's thread, or a role driven by a test
             yield
             return
-        self._leave()
+        with self._lock:
+            self._away.add(me)
         try:
             yield
         finally:
-            self._enter()
+            with self._lock:
+                self._away.discard(me)
             self()  # whatever the body raised, the loader closed: that is the error
 
     @contextlib.contextmanager
     def parked(self) -> Iterator[None]:
         """``outside``, around a cross-node wait that nothing can cut short (gloo has no
-        cancel): ``Ahead.settle`` does not wait for a thread parked here, whose every
-        step after it is a check (NOTE [closing across nodes] in ``_transport.xnode``)."""
+        cancel): ``Producer.settle`` does not wait for a producer parked here either, whose
+        every step after it is a check (NOTE [closing across nodes] in ``_transport.xnode``)."""
         me = threading.current_thread()
         self.parked_threads.add(me)
         try:
@@ -203,38 +170,13 @@ class Gate:
         finally:
             self.parked_threads.discard(me)
 
-    def stop(self) -> bool:
-        """Mark the loader closed and wait (bounded) until no thread is inside.
-
-        False if it was closed already. The caller then closes what the
-        roles hold, and calls ``done()``.
-        """
-        me = threading.get_ident()
-        with self._marking:
-            if self.closed:
-                return False
-            self.closed = True
-            self._closer = me
-        limit = self.limit
-        if self._holder == me:  # closed from inside (a finalizer on the iterating thread)
-            return True
-        t0 = time.monotonic()
-        self._held_by_close = self._lock.acquire(timeout=limit)
-        if not self._held_by_close:
-            log.warning(
-                "shmloader: close(): the iterating thread did not leave the loader's "
-                "iteration within %.0f s (%.1f s waited); closing anyway",
-                limit,
-                time.monotonic() - t0,
-            )
-        return True
-
-    def done(self) -> None:
-        """``close()`` is over: every thread now gets the closed error, the gate is free."""
-        self._closer = 0
-        if self._held_by_close:
-            self._held_by_close = False
-            self._lock.release()
+    def take(self) -> bool:
+        """``close()``: take the resources from a producer that is away now (it touches
+        nothing when it is back); whether they were taken."""
+        with self._lock:
+            if self.producer is not None and self.producer in self._away:
+                self.taken = True
+            return self.taken
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,14 +190,14 @@ class Context:
     #: Report progress for ``stat`` (at most once a second; a no-op without a group).
     report: Callable[[], None]
     #: Raise ``ShmLoaderError`` once ``close()`` ran (every loop checks it per batch,
-    #: every wait once per slice): the loader's ``Gate`` (NOTE [close from any thread]).
-    check_open: Gate
+    #: every wait once per slice): the loader's ``Owner`` (NOTE [one owner]).
+    check_open: Owner
     #: Replay a received batch's (or END's) default-generator draws: at once
     #: (``rng.mirror_draws``) or, for a loop that runs ahead, at the batch's hand-over
-    #: (``Ahead.defer``, NOTE [running ahead] in ``ahead``).
+    #: (``Producer.defer``, NOTE [running ahead] in ``producer``).
     mirror: Callable[[int], None]
     #: Whether a wait past its timeout may go on: a loop that runs ahead waits while
-    #: its user is not waiting for it (``Ahead.patient``); False for every other loop.
+    #: its user is not waiting for it (``Producer.patient``); False for every other loop.
     patient: Callable[[], bool] = lambda: False
 
 
@@ -280,6 +222,12 @@ class Role(Protocol):
         ``skip``: the leader's loader must be fast-forwarded by ``cursor``
         (a resume); False when it restored its own position.
         """
+        ...
+
+    def supply(self, it: int, cursor: int, skip: bool) -> tuple[Iterator[Any], Any] | None:
+        """In step, what the user's thread draws for ``iterate``'s loop on the producer,
+        and the feed it goes to: the leader's loader (NOTE [one path] in ``producer``); None
+        for every other role."""
         ...
 
     def set_epoch(self, epoch: int) -> None:

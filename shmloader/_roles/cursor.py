@@ -30,7 +30,7 @@ class Position(NamedTuple):
 
 
 # NOTE [the position handed over]
-#     A rank's loop may run ahead of its user (NOTE [running ahead] in ``ahead``,
+#     A rank's loop may run ahead of its user (NOTE [running ahead] in ``producer``,
 #     NOTE [checkpoints under prefetch] in ``device.stage``): the ``Cursor``'s
 #     ``delivered`` and ``exhausted`` are the loop's. What a checkpoint describes
 #     is the user's position: the ``Position`` snapshotted right after the loop
@@ -218,7 +218,7 @@ class Boundary:
         """At a request of batch ``delivered``, before the loader's draws for it.
 
         ``at_iter``: the leader opens its loader at the user's ``iter()``, ahead
-        of the first request (NOTE [running ahead] in ``ahead``): the boundary
+        of the first request (NOTE [running ahead] in ``producer``): the boundary
         is captured now, before the opening draws, and that first request
         (``user_request`` of the same batch) keeps it.
         """

@@ -3,8 +3,9 @@
 It owns ``Follower`` (the loop over its ``Spoke``: BATCH mapped copy-on-write
 and delivered through its ``Reader``, RETIRE, END, ERROR, STOP; HELLO and BYE;
 ``stash``, a message of the writer's next iteration, and ``writer_closed``) and
-``_Releaser``, the owner of the spoke's outgoing side and of the RELEASEs sent
-the moment a batch dies (NOTE [prompt release], NOTE [one thread per socket]).
+``_Releaser``, the spoke's outgoing side and the RELEASEs queued the moment a
+batch dies (NOTE [prompt release]); both run on the loader's producer (NOTE
+[one owner] in ``base``).
 It touches its node's ring only through a ``RingReader`` and the release words;
 its way through one batch is in docs/internals/flow.md.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,14 +28,15 @@ from .._proto.bodies import leader_error
 from .._proto.checksum import check_payload_crc
 from .._proto.wire import Kind
 from .._transport.channel import SLICE_S, Spoke
+from .._transport.doorbell import Doorbell
 from ..errors import PeerLostError, ProtocolError, ShmLoaderError
-from .base import CLOSE_WAIT_S, Context, log
+from .base import Context, log
 from .receiver import Receiver
 from .topology import GroupTopology
 
 
 class _Releaser:
-    """A reader's outgoing messages, and its RELEASEs sent the moment a batch dies.
+    """A reader's outgoing messages, and the RELEASEs of its dropped batches.
 
     NOTE [prompt release]
         A reader's batch dies (``weakref.finalize`` on its mapping) when the
@@ -44,97 +45,40 @@ class _Releaser:
         next request, lets the writer reuse that slot for the very next
         batch, so a lockstep job needs two slots, not three.
 
-    NOTE [one thread per socket]
-        ZeroMQ sockets are not thread-safe, and a finalizer runs on whichever
-        thread drops the last reference (a prefetch thread iterates while
-        the main thread drops batches; a garbage collection runs finalizers
-        anywhere, even inside one of our own socket calls). So:
-
-        - the *owner* is the thread that iterates: every ``next()`` claims
-          the socket for its thread (``claim``);
-        - a finalizer only appends to ``pending`` (a deque: atomic appends),
-          and sends at once only when it runs on the owner thread and takes
-          ``lock`` without blocking, i.e. when no socket call is under way;
-        - every socket call holds ``lock`` and first flushes ``pending``, and
-          a wait flushes it once per slice: releases queued by other threads
-          leave with the owner's next call or within one slice of a wait;
-        - ``close()`` on another thread first waits for the iterating thread
-          to leave (NOTE [close from any thread] in ``base``), and closes
-          the socket under ``lock``.
+    The socket is the producer's (NOTE [one owner] in ``base``); a finalizer
+    runs on whichever thread drops the last reference (the user's, or a
+    garbage collection anywhere, even inside one of the producer's own socket
+    calls). So a finalizer only appends to ``pending`` (a deque: atomic
+    appends) and rings the producer's doorbell; the producer sends what is
+    pending before each message of its own (``send``) and whenever the
+    doorbell ends a slice of one of its waits (``flush``, its ``idle``), so
+    the RELEASE leaves at once.
     """
 
     def __init__(self, spoke: Spoke, rank: int) -> None:
         self.spoke = spoke
         self.rank = rank
         self.pending: collections.deque = collections.deque()
-        self.lock = threading.Lock()
-        self.holder = 0  # the thread holding ``lock``, 0 when free
-        self.owner = threading.get_ident()
         self.closed = False  # after close(): batches that die later release nothing
-
-    def claim(self) -> None:
-        """The calling thread iterates: it owns the socket from now on."""
-        self.owner = threading.get_ident()
+        #: the producer's: rung when a RELEASE is queued
+        self.doorbell: Doorbell | None = None
 
     def release(self, item: tuple[int, int, int]) -> None:
-        """The finalizer callback: queue, and send now when that is safe."""
+        """The finalizer callback, on any thread: queue, and wake the producer."""
         if self.closed:
             return
         self.pending.append(item)
-        if threading.get_ident() == self.owner and self.lock.acquire(blocking=False):
-            self.holder = threading.get_ident()
-            try:
-                self._flush()
-            finally:
-                self.holder = 0
-                self.lock.release()
+        if self.doorbell is not None:
+            self.doorbell.ring()
 
     def send(self, parts: list) -> None:
-        """Send ``parts`` (if any) after every queued RELEASE."""
-        me = threading.get_ident()
-        if self.holder == me:  # inside our own wait (a handler): the socket is ours
-            self._flush()
-            if parts:
-                self.spoke.send(parts)
-            return
-        with self._holding():
-            self._flush()
-            if parts:
-                self.spoke.send(parts)
-
-    def drain(self) -> None:
-        """Send what other threads queued, from the owner's thread outside any wait.
-
-        A loop that runs ahead calls it while it waits to queue a batch
-        (NOTE [running ahead] in ``ahead``): RELEASEs then leave within a slice.
-        """
-        if self.pending and threading.get_ident() == self.owner:
-            with self._holding():
-                self._flush()
+        """On the owner: send ``parts`` (if any) after every queued RELEASE."""
+        self.flush()
+        if parts:
+            self.spoke.send(parts)
 
     def flush(self) -> None:
-        """Send what other threads queued; only from inside ``receiving``."""
-        if self.holder == threading.get_ident():
-            self._flush()
-
-    def close(self) -> None:
-        """Close the socket; batches that die later release nothing (NOTE [held past close]).
-
-        Under ``lock``: a finalizer on the owner thread may be sending right now.
-        """
-        self.closed = True
-        self.pending.clear()
-        if self.holder == threading.get_ident():
-            self.spoke.close()
-            return
-        got = self.lock.acquire(timeout=CLOSE_WAIT_S)
-        try:
-            self.spoke.close()
-        finally:
-            if got:
-                self.lock.release()
-
-    def _flush(self) -> None:
+        """On the owner: send the RELEASEs queued so far."""
         while self.pending and not self.closed:
             try:
                 index, gen, seq = self.pending.popleft()
@@ -142,26 +86,11 @@ class _Releaser:
                 return
             self.spoke.send(wire.frames(Kind.RELEASE, seq, rank=self.rank, slot=index, gen=gen))
 
-    @contextlib.contextmanager
-    def _holding(self) -> Iterator[None]:
-        if not self.lock.acquire(timeout=CLOSE_WAIT_S):
-            raise ShmLoaderError(
-                "a reader's socket stayed busy for 10 s: two threads iterate one ShmLoader "
-                "at once; iterate it from one thread (a prefetch thread is fine)"
-            )
-        self.holder = threading.get_ident()
-        try:
-            yield
-        finally:
-            self.holder = 0
-            self.lock.release()
-
-    @contextlib.contextmanager
-    def receiving(self) -> Iterator[None]:
-        """Hold the socket for a wait; finalizers meanwhile only queue."""
-        with self._holding():
-            self._flush()
-            yield
+    def close(self) -> None:
+        """Close the socket; batches that die later release nothing (NOTE [held past close])."""
+        self.closed = True
+        self.pending.clear()
+        self.spoke.close()
 
 
 class Follower:
@@ -193,6 +122,9 @@ class Follower:
     def iterate(self, it: int, cursor: int, skip: bool) -> Iterator[Any]:
         return self._loop(it)
 
+    def supply(self, it: int, cursor: int, skip: bool) -> None:
+        return None
+
     def set_epoch(self, epoch: int) -> None:
         pass
 
@@ -223,7 +155,6 @@ class Follower:
         may be waiting for exactly those.
         """
         spoke, topo = self.spoke, self.topo
-        self.out.claim()  # NOTE [one thread per socket]: the iterating thread owns it
         if self.stash is not None:
             msg, self.stash = self.stash, None
             if self._sort(msg, it):
@@ -240,19 +171,18 @@ class Follower:
         check_open = self.ctx.check_open
 
         def idle() -> None:
-            self.out.flush()
-            check_open()  # close() from another thread ends the wait (NOTE [close from any thread])
+            self.out.flush()  # NOTE [prompt release]: rung by a finalizer, or once a slice
+            check_open()  # close() from another thread ends the wait (NOTE [one owner])
 
         t0 = time.perf_counter()
-        with self.out.receiving():
-            spoke.wait(
-                handle,
-                lambda: [peer],
-                timeout=self.config.timeout,  # type: ignore[arg-type]  # resolved at set-up
-                doing=f"waiting for batch {self.ctx.cursor.delivered} of iteration {it}",
-                idle=idle,
-                patient=self.ctx.patient,
-            )
+        spoke.wait(
+            handle,
+            lambda: [peer],
+            timeout=self.config.timeout,  # type: ignore[arg-type]  # resolved at set-up
+            doing=f"waiting for batch {self.ctx.cursor.delivered} of iteration {it}",
+            idle=idle,
+            patient=self.ctx.patient,
+        )
         self.ctx.stats.note_wait(t0)
         return found[0]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -26,6 +26,7 @@ from . import rng
 from .base import Context
 from .local import Source, forward_set_epoch
 from .node_writer import NodeWriter
+from .producer import Feed
 
 
 def worker_pool(
@@ -68,6 +69,12 @@ def worker_pool(
     return pool
 
 
+class _Ended(NamedTuple):
+    """The loader ended; ``draws``: what its last ``next()`` (or ``iter()``) drew."""
+
+    draws: int
+
+
 class Leader:
     """The leader's loop: the loader's batches, published to the ring and node leaders."""
 
@@ -81,25 +88,37 @@ class Leader:
         self.source = source
         self.writer = writer
         self.pool = pool
-        #: the loop runs on a background thread (NOTE [running ahead] in ``ahead``)
-        self.ahead = False
+        #: in step, what the user's thread drew from the loader, for the producer's loop
+        #: (NOTE [one path] in ``producer``); None: the loop runs ahead and steps the loader
+        self.feed: Feed | None = None
 
     def ready(self) -> None:
         pass
 
     def iterate(self, it: int, cursor: int, skip: bool) -> Iterator[Any]:
+        """The producer's loop: each item of the loader published (NOTE [one path] in
+        ``producer``). Ahead, the producer steps the loader itself; in step, it takes what the
+        user's thread drew (``supply``) from the ``feed``."""
         self.writer.begin(cursor)
-        if not self.ahead:
-            return self._loop(it, cursor if skip else 0)
-        # NOTE [running ahead] (ahead): the user's iter() of the loader, here, on the
-        # caller's thread; only its next() moves to the background thread
+        if self.feed is not None:
+            self.feed.items.clear()
+            return self._loop(it, self.feed)
+        # NOTE [running ahead] (producer): the user's iter() of the loader, here, on the
+        # caller's thread; only its next() moves to the producer
         try:
             opened = self._open(cursor if skip else 0, at_iter=True)
         except BaseException as exc:
             if not self.ctx.check_open.quiet():
                 self.writer.fail(it, exc)
             raise
-        return self._loop(it, 0, opened)
+        return self._loop(it, self._items(0, opened))
+
+    def supply(self, it: int, cursor: int, skip: bool) -> tuple[Iterator[Any], Feed] | None:
+        """In step, the loader's items as the user's thread draws them, and the feed they go
+        to (NOTE [one path])."""
+        if self.feed is None:
+            return None
+        return self._items(cursor if skip else 0), self.feed
 
     def _open(self, skip: int, *, at_iter: bool = False) -> tuple[Iterator[Any], int]:
         """Reclaim the slots of dead workers and open the user's loader (``Source.open``)."""
@@ -124,7 +143,7 @@ class Leader:
     # NOTE [draws ahead]
     #     The leader counts the default-generator draws of each ``next()`` of its
     #     loader (a snapshot before, a count after) and its followers mirror
-    #     them. A loop that runs ahead (NOTE [running ahead] in ``ahead``)
+    #     them. A loop that runs ahead (NOTE [running ahead] in ``producer``)
     #     cannot count: the user's thread draws (dropout, augmentation) at the
     #     same time, and a count would take those for the loader's. So only a
     #     loader whose ``next()`` draws nothing runs ahead: a ``DataLoader``
@@ -138,32 +157,44 @@ class Leader:
     #     ``iter()`` drew goes with the first batch, as in every loop. A loader
     #     without workers runs its dataset in this process, on the caller's
     #     thread, where its draws land exactly as with sharing off.
-    def _loop(
-        self, it: int, skip: int, opened: tuple[Iterator[Any], int] | None = None
-    ) -> Iterator[Any]:
-        ctx, source, writer = self.ctx, self.source, self.writer
+    def _items(
+        self, skip: int, opened: tuple[Iterator[Any], int] | None = None
+    ) -> Iterator[tuple[Any, int] | _Ended]:
+        """The loader's batches with the draws each cost (NOTE [draws ahead]), then
+        ``_Ended``: on the user's thread in step, on the producer ahead."""
+        ctx, source = self.ctx, self.source
+        batches, pending = self._open(skip) if opened is None else opened
+        while True:
+            ctx.check_open()
+            source.boundary_reached()
+            before = None if self.feed is None else rng.snapshot()  # NOTE [draws ahead]
+            box = []  # NOTE [no batch in the frame] (base)
+            t_wait = time.perf_counter()
+            try:
+                # the user's code: close() from another thread need not wait for
+                # it (NOTE [one owner] in base)
+                with ctx.check_open.outside():
+                    box.append(next(batches))
+            except StopIteration:
+                ctx.cursor.finish()
+                yield _Ended(pending + self._drawn(before))
+                return
+            ctx.stats.note_wait(t_wait)
+            draws, pending = pending + self._drawn(before), 0
+            ctx.cursor.count()
+            yield box.pop(), draws
+
+    def _loop(self, it: int, items: Iterator[tuple[Any, int] | _Ended]) -> Iterator[Any]:
+        ctx, writer = self.ctx, self.writer
         try:
-            batches, pending = self._open(skip) if opened is None else opened
             while True:
                 ctx.check_open()
-                source.boundary_reached()
                 writer.free_released()  # before we block on the workers
-                before = None if self.ahead else rng.snapshot()  # NOTE [draws ahead]
-                box = []  # NOTE [no batch in the frame] (base)
-                t_wait = time.perf_counter()
-                try:
-                    # the user's code: close() from another thread need not wait for
-                    # it (NOTE [close from any thread] in base)
-                    with ctx.check_open.outside():
-                        box.append(next(batches))
-                except StopIteration:
-                    writer.end(it, pending + self._drawn(before))
-                    ctx.cursor.finish()
+                box = [next(items)]  # NOTE [no batch in the frame] (base)
+                if isinstance(box[0], _Ended):
+                    writer.end(it, box[0].draws)
                     return
-                ctx.stats.note_wait(t_wait)
-                draws, pending = pending + self._drawn(before), 0
-                ctx.cursor.count()
-                yield self._publish(it, box.pop(), draws)
+                yield self._publish(it, *box.pop())
         except GeneratorExit:
             raise
         except BaseException as exc:

@@ -202,6 +202,9 @@ class Local:
                 unwarned.check_peers_on()
         return self._loop(cursor if skip else 0)
 
+    def supply(self, it: int, cursor: int, skip: bool) -> None:
+        return None
+
     def _loop(self, skip: int) -> Iterator[Any]:
         ctx, source = self.ctx, self.source
         batches, _ = source.open(skip)
@@ -210,7 +213,7 @@ class Local:
             source.boundary_reached()
             box = []  # NOTE [no batch in the frame] (base)
             try:
-                with ctx.check_open.outside():  # NOTE [close from any thread] (base)
+                with ctx.check_open.outside():  # NOTE [one owner] (base)
                     box.append(next(batches))
             except StopIteration:
                 ctx.cursor.finish()

@@ -323,7 +323,7 @@ class NodeWriter:
             could silence; by age, ``SHMLOADER_SLOTS`` at least the queue's depth
             plus the batch its thread is putting keeps it quiet, as the warning
             advises, while a kept batch ages without bound and is always named.
-            A loop that runs ahead (NOTE [running ahead] in ``ahead``) takes, so
+            A loop that runs ahead (NOTE [running ahead] in ``producer``) takes, so
             acknowledges, up to ``SHMLOADER_SLOTS`` more batches than its user
             holds: with ``Config.ahead`` the depth is that much larger.
         """
@@ -471,8 +471,8 @@ class NodeWriter:
 
         t0 = time.perf_counter()
         peers = self.topo.peer
-        # once a slice: close() from another thread ends the wait (NOTE [close from any
-        # thread] in base); a test's bare context has no gate
+        # once a slice: close() from another thread ends the wait (NOTE [one owner] in
+        # base); a test's bare context has no owner
         idle = getattr(self.ctx, "check_open", None)
         hub.wait(
             handle,

@@ -83,7 +83,7 @@ class Receiver:
 
         Not for what a writer whose loop runs ahead published past its own
         user, up to ``SHMLOADER_SLOTS`` batches past where this rank left
-        (NOTE [running ahead] in ``ahead``): a writer that left at the same
+        (NOTE [running ahead] in ``producer``): a writer that left at the same
         point sent those too. A writer in step with its user sends nothing past it.
         """
         left = self.ctx.cursor.left.get(it)
@@ -118,7 +118,7 @@ class Receiver:
             batch = owned_copy(batch)
         cursor, counts = self.ctx.cursor, self.ctx.stats.counts
         self.ctx.boundary.capture(cursor.delivered)  # NOTE [RNG at the step boundary] (rng)
-        self.ctx.mirror(draws)  # NOTE [running ahead] (ahead): at the hand-over
+        self.ctx.mirror(draws)  # NOTE [running ahead] (producer): at the hand-over
         cursor.count()
         elapsed = (time.perf_counter_ns() - t0) / 1e6
         counts["received"] += 1

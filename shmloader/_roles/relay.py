@@ -51,6 +51,9 @@ class Relay:
         self.writer.begin(cursor)
         return self._loop(it)
 
+    def supply(self, it: int, cursor: int, skip: bool) -> None:
+        return None
+
     def set_epoch(self, epoch: int) -> None:
         self.writer.follow_epoch()
 
@@ -141,7 +144,7 @@ class Relay:
             if self.stash is None:
                 try:
                     # gloo only: close() need not wait for the leader's next header
-                    # (NOTE [close from any thread] in base)
+                    # (NOTE [one owner] in base)
                     with ctx.check_open.parked(), self._rx:
                         self.stash = xnode.receive_header()
                 except Halted:

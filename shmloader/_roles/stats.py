@@ -172,7 +172,7 @@ class Reporter:
 
     def first_wait(self) -> None:
         """The user's first wait was counted on another thread than the one that reports
-        (a loop that runs ahead, NOTE [running ahead] in ``ahead``): report it with the
+        (a loop that runs ahead, NOTE [running ahead] in ``producer``): report it with the
         loop's next report instead of a second later."""
         if not self._told_wait:
             self._told_wait = True

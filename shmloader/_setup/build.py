@@ -26,13 +26,13 @@ from .._node import segment
 from .._node.ring import RingReader, RingWriter, new_token
 from .._proto.bodies import error_body, json_body, leader_error
 from .._roles import rng
-from .._roles.ahead import Ahead
-from .._roles.base import Context, Gate, Role, log
+from .._roles.base import Context, Owner, Role, log
 from .._roles.cursor import Boundary, Cursor
 from .._roles.follower import Follower
 from .._roles.leader import Leader, worker_pool
 from .._roles.local import Local, Source
 from .._roles.node_writer import NodeWriter
+from .._roles.producer import Producer
 from .._roles.receiver import Receiver
 from .._roles.relay import Relay
 from .._roles.stats import RankStats, Reporter, connect_daemon, describe, device_fields
@@ -63,8 +63,9 @@ class Built:
     reporter: Reporter | None = None
     #: Frees the role's resources, then the daemon's registration and the topology's.
     closers: list[Callable[[], None]] = dataclasses.field(default_factory=list)
-    #: the role's loop on its own thread (NOTE [running ahead] in ``_roles.ahead``)
-    ahead: Ahead | None = None
+    #: the loader's producer, which runs the role's loop (NOTE [one path] in
+    #: ``_roles.producer``); None with sharing off
+    producer: Producer | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +77,7 @@ class Shared:
     boundary: Boundary
     stats: RankStats
     stage: DeviceStage | None
-    check_open: Gate
+    check_open: Owner
 
 
 def build_local(
@@ -165,11 +166,12 @@ def _make_role(
         device=functools.partial(device_fields, shared.stage),
     )
     on_device = shared.stage is not None and shared.stage.on_device
-    ahead = _ahead(config, topo, leader_ahead, shared.check_open, on_device)
-    ctx = _context(shared, reporter.report, ahead)
+    producer = _producer(config, topo, leader_ahead, shared.check_open, on_device)
+    running = not producer.in_step  # the loop runs ahead of its user (NOTE [running ahead])
+    ctx = _context(shared, reporter.report, producer)
     xnode = None
     if len(topo.nodes) > 1 and topo.me in topo.node_leaders:
-        tag = loader_tag(topo.fact(topo.leader).token)  # NOTE [running ahead] (ahead)
+        tag = loader_tag(topo.fact(topo.leader).token)  # NOTE [running ahead] (producer)
         xnode = CrossNode(pg, topo.leader, topo.node_leaders, tag)
     source = None
     role: Role
@@ -197,13 +199,15 @@ def _make_role(
         hub = Hub(topo.socket_path)
         made.hub = hub.close
         writer = NodeWriter(ctx, topo, ring, hub, xnode, pool)
-        writer.prefault = ahead is not None  # its thread faults the user's pages in
-        writer.later = ahead is not None  # NOTE [unmapped off the step] (unmap)
+        writer.prefault = running  # the producer faults the user's pages in
+        writer.later = running  # NOTE [unmapped off the step] (unmap)
         reporter.writer = writer
         if topo.is_leader:
             source = Source(loader, shared.cursor, shared.boundary)  # type: ignore[arg-type]
             role = Leader(ctx, source, writer, pool)
-            role.ahead = ahead is not None
+            if producer.in_step:  # its loader stays on the user's thread (NOTE [draws ahead])
+                role.feed = producer.feed()
+            producer.idle = writer.free_released  # pool slots back to the workers while it waits
             if shared.stage is not None and shared.stage.on_device:
                 warn_pin_memory(loader, pool)
         else:
@@ -213,14 +217,15 @@ def _make_role(
         # a node leader's loop runs ahead as the config says, the group leader's as it said
         writer_ahead = leader_ahead if topo.writer == topo.leader else config.ahead
         ring_reader = RingReader(topo.ring_token, topo.me)
-        ring_reader.prefault = ahead is not None  # its thread faults the user's pages in
-        ring_reader.later = ahead is not None  # NOTE [unmapped off the step] (unmap)
+        ring_reader.prefault = running  # the producer faults the user's pages in
+        ring_reader.later = running  # NOTE [unmapped off the step] (unmap)
         made.reader = ring_reader.close
-        spoke = Spoke(topo.socket_path, topo.me)
+        spoke = Spoke(topo.socket_path, topo.me, wake=producer.doorbell)
         made.spoke = spoke.close
-        role = Follower(ctx, topo, Receiver(ctx, topo, writer_ahead), ring_reader, spoke)
-        if ahead is not None:
-            ahead.idle = role.out.drain  # NOTE [one thread per socket] (follower)
+        follower = Follower(ctx, topo, Receiver(ctx, topo, writer_ahead), ring_reader, spoke)
+        follower.out.doorbell = producer.doorbell  # a dropped batch's RELEASE leaves at once
+        producer.idle = follower.out.flush  # NOTE [prompt release] (follower)
+        role = follower
     closers = role.closers()
     if daemon is not None:
         if topo.is_writer:
@@ -234,16 +239,17 @@ def _make_role(
         config.timeout or DEFAULT_TIMEOUT_S,
         lambda: shared.cursor.epoch,
     )
-    return Built(role, source, topo, lengths, reporter, closers, ahead)
+    return Built(role, source, topo, lengths, reporter, closers, producer)
 
 
-def _ahead(
-    config: Config, topo: GroupTopology, leader_ahead: bool, gate: Gate, on_device: bool = False
-) -> Ahead | None:
-    """This rank's loop on its own thread, or None (NOTE [running ahead] in ``_roles.ahead``).
+def _producer(
+    config: Config, topo: GroupTopology, leader_ahead: bool, owner: Owner, on_device: bool = False
+) -> Producer:
+    """This rank's producer (NOTE [one path] in ``_roles.producer``): ahead of its user, or in
+    step (depth 0: ``SHMLOADER_AHEAD=0``, or a leader that said at set-up that its loop
+    cannot run ahead, ``leads_ahead``; NOTE [running ahead]).
 
-    Every node leader and follower; the leader as it said at set-up
-    (``leads_ahead``). The queue holds ``slots - 1`` batches: with the one the
+    Ahead, the queue holds ``slots - 1`` batches: with the one the
     thread is about to queue, the loop is ``slots`` batches ahead of the user,
     the ring's depth, which NOTE [ring growth] already counts
     (``_roles.node_writer``). On a device (``on_device``) the loop also issues
@@ -252,11 +258,11 @@ def _ahead(
     slots are free once their copy completed; the stage keeps it
     ``Config.prefetch`` batches ahead, so the queue only has to hold that many.
     """
-    if not config.ahead or (topo.is_leader and not leader_ahead):
-        return None
     timeout = config.timeout or DEFAULT_TIMEOUT_S
+    if not config.ahead or (topo.is_leader and not leader_ahead):
+        return Producer(owner, 0, timeout=timeout)
     depth = config.prefetch if on_device else config.slots - 1
-    return Ahead(gate, max(1, depth), timeout=timeout)
+    return Producer(owner, max(1, depth), timeout=timeout)
 
 
 def leads_ahead(config: Config, loader: object) -> bool:
@@ -290,11 +296,11 @@ class _Made:
         return [c for c in closers if c is not None]
 
 
-def _context(shared: Shared, report: Callable[[], None], ahead: Ahead | None) -> Context:
+def _context(shared: Shared, report: Callable[[], None], producer: Producer | None) -> Context:
     fields = (shared.config, shared.cursor, shared.boundary, shared.stats, report)
-    if ahead is None:
+    if producer is None:
         return Context(*fields, shared.check_open, rng.mirror_draws)
-    return Context(*fields, shared.check_open, ahead.defer, ahead.patient)
+    return Context(*fields, shared.check_open, producer.defer, producer.patient)
 
 
 def _agree_on_loader(
@@ -343,7 +349,7 @@ def _agree_on_loader(
         for warning in rng.follow_factory(agreed.get("draws", {})):  # NOTE [factory draws] (rng)
             log.warning("shmloader: %s", warning)
     length = agreed.get("length")
-    ahead = agreed.get("ahead") is True  # NOTE [running ahead] (ahead): for the readers
+    ahead = agreed.get("ahead") is True  # NOTE [running ahead] (producer): for the readers
     return loader, length if isinstance(length, int) and length >= 0 else None, None, ahead
 
 

@@ -26,6 +26,7 @@ from .._node.rundir import announce_path, check_private_dir, remove_private_dir
 from .._node.segment import process_alive
 from .._proto.wire import Message, parse
 from ..errors import PeerLostError, ProtocolError
+from .doorbell import Doorbell
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class _Endpoint:
         thread (a reader flushes RELEASEs queued by other threads there).
         ``patient()``, asked when ``timeout`` is over: True gives the wait
         another ``timeout`` (a loop that runs ahead while its user is not
-        waiting for it: NOTE [running ahead] in ``_roles.ahead``).
+        waiting for it: NOTE [running ahead] in ``_roles.producer``).
         """
         deadline = time.monotonic() + timeout
         next_check = 0.0
@@ -313,7 +314,7 @@ def _marker_rank(topic: bytes) -> int | None:
 class Spoke(_Endpoint):
     """A reader's sockets: the DEALER it talks to the writer on, the SUB it hears it on."""
 
-    def __init__(self, path: str, rank: int) -> None:
+    def __init__(self, path: str, rank: int, *, wake: Doorbell | None = None) -> None:
         # Gone already (a writer that failed and closed first) is not an error
         # here: ZeroMQ connects lazily and the wait's liveness check reports it.
         with contextlib.suppress(FileNotFoundError):
@@ -330,10 +331,20 @@ class Spoke(_Endpoint):
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.setsockopt(zmq.SUBSCRIBE, marker(rank))  # NOTE [one announcement]
         self.sub.connect(f"ipc://{announce_path(path)}")
+        #: the owner's doorbell: a ring ends a wait's slice at once, so that its ``idle``
+        #: sends what another thread queued (a dropped batch's RELEASE) without delay
+        self.wake = wake
+        self._poller = zmq.Poller()
+        self._poller.register(self.sub, zmq.POLLIN)
+        if wake is not None:
+            self._poller.register(wake.fileno(), zmq.POLLIN)
 
     def _receive(self, timeout: float) -> list[bytes] | None:
-        if self.sub.poll(int(timeout * 1000), zmq.POLLIN):
+        ready = dict(self._poller.poll(int(timeout * 1000)))
+        if self.sub in ready:
             return self.sub.recv_multipart(copy=True)
+        if self.wake is not None and ready:
+            self.wake.clear()  # rung: the wait runs its idle now
         return None
 
     def send(self, parts: list) -> None:

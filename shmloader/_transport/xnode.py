@@ -113,7 +113,7 @@ def loader_tag(token: str) -> int:
 #                  sends; waited CLOSE_WAIT_S)
 #
 #     - every wait of a send or a header receive is *parked*
-#       (``Gate.parked``): ``close()`` and ``Ahead.settle`` never wait for
+#       (``Owner.parked``): ``close()`` and ``Producer.settle`` never wait for
 #       it; the thread's next step after it is a check, so it ends once its
 #       peer takes the message;
 #     - the leader's closing STOP is its last message of the loader: posted

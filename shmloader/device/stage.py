@@ -391,19 +391,19 @@ class DeviceStage:
 
     # NOTE [copies issued by the loop ahead]
     #     Where a role's loop runs ahead on its own thread (NOTE [running ahead]
-    #     in ``shmloader._roles.ahead``), the stage is split in two halves so that
+    #     in ``shmloader._roles.producer``), the stage is split in two halves so that
     #     a batch's copy to the device starts as soon as the loop has the batch,
     #     not when the user asks for the one before it:
     #
-    #         the loop's thread (inside the gate)        the user's thread
+    #         the producer                               the user's thread
     #         -----------------------------------        -----------------
     #         issue: reap, bound, next() of the role,    deliver: reap, wait for the
     #         select, plan, register, stage, copy on     batch's end event on the
     #         the side stream, record  -> _Ready  ->     consumer's stream, record_stream
-    #                                  (Ahead's queue)   -> the batch on the device
+    #                                  (Producer's queue)   -> the batch on the device
     #
     #     - What crosses threads: ``_Ready`` (device tensors and the end event)
-    #       through ``Ahead``'s queue, and the copies in flight (``_inflight``,
+    #       through ``Producer``'s queue, and the copies in flight (``_inflight``,
     #       with the registrar, the staging buffers and the counters), which
     #       both halves touch only under ``_lock``; the count of issued batches
     #       (``ahead``) has a lock of its own (``_room``), the only one a
@@ -420,24 +420,24 @@ class DeviceStage:
     #       rank that computes on another.
     #     - What stays on the user's thread: the consumer stream's wait and
     #       ``record_stream`` (a thread's current stream is its own), the step
-    #       boundary's capture (``Ahead``'s ``request``) and the hand-over
-    #       position (``Ahead``'s, snapshotted on the producer right after each
+    #       boundary's capture (``Producer``'s ``request``) and the hand-over
+    #       position (``Producer``'s, snapshotted on the producer right after each
     #       batch was issued: NOTE [the position handed over] in ``_roles.cursor``).
     #     - Bounds: the loop pulls a batch only while fewer than ``prefetch``
     #       issued batches wait for the user (``_room_ahead``, in slices that
-    #       check the gate), so ``prefetch`` batches are on the device ahead of
+    #       check the owner), so ``prefetch`` batches are on the device ahead of
     #       the one the user holds, as on the user's thread; at most
     #       ``prefetch + 1`` batches' copies are in flight (NOTE [copies in
     #       flight]). Once a copy completed its slot is released: a batch
     #       waiting on the device holds none.
     #     - An error of the copy is the loop's error: queued behind the batches
-    #       issued before it and raised at its step. ``close()`` stops the loop
-    #       through the gate before it closes the stage, so no copy is issued
-    #       on a closed stage (checked again under the lock).
+    #       issued before it and raised at its step. The stage is closed once
+    #       the producer left its iteration (NOTE [one owner] in ``_roles.base``),
+    #       so no copy is issued on a closed stage (checked again under the lock).
     #
-    #     Where no loop runs ahead (a leader whose ``next()`` of its loader may
-    #     draw: NOTE [draws ahead]; sharing off) the stage pulls on the user's
-    #     thread as before (``_prefetching``).
+    #     Where no loop runs ahead (a producer in step, NOTE [one path] in
+    #     ``_roles.producer``; sharing off) the stage pulls on the user's thread
+    #     (``_prefetching``), each pull one batch the loop makes when asked.
     def issue(
         self,
         inner: Iterator[Any],
@@ -448,8 +448,8 @@ class DeviceStage:
     ) -> Iterator[_Ready]:
         """The loop's half (NOTE [copies issued by the loop ahead]): ``inner``'s batches
         with their copies issued, as ``_Ready``, at most ``prefetch`` of them not yet
-        handed over. ``check()`` raises once the loop must stop (the gate) and
-        ``idle()`` runs while it waits for room (``Ahead.idle``); ``start`` as in
+        handed over. ``check()`` raises once the loop must stop (the ``Owner``) and
+        ``idle()`` runs while it waits for room (``Producer.idle``); ``start`` as in
         ``wrap``."""
         ops = self._ops
         if ops is None:
@@ -458,7 +458,7 @@ class DeviceStage:
         try:
             with ops.on_thread():  # this loop's thread: the stage's device is current
                 with self._room:
-                    self.ahead = 0  # the previous iteration's loop has ended (Ahead joins it)
+                    self.ahead = 0  # the previous iteration's loop has ended (one at a time)
                 while True:
                     self._room_ahead(check, idle)
                     self._bound_ahead()
@@ -852,7 +852,10 @@ class DeviceStage:
 
     def close(self) -> None:
         """Wait for copies in flight, release their slots, unregister and unmap. Idempotent."""
-        with self._lock:
+        # on whichever thread closes (the producer, NOTE [one owner] in ``_roles.base``):
+        # the stage's device current there, as where it issued
+        on = self._ops.on_thread() if self._ops is not None else contextlib.nullcontext()
+        with self._lock, on:
             if self._closed:
                 return
             self._closed = True

@@ -534,7 +534,7 @@ def test_every_role_delivers_the_same_batches_through_the_device_stage():
         # once per slot segment (a slot that grows is a new segment), never per batch
         assert r["registrations"] == len(r["segments"]) == len(set(r["segments"]))
         # slots recycled: far fewer registrations than batches, even with the SLOTS (2)
-        # more a loop ahead holds (NOTE [running ahead] in shmloader/_roles/ahead.py)
+        # more a loop ahead holds (NOTE [running ahead] in shmloader/_roles/producer.py)
         assert 0 < r["registrations"] <= len(r["batches"]) // 2 + 3
     assert all(r["registrations"] == 0 for r in alone)  # sharing off: nothing to register
 

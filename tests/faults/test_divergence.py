@@ -1,7 +1,7 @@
 """Threads, ranks that iterate differently, and the leader's last word.
 
 - A follower iterated from a background prefetch thread while the main thread
-  drops the batches (NOTE [one thread per socket] in ``follower``).
+  drops the batches (NOTE [one owner] in ``base``).
 - Ranks whose loops differ: a typed error naming both positions, never a
   silent short epoch; a follower that leaves an epoch early neither deadlocks
   nor loses the next epoch (NOTE [iteration numbers]).
@@ -93,8 +93,8 @@ def _slow(n: int, size: int = 50_000, pause: float = 1.0):
 
 def dropped_while_waiting(rank: int, world: int) -> dict:
     """The follower's thread waits for the next batch while the main thread drops
-    the one before: its RELEASE must leave during that wait (NOTE [one thread per
-    socket] in ``follower``), or the leader, when it writes the next batch, finds
+    the one before: its RELEASE must leave during that wait (NOTE [prompt release]
+    in ``follower``), or the leader, when it writes the next batch, finds
     the slot still held."""
     loader = ShmLoader(_slow(4), dist.group.WORLD, config=Config.from_env(enabled=True, slots=2))
     got: list[int] = []

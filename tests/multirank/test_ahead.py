@@ -1,4 +1,4 @@
-"""Running ahead (NOTE [running ahead] in shmloader/_roles/ahead.py): each rank's per-batch
+"""Running ahead (NOTE [running ahead] in shmloader/_roles/producer.py): each rank's per-batch
 work happens on a background thread before the user asks, and every guarantee holds.
 
 One node (SP2) and an SP group over two simulated nodes (private /dev/shm per node,

@@ -1,4 +1,4 @@
-"""Epoch boundaries (NOTE [running ahead] in ``shmloader._roles.ahead``): each rank's
+"""Epoch boundaries (NOTE [running ahead] in ``shmloader._roles.producer``): each rank's
 producer thread lives as long as its loader, so an epoch boundary, where a DataLoader
 with non-persistent workers forks them anew, neither starts nor ends a thread.
 

@@ -64,3 +64,36 @@ def test_in_step_the_user_thread_unmaps_as_before() -> None:
     for rank, o in enumerate(out):
         assert o["seen"] == [float(i) for i in range(N)], (rank, o["seen"])
         assert o["unmapped"] == 0, (rank, o["role"], o["unmapped"])
+
+
+def lockstep(rank: int, world: int) -> dict:
+    """In step, two slots: the follower drops each batch at its next ``next()``; 50 ms
+    later (a quarter of a wait's slice) both ranks meet at a barrier, and only then does
+    the leader publish the batch after."""
+    import time
+
+    loader = ShmLoader(
+        lambda: DataLoader(Rows(), batch_size=None),
+        dist.group.WORLD,
+        config=Config.from_env(enabled=True, ahead=False, slots=2),
+    )
+    seen = []
+    for batch in loader:
+        seen.append(float(batch[0]))
+        time.sleep(0.05)
+        dist.barrier()
+    out = {"seen": seen, "slots": loader.stats().get("ring_slots")}
+    del batch
+    loader.close()
+    return out
+
+
+def test_a_dropped_batchs_release_leaves_at_once_so_a_lockstep_job_cycles_two_slots() -> None:
+    """NOTE [prompt release] (follower): a dropped batch's RELEASE is queued by its
+    finalizer and the producer, woken by its doorbell, sends it at once, long before the
+    leader publishes the batch after next; one that waited for the end of the producer's
+    slice (200 ms) or the follower's next ``next()`` would find every slot held and grow
+    the ring to three."""
+    out = run_ranks(lockstep, 2)
+    assert [o["seen"] for o in out] == [[float(i) for i in range(N)]] * 2, out
+    assert out[0]["slots"] == 2, out[0]

@@ -205,7 +205,7 @@ def test_kept_small_leaves_keep_nothing_and_kept_batches_are_named_in_a_warning(
     # more when the leader publishes before a follower's RELEASE of the batch it just
     # rebound arrives: the comprehension drops it only after receiving the next one),
     # and the follower's loop holds up to SLOTS (2) more it took ahead of its user
-    # (NOTE [running ahead] in shmloader._roles.ahead). Kept views would have grown it to 20.
+    # (NOTE [running ahead] in shmloader._roles.producer). Kept views would have grown it to 20.
     assert out[0]["small"]["slots"] <= 4 + 2, out[0]["small"]
     # then rank 1 keeps whole batches: the warning names what it holds, and the fix
     warned = [m for m in out[0]["warnings"] if "past its depth" in m]
@@ -458,60 +458,56 @@ def test_close_from_another_thread_with_sharing_off(tmp_path):
     assert not any(o["alive"] for o in out), out
 
 
-def test_the_gate_stops_a_waiting_thread_and_never_waits_for_the_users_code():
-    """NOTE [close from any thread] in-process: a wait inside the gate ends at the mark; the
-    user's code runs outside it; after close every thread, the closer too, gets the error."""
+def test_close_stops_a_waiting_producer_and_takes_what_one_away_in_the_users_code_owns():
+    """NOTE [one owner] in-process: a producer in a sliced wait leaves at the mark and
+    frees what it owns itself; one away in the user's code is not waited for: close()
+    takes its resources, and once back the producer gets the closed error and touches
+    nothing. The thread that runs the closing sequence is not stopped by the mark; after
+    it every thread gets the error, and a second close() closes nothing."""
     import threading
 
-    from shmloader._roles.base import CLOSED_MESSAGE, Gate
+    from shmloader._roles.base import CLOSED_MESSAGE, Owner
 
-    gate = Gate(60.0)
-    order: list[str] = []
-    in_wait, in_user = threading.Event(), threading.Event()
-    release_user = threading.Event()
-
-    def role(wait: bool):
-        yield 0
-        if wait:
-            in_wait.set()
-            while True:  # a role's sliced wait: checks the gate once per slice
-                try:
-                    gate()
-                except ShmLoaderError:
-                    order.append("left the wait")  # still inside the gate
-                    raise
-                time.sleep(0.01)
-        with gate.outside():
-            in_user.set()
-            release_user.wait(60)  # the user's loader, blocked until the close returned
-            order.append("user code returned")
-        yield 1
-
-    for wait in (True, False):
-        gate = Gate(60.0)
-        in_wait.clear(), in_user.clear(), release_user.clear()
+    for away in (False, True):
+        owner = Owner(60.0)
+        in_wait, in_user, release_user = threading.Event(), threading.Event(), threading.Event()
         got: dict = {}
-        it = gate.guard(role(wait))
-        assert next(it) == 0
 
-        def pull(it=it, got=got) -> None:
+        def produce(
+            owner=owner, got=got, away=away, in_user=in_user, in_wait=in_wait, go=release_user
+        ) -> None:
             try:
-                got["batch"] = next(it)
+                if away:
+                    with owner.outside():  # the user's loader, blocked until close returned
+                        in_user.set()
+                        go.wait(60)
+                        got["user code returned"] = True
+                in_wait.set()
+                while True:  # a sliced wait: checks once per slice
+                    owner()
+                    time.sleep(0.01)
             except ShmLoaderError as exc:
                 got["error"] = str(exc)
+            if not owner.taken:  # NOTE [one owner]: the producer frees what it still owns
+                with owner.closing():
+                    owner()  # the closing sequence's own waits go on
+                    got["freed by"] = "producer"
 
-        thread = threading.Thread(target=pull, daemon=True)
-        thread.start()
-        (in_wait if wait else in_user).wait(60)
-        assert gate.stop()
-        order.append("closing")  # the thread has left the gate (or is in the user's code)
-        gate()  # the closer's own waits go on while it closes
-        gate.done()
-        release_user.set()
-        thread.join(60)
-        assert not thread.is_alive()
-        assert got == {"error": CLOSED_MESSAGE}, got
+        producer = threading.Thread(target=produce, daemon=True)
+        owner.producer = producer
+        producer.start()
+        (in_user if away else in_wait).wait(60)
+        assert owner.close()
+        assert not owner.close(), "a second close() closes nothing"
+        if away:
+            assert owner.take(), "a producer in the user's code is not waited for"
+            with owner.closing():
+                owner()
+            release_user.set()
+        producer.join(60)
+        assert not producer.is_alive()
+        assert got["error"] == CLOSED_MESSAGE, got
+        assert got.get("freed by") == (None if away else "producer"), got
+        assert got.get("user code returned") is (True if away else None), got
         with pytest.raises(ShmLoaderError, match="closed"):
-            gate()  # the closer too, once close() is over
-        assert not gate.stop(), "a second close() closes nothing"
-    assert order == ["left the wait", "closing", "closing", "user code returned"], order
+            owner()  # the closer too, once closing is over

@@ -62,8 +62,8 @@ class _Link:
         dest[:] = np.frombuffer(self.incoming, np.uint8)
 
 
-class _Gate:
-    """The loader's gate as the writer uses it: a check, and the parked send around which
+class _Owner:
+    """The loader's owner as the writer uses it: a check, and the parked send around which
     ``close()`` never waits (NOTE [closing across nodes]); its exit is a check, as the real one."""
 
     def __init__(self, log: list) -> None:
@@ -96,7 +96,7 @@ def node():
             cursor=Cursor(),
             stats=types.SimpleNamespace(counts=collections.Counter()),
             report=lambda: None,
-            check_open=_Gate(log),
+            check_open=_Owner(log),
         )
         writer = NodeWriter(ctx, topo, ring, _Hub(log), _Link(log, incoming))  # type: ignore[arg-type]
         writer.hello.add(1)

@@ -1,4 +1,4 @@
-"""Running ahead (``Ahead``): a role's loop on the loader's producer thread, its batches
+"""Running ahead (``Producer``): a role's loop on the loader's producer thread, its batches
 handed to the user.
 
 It owns the producer (one thread per loader, for its whole life), the queue between
@@ -20,9 +20,10 @@ from typing import Any, NamedTuple
 
 from .._node import forks, unmap
 from .._transport.channel import SLICE_S
+from .._transport.doorbell import Doorbell
 from ..errors import ShmLoaderError
 from . import rng
-from .base import CLOSED_MESSAGE, Gate, Halted, log
+from .base import CLOSED_MESSAGE, Halted, Owner, log
 from .cursor import Position
 
 # NOTE [running ahead]
@@ -35,8 +36,8 @@ from .cursor import Position
 #     ``depth`` batches ahead of the user's ``next()``, which then only takes a
 #     ready batch from the queue::
 #
-#         producer (holds the gate)                  the user's thread (never in the gate)
-#         -------------------------                  -----------------------------------
+#         the producer                               the user's thread
+#         ------------                               -----------------
 #         role loop: next() -> batch k+2     put ->  [ k+1 | k+2 ]  -> take: mirror draws,
 #         waits in slices: closed? halted?            queue, depth     set position, yield k+1
 #
@@ -63,7 +64,7 @@ from .cursor import Position
 #     Errors keep their place: the loop's exception is queued behind the
 #     batches it produced before it and raised at the step it would have
 #     reached. The user leaving an iteration (``break``, the iterator
-#     dropped) halts it (the run's ``halt`` event, ``Gate.halted_by``): the
+#     dropped) halts it (the run's ``halt`` event, ``Owner.halted_by``): the
 #     producer's next check raises ``Halted``, so the iteration ends without
 #     telling the peers anything (as a loop left at a ``yield`` tells them
 #     nothing) and what it queued is dropped; ``settle`` (before the next
@@ -73,7 +74,7 @@ from .cursor import Position
 #     header and the leader's wait for a send to be received (gloo has no
 #     receive or send that can be polled or cancelled). ``settle`` therefore
 #     waits until the producer left the iteration *or is parked* in one of
-#     them (``Gate.parked``), where it touches nothing and from where its next
+#     them (``Owner.parked``), where it touches nothing and from where its next
 #     step is a check: it leaves as soon as its peer takes the message, and
 #     only then takes the next iteration. A header a halted node leader then
 #     gets is a later iteration's (kept as the role's ``stash``) or a
@@ -84,19 +85,37 @@ from .cursor import Position
 #     ``_transport.xnode``). An error the leader's loop raised past where
 #     every user left (its user never reached it) is dropped by the readers,
 #     as the leader's own user never sees it. ``close()`` from any thread
-#     stops the producer through the gate (NOTE [close from any thread] in
+#     stops the producer, which then frees what it owns (NOTE [one owner] in
 #     ``base``); it is a daemon, so interpreter exit never waits for it.
+
+
+# NOTE [one path]
+#     Every sharing rank's batches come from its producer, ahead of the user or
+#     in step with it; the user's thread only takes them from its queue. In step
+#     (``depth`` 0: ``SHMLOADER_AHEAD=0``, or a leader whose ``next()`` of its
+#     loader may draw from the default generators, NOTE [draws ahead] in
+#     ``leader``) the producer makes a batch only once the user asked for it
+#     (``asked``, counted at each ``next()``), so nothing is received, mapped or
+#     published before the user's step needs it, exactly as a loop in the
+#     user's thread would. What must happen on the user's thread still does: an
+#     in-step leader draws each item from its loader there (``supply``, through
+#     the ``Feed``), and the producer publishes it. So each resource has one
+#     owner, whatever the mode: the producer's are the ring, the sockets, the
+#     worker pool's main-process side and the device copies it issues; the
+#     user's thread owns the user's loader in step and the hand-over. Whoever
+#     must reach the producer rings its ``Doorbell`` (a take, a request, a
+#     batch dropped whose RELEASE is queued): it never waits a slice for them.
 
 
 class _Batch(NamedTuple):
     batch: Any
     draws: int  # default-generator draws to mirror at its hand-over
-    position: Position  # what a checkpoint reads once the user has it
+    position: Position | None  # what a checkpoint reads once the user has it (None: in step)
 
 
 class _End(NamedTuple):
     draws: int
-    position: Position
+    position: Position | None
 
 
 class _Failed(NamedTuple):
@@ -107,7 +126,7 @@ _Item = _Batch | _End | _Failed
 
 
 class _Run:
-    """One iteration run ahead: its loop, its queue, the draws its loop deferred."""
+    """One iteration on the producer: its loop, its queue, the draws its loop deferred."""
 
     def __init__(self, inner: Iterator[Any], position: Callable[[], Position]) -> None:
         self.inner = inner
@@ -117,6 +136,8 @@ class _Run:
         self.finished = False  # the producer queued its last item (or ended without one)
         self.draws = 0  # deferred on the producer since its last item
         self.waiting: _Batch | None = None  # the batch the producer waits to queue (``_put``)
+        self.asked = 0  # the user's next() calls (in step: how many the producer may make)
+        self.made = 0  # next() calls of the loop the producer began
         #: set when the user left this iteration: the producer's next check raises ``Halted``
         self.halt = threading.Event()
 
@@ -125,8 +146,49 @@ class _Run:
         return n
 
 
-class Ahead:
-    """A role's loop run ``depth`` batches ahead of the user, on the loader's producer thread.
+class Feed:
+    """In step, the leader's items, drawn from its loader on the user's thread, to the
+    producer (NOTE [one path]): the user's thread ``draw``s one per ``next()``; the
+    role's loop on the producer iterates it."""
+
+    def __init__(self, producer: Producer) -> None:
+        self.producer = producer
+        self.items: collections.deque[Any] = collections.deque()
+
+    def draw(self, source: Iterator[Any]) -> None:
+        """On the user's thread: the next item of ``source`` (its end, its error) to the
+        producer."""
+        box: list[Any] = []  # NOTE [no batch in the frame] (base)
+        try:
+            box.append(next(source))
+        except StopIteration:
+            box.append(_END)
+        except BaseException as exc:  # KeyboardInterrupt too: the producer tells the peers
+            box.append(_Failed(exc))
+        self.items.append(box.pop())
+        self.producer.doorbell.ring()
+
+    def __iter__(self) -> Feed:
+        return self
+
+    def __next__(self) -> Any:
+        producer = self.producer
+        while not self.items:
+            producer.wait_a_slice()
+        item = self.items.popleft()
+        if item is _END:
+            raise StopIteration
+        if isinstance(item, _Failed):
+            raise item.exc
+        return item
+
+
+_END = object()
+
+
+class Producer:
+    """The loader's producer: a role's loop on its own thread, ``depth`` batches ahead of
+    the user, or in step with it (``depth`` 0: NOTE [one path]).
 
     The producer is one thread for the loader's whole life: started at the
     first ``run``, it takes one iteration at a time and waits between them;
@@ -137,23 +199,32 @@ class Ahead:
 
     def __init__(
         self,
-        gate: Gate,
+        owner: Owner,
         depth: int,
         *,
         idle: Callable[[], None] | None = None,
         timeout: float = float("inf"),
+        doorbell: Doorbell | None = None,
     ) -> None:
-        self.gate = gate
+        self.owner = owner
+        #: ``ShmLoader``'s closing sequence, which the producer runs once it stopped, unless
+        #: ``close()`` took its resources while it was away (NOTE [one owner] in ``base``)
+        self.closing: Callable[[], None] | None = None
+        #: batches it may hold ready for the user; 0: it makes each one when asked
         self.depth = depth
+        self.in_step = depth == 0
         #: how long the user may wait for a batch before a wait of the loop may fail
         #: (``patient``): the loader's timeout
         self.timeout = timeout
         self._user_since: float | None = None  # when the user began to wait, if waiting
-        #: run once per slice while the producer waits to queue or for an iteration (a
-        #: follower flushes the RELEASEs the user's thread queued: NOTE [one thread per socket])
+        #: run while the producer waits (to queue, to be asked, for an iteration), at once
+        #: when the doorbell rings and once a slice: the RELEASEs, own releases and free
+        #: pool slots that finalizers queued (NOTE [one owner] in ``base``)
         self.idle = idle
+        #: rung by whatever the producer waits for: a take, a request, a dropped batch
+        self.doorbell = doorbell if doorbell is not None else Doorbell()
         self._run: _Run | None = None  # the user's iteration (the last one started)
-        self._jobs = threading.Condition()  # guards ``_next`` and ``_stopped``
+        self._jobs = threading.Lock()  # guards ``_next`` and ``_stopped``
         self._next: _Run | None = None  # started by the user, not yet taken by the producer
         self._stopped = False
         self._thread: threading.Thread | None = None  # the producer
@@ -161,9 +232,11 @@ class Ahead:
         forks.hide(self)  # a forked child drops the batches queued here (hidden_addresses)
 
     @property
-    def queued(self) -> int:
-        """Batches ready for the user (for ``stats``)."""
+    def queued(self) -> int | None:
+        """Batches ready for the user (for ``stats``); None in step."""
         run = self._run
+        if self.in_step:
+            return None
         if run is None:
             return 0
         return sum(isinstance(item, _Batch) for item in list(run.queue))  # not an END or error
@@ -187,6 +260,8 @@ class Ahead:
         """A wait of the loop past its timeout goes on unless the user has been waiting
         that long (NOTE [running ahead]): a loop ahead of a user who evaluates for an
         hour waits for its peers just as long, and fails only once the user waits."""
+        if self.owner.closed:  # closing: its waits are bounded by their own timeouts
+            return False
         since = self._user_since
         return since is None or time.monotonic() - since < self.timeout
 
@@ -196,6 +271,10 @@ class Ahead:
         assert run is not None, "defer() outside the producer's iteration"
         run.draws += draws
 
+    def feed(self) -> Feed:
+        """A new feed for an in-step leader's loop (``run``'s ``supply``)."""
+        return Feed(self)
+
     def run(
         self,
         inner: Iterator[Any],
@@ -203,6 +282,7 @@ class Ahead:
         hand: Callable[[Position], None],
         request: Callable[[], None] | None,
         waited: Callable[[float], None],
+        supply: tuple[Iterator[Any], Feed] | None = None,
     ) -> Iterator[Any]:
         """The user's side: batches of ``inner``, which the producer runs.
 
@@ -211,22 +291,25 @@ class Ahead:
         ``p`` (NOTE [the position handed over] in ``cursor``). ``request()``: the
         user asks for a batch (the step boundary's capture), before anything is
         handed over. ``waited(t0)``: the user waited for a batch since
-        ``perf_counter()`` ``t0``.
+        ``perf_counter()`` ``t0``. ``supply``: in step, (the user's loader,
+        drawn on this thread at each ``next()``; the feed ``inner`` reads it from).
         """
         self.settle()
-        hand(position())
+        if not self.in_step:  # in step the loop is where the user is: nothing to hand over
+            hand(position())  # (nor to ask of a loader not opened yet: it may draw)
         run = self._run = _Run(inner, position)
         with self._jobs:
             if self._stopped:
                 raise ShmLoaderError(CLOSED_MESSAGE)
             self._next = run  # an earlier run not yet taken was halted by settle: it goes
-            self._jobs.notify_all()
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._serve, name="shmloader-producer", daemon=True
                 )
+                self.owner.producer = self._thread
                 self._thread.start()
-        return self._hand_over(run, hand, request, waited)
+        self.doorbell.ring()
+        return self._hand_over(run, hand, request, waited, supply)
 
     def _hand_over(
         self,
@@ -234,18 +317,22 @@ class Ahead:
         hand: Callable[[Position], None],
         request: Callable[[], None] | None,
         waited: Callable[[float], None],
+        supply: tuple[Iterator[Any], Feed] | None,
     ) -> Iterator[Any]:
         try:
             while True:
                 if request is not None:
                     request()
                 t0 = time.perf_counter()
+                if supply is not None:  # in step: the leader's loader, on this thread
+                    supply[1].draw(supply[0])
                 item = self._take(run)
                 waited(t0)
                 if isinstance(item, _Failed):
                     raise item.exc
                 rng.mirror_draws(item.draws)
-                hand(item.position)
+                if item.position is not None:
+                    hand(item.position)
                 if isinstance(item, _End):
                     return
                 box = [item.batch]  # NOTE [no batch in the frame] (base)
@@ -256,11 +343,14 @@ class Ahead:
 
     def _take(self, run: _Run) -> _Item:
         with run.ready:
+            run.asked += 1
+            if self.in_step:
+                self.doorbell.ring()  # the producer may make this one now
             try:
                 while not run.queue:
                     if self._user_since is None:
                         self._user_since = time.monotonic()
-                    self.gate()  # closed: the closed error, as any wait
+                    self.owner()  # closed: the closed error, as any wait
                     if run.finished:
                         raise ShmLoaderError(
                             "the loader's producer thread ended this iteration without a batch "
@@ -271,25 +361,41 @@ class Ahead:
                 self._user_since = None
             with forks.no_fork():  # a fork sees it queued (hidden) or handed over, never between
                 item = run.queue.popleft()
-            run.ready.notify_all()
-            return item
+        if not self.in_step:
+            self.doorbell.ring()  # room in the queue
+        return item
 
     # -- the producer --------------------------------------------------------
 
+    def wait_a_slice(self) -> None:
+        """On the producer: wait for the doorbell, at most a slice, then check (closed,
+        halted) and run ``idle``."""
+        self.doorbell.wait(SLICE_S)
+        self.owner()
+        if self.idle is not None:
+            self.idle()
+
     def _serve(self) -> None:
-        """The producer's life: one iteration at a time until ``stop``."""
+        """The producer's life: one iteration at a time until ``stop``, then the closing
+        sequence, unless ``close()`` took what it owns (NOTE [one owner] in ``base``)."""
         unmap.unmap_here()  # what the loop drops is unmapped here: NOTE [unmapped off the step]
-        while (run := self._await_run()) is not None:
-            self._current = run
-            try:
-                with self.gate.halted_by(run.halt):
-                    self._produce(run)
-            finally:
-                self._current = None
+        owner = self.owner
+        try:
+            while (run := self._await_run()) is not None:
+                self._current = run
+                try:
+                    with owner.halted_by(run.halt):
+                        self._produce(run)
+                finally:
+                    self._current = None
+        finally:
+            if self.closing is not None and not owner.taken:
+                with owner.closing():
+                    self.closing()
 
     def _await_run(self) -> _Run | None:
         """The next iteration the user started; None once stopped. Between iterations the
-        producer only runs ``idle``, once a slice, where the gate is free at once."""
+        producer only runs ``idle``, when rung and once a slice."""
         while True:
             with self._jobs:
                 if self._next is not None:
@@ -297,30 +403,30 @@ class Ahead:
                     return run
                 if self._stopped:
                     return None
-                self._jobs.wait(SLICE_S)
-                if self._next is not None or self._stopped:
-                    continue
-            if self.idle is not None:
-                with self.gate.attempt() as inside:
-                    if inside:
-                        self.idle()
+            self.doorbell.wait(SLICE_S)
+            if self.idle is not None and not self.owner.closed:
+                self.idle()
 
     def _produce(self, run: _Run) -> None:
-        gate, inner, position = self.gate, run.inner, run.position
+        owner, inner, position = self.owner, run.inner, run.position
         try:
-            with gate.hold():
-                while True:
-                    box = []  # NOTE [no batch in the frame] (base)
-                    try:
-                        box.append(next(inner))
-                    except StopIteration:
-                        self._put(run, _End(run.take_draws(), position()))
-                        return
-                    self._put(run, _Batch(box.pop(), run.take_draws(), position()))
+            owner()
+            while True:
+                if self.in_step:  # NOTE [one path]: make only what the user asked for
+                    while run.made >= run.asked:
+                        self.wait_a_slice()
+                run.made += 1
+                box = []  # NOTE [no batch in the frame] (base)
+                try:
+                    box.append(next(inner))
+                except StopIteration:
+                    self._put(run, _End(run.take_draws(), self._snapshot(position)))
+                    return
+                self._put(run, _Batch(box.pop(), run.take_draws(), self._snapshot(position)))
         except Halted:
             pass
         except BaseException as exc:  # the loop's own error: raised at its step
-            if not gate.closed:
+            if not owner.closed:
                 with run.ready:
                     run.queue.append(_Failed(exc))
         finally:
@@ -331,22 +437,25 @@ class Ahead:
                 run.finished = True
                 run.ready.notify_all()
 
+    def _snapshot(self, position: Callable[[], Position]) -> Position | None:
+        """The position a batch carries (NOTE [the position handed over] in ``cursor``);
+        None in step, where the cursor does not run ahead of the user."""
+        return None if self.in_step else position()
+
     def _put(self, run: _Run, item: _Batch | _End) -> None:
-        """Queue ``item`` once fewer than ``depth`` wait; every slice a check and ``idle``."""
-        with run.ready:
-            run.waiting = item if isinstance(item, _Batch) else None
-            try:
-                while True:
-                    self.gate()  # closed or halted: the item dies with this frame
-                    if len(run.queue) < self.depth or isinstance(item, _End):
+        """Queue ``item`` once fewer than ``depth`` wait (in step: at once)."""
+        run.waiting = item if isinstance(item, _Batch) else None
+        try:
+            while True:
+                self.owner()  # closed or halted: the item dies with this frame
+                with run.ready:
+                    if self.in_step or len(run.queue) < self.depth or isinstance(item, _End):
                         run.queue.append(item)
                         run.ready.notify_all()
                         return
-                    if self.idle is not None:
-                        self.idle()
-                    run.ready.wait(SLICE_S)
-            finally:
-                run.waiting = None
+                self.wait_a_slice()
+        finally:
+            run.waiting = None
 
     # -- stopping -----------------------------------------------------------
 
@@ -358,24 +467,55 @@ class Ahead:
             dropped = list(run.queue)  # their batches die outside the lock
             run.queue.clear()
             run.ready.notify_all()
+        self.doorbell.ring()
         del dropped
 
+    @property
+    def started(self) -> bool:
+        """Whether the producer runs (it owns the loader's resources: NOTE [one owner])."""
+        return self._thread is not None
+
+    def on_its_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
     def stop(self) -> None:
-        """``close()``: halt, give the producer two slices to leave the iteration (it left
-        the gate; close never waits for the user's code, which it may be in), and let it
-        end."""
-        self.settle(2 * SLICE_S)
+        """``close()``: the producer leaves its iteration at its next check (the loader is
+        closed), runs ``closing`` and ends."""
         with self._jobs:
             self._stopped = True
             self._next = None
-            self._jobs.notify_all()
+        run = self._run
+        if run is not None:
+            self._halt(run)
+        self.doorbell.ring()
+
+    def finish(self) -> bool:
+        """``close()``, after ``stop``: wait until the producer ran ``closing`` and ended
+        (True), or take what it owns if it is away, in the user's code or a gloo wait
+        (False: the caller closes it; NOTE [one owner]). Bounded by ``Owner.limit``."""
+        thread, owner = self._thread, self.owner
+        assert thread is not None
+        deadline = time.monotonic() + owner.limit
+        while thread.is_alive():
+            if owner.take():
+                return False
+            if time.monotonic() > deadline:
+                log.warning(
+                    "shmloader: close(): the loader's producer did not stop within %.0f s; "
+                    "closing anyway",
+                    owner.limit,
+                )
+                owner.taken = True
+                return False
+            thread.join(SLICE_S / 4)
+        return True
 
     def settle(self, timeout: float | None = None) -> None:
         """Halt the user's iteration and wait for the producer to leave it, at most
         ``timeout`` seconds.
 
-        ``timeout``: default the gate's limit, with a warning when it is
-        over. A producer parked in a cross-node wait (``Gate.parked``) is not
+        ``timeout``: default the owner's limit, with a warning when it is
+        over. A producer parked in a cross-node wait (``Owner.parked``) is not
         waited for (NOTE [running ahead]).
 
         Once it waited, the role's loop is not running: the caller may touch
@@ -386,7 +526,7 @@ class Ahead:
         if run is None:
             return
         self._halt(run)
-        limit = self.gate.limit if timeout is None else timeout
+        limit = self.owner.limit if timeout is None else timeout
         deadline = time.monotonic() + limit
         while not self._left(run):
             left = deadline - time.monotonic()
@@ -399,7 +539,7 @@ class Ahead:
             log.warning(
                 "shmloader: the loader's producer thread did not leave its iteration within "
                 "%.0f s (it is inside the user's loader); going on without it",
-                self.gate.limit,
+                self.owner.limit,
             )
 
     def _left(self, run: _Run) -> bool:
@@ -410,7 +550,7 @@ class Ahead:
         if run.finished or untaken:
             return True
         thread = self._thread
-        return thread is None or not thread.is_alive() or thread in self.gate.parked_threads
+        return thread is None or not thread.is_alive() or thread in self.owner.parked_threads
 
 
 def _addresses(obj: Any, found: list[int], depth: int = 0) -> None:

@@ -117,7 +117,7 @@ BUGS = [
     ),
     Bug(
         "xnode-header-bounds",
-        "shmloader/_transport/xnode.py",
+        "shmloader/_proto/wire.py",
         "not 0 <= draws <= MAX_MIRRORED_DRAWS",
         "not 0 < draws <= MAX_MIRRORED_DRAWS",
         (

@@ -1,8 +1,9 @@
 """The datapath's one vocabulary of events, pure: ``Kind`` names every message between a
 node's writer and its readers (ZeroMQ) and every event the leader sends node leaders
-(four of them, numbered on that path by ``xnode.CODES``). It owns the node messages'
-frames (``_HEADER``, the JSON body, the metadata blob), each kind's body schema
-(``SCHEMA``) and the check of what arrives (``parse``: a
+(four of them: ``CROSS_KINDS``). It owns the node messages' frames (``_HEADER``, the
+JSON body, the metadata blob), each kind's body schema (``SCHEMA``), the cross-node
+events' header (``CrossHeader``: eight words, the first the event's ``Kind``) and the
+check of what arrives (``parse``, ``CrossHeader.unpack``: a
 :class:`~shmloader.errors.ProtocolError` for anything malformed, which receivers log
 and drop), and touches no socket and no shared memory. The table of kinds, directions
 and fields, and what the stamps mean: ``docs/internals/datapath.md``.
@@ -14,7 +15,7 @@ import enum
 import json
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import ProtocolError
 
@@ -132,3 +133,42 @@ def _check_body(kind: Kind, body: dict[str, Any]) -> None:
                 f"{kind.name}.{name} is {type(value).__name__} {value!r:.40}; "
                 f"expected {typ.__name__}"
             )
+
+
+#: The kinds of the events the leader sends node leaders (``_transport.xnode``).
+CROSS_KINDS = frozenset({Kind.BATCH, Kind.END, Kind.ERROR, Kind.STOP})
+
+
+class CrossHeader(NamedTuple):
+    """The first message of every cross-node event: ``_CROSS``'s eight int64 words, in
+    order, the first the event's ``Kind`` (one vocabulary on both paths)."""
+
+    kind: Kind
+    it: int
+    nbytes: int  # payload bytes (the third message, BATCH only; 0: none)
+    meta_len: int  # bytes of the second message: codec metadata (BATCH) or JSON (ERROR, STOP)
+    draws: int
+    crc: int  # the payload's CRC-32, -1: none
+    epoch: int
+    pos: int
+
+    def pack(self) -> bytes:
+        return _CROSS.pack(*self)
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> CrossHeader:
+        """The header in ``raw``; :class:`ProtocolError` unless every field is in bounds."""
+        words = _CROSS.unpack(raw)
+        code, _it, nbytes, meta_len, draws = words[:5]
+        if code not in CROSS_KINDS or nbytes < 0 or meta_len < 0:
+            raise ProtocolError(f"bad cross-node header {list(words)}")
+        if meta_len > MAX_BLOB or not 0 <= draws <= MAX_MIRRORED_DRAWS:
+            raise ProtocolError(
+                f"cross-node header {list(words)} out of bounds: metadata at most "
+                f"{MAX_BLOB} bytes, draws 0..{MAX_MIRRORED_DRAWS}"
+            )
+        return cls(Kind(code), *words[1:])
+
+
+#: int64 words in the machine's byte order, as a ``torch.int64`` tensor holds them.
+_CROSS = struct.Struct(f"={len(CrossHeader._fields)}q")

@@ -1,9 +1,8 @@
-"""The cross-node path (``CrossNode``): the group leader sends each event (a ``Header``,
+"""The cross-node path (``CrossNode``): the group leader sends each event (a ``CrossHeader``,
 the metadata, the payload) point-to-point to every node leader over the group's gloo
 exchange group, and a node leader receives it, the payload straight into the slot of
-its own ring it is given. It owns the header's byte layout (``Header``, ``_HEADER``)
-and the one table between ``wire.Kind`` and an event's cross-node code (``CODES``),
-reads the codec's and the RNG mirror's bounds, and touches nothing else: the ring and
+its own ring it is given. It sends and receives ``wire.CrossHeader`` (the event's
+``Kind`` and stamps, checked on arrival), and touches nothing else: the ring and
 the stamps are the node writer's (``_roles.node_writer``, which keeps ``position``
 current). The messages, and why the path is built this way:
 ``docs/internals/datapath.md``.
@@ -12,7 +11,6 @@ current). The messages, and why the path is built this way:
 from __future__ import annotations
 
 import json
-import struct
 import threading
 import zlib
 from typing import NamedTuple
@@ -21,8 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .._proto.codec import MAX_META_BYTES
-from .._proto.wire import MAX_MIRRORED_DRAWS, Kind
+from .._proto.wire import CrossHeader, Kind
 from ..errors import PeerLostError, ProtocolError, ShmLoaderError
 
 #: Longest the leader's ``close()`` waits for node leaders to take its closing STOP
@@ -30,50 +27,11 @@ from ..errors import PeerLostError, ProtocolError, ShmLoaderError
 #: they close.
 CLOSE_WAIT_S = 2.0
 
-#: The cross-node code of each event kind, the first word of its header on the wire.
-#: The one table between ``Kind`` and those bytes: the codes predate ``Kind``'s numbers.
-CODES: dict[Kind, int] = {Kind.BATCH: 1, Kind.END: 2, Kind.ERROR: 3, Kind.STOP: 4}
-_KINDS = {code: kind for kind, code in CODES.items()}
-
-
-class Header(NamedTuple):
-    """The first message of every cross-node event: ``_HEADER``'s eight int64 words, in order."""
-
-    kind: Kind  # on the wire: CODES[kind]
-    it: int
-    nbytes: int  # payload bytes (the third message, BATCH only; 0: none)
-    meta_len: int  # bytes of the second message: codec metadata (BATCH) or JSON (ERROR, STOP)
-    draws: int
-    crc: int  # the payload's CRC-32, -1: none
-    epoch: int
-    pos: int
-
-    def pack(self) -> bytes:
-        return _HEADER.pack(CODES[self.kind], *self[1:])
-
-    @classmethod
-    def unpack(cls, raw: bytes) -> Header:
-        """The header in ``raw``; :class:`ProtocolError` unless every field is in bounds."""
-        words = _HEADER.unpack(raw)
-        code, _it, nbytes, meta_len, draws = words[:5]
-        if code not in _KINDS or nbytes < 0 or meta_len < 0:
-            raise ProtocolError(f"bad cross-node header {list(words)}")
-        if meta_len > MAX_META_BYTES or not 0 <= draws <= MAX_MIRRORED_DRAWS:
-            raise ProtocolError(
-                f"cross-node header {list(words)} out of bounds: metadata at most "
-                f"{MAX_META_BYTES} bytes, draws 0..{MAX_MIRRORED_DRAWS}"
-            )
-        return cls(_KINDS[code], *words[1:])
-
-
-#: int64 words in the machine's byte order, as a ``torch.int64`` tensor holds them.
-_HEADER = struct.Struct(f"={len(Header._fields)}q")
-
 
 class Event(NamedTuple):
     """What a node leader received of one event: its header and metadata (the payload follows)."""
 
-    head: Header
+    head: CrossHeader
     meta: bytes
 
     @property
@@ -188,7 +146,7 @@ class CrossNode:
         """Send one event to every node leader and wait until each took it (the caller
         parks the wait: NOTE [closing across nodes])."""
         nbytes = 0 if payload is None else payload.nbytes
-        head = Header(kind, it, nbytes, len(meta), draws, crc, *self.position)
+        head = CrossHeader(kind, it, nbytes, len(meta), draws, crc, *self.position)
         with self._tx:
             if self.closed:
                 raise ShmLoaderError("this loader's cross-node link is closed")
@@ -200,7 +158,7 @@ class CrossNode:
             raise self._failed(exc, f"node leader(s) {list(self.peers)}") from None
         self.bytes_sent += nbytes * len(self.peers)
 
-    def _post(self, head: Header, meta: bytes, payload: np.ndarray | None) -> list:
+    def _post(self, head: CrossHeader, meta: bytes, payload: np.ndarray | None) -> list:
         """Post the event's messages to every node leader (under ``_tx``); their works."""
         tensors = [torch.frombuffer(bytearray(head.pack()), dtype=torch.int64)]
         if meta:
@@ -224,7 +182,7 @@ class CrossNode:
         (NOTE [closing across nodes]). Waits at most ``CLOSE_WAIT_S`` for node leaders
         to take it; never raises."""
         meta = json.dumps({"reason": "the leader closed", "closed": 1}).encode()
-        head = Header(Kind.STOP, it, 0, len(meta), 0, -1, *self.position)
+        head = CrossHeader(Kind.STOP, it, 0, len(meta), 0, -1, *self.position)
         with self._tx:
             if self.closed or self.broken:
                 self.closed = True
@@ -252,9 +210,9 @@ class CrossNode:
         """The next event's header and metadata; its payload is ``receive_payload``'s (or
         ``skip_payload``'s: one left owed is skipped here first)."""
         self.skip_payload()
-        raw = torch.zeros(len(Header._fields), dtype=torch.int64)
+        raw = torch.zeros(len(CrossHeader._fields), dtype=torch.int64)
         self._recv(raw)
-        head = Header.unpack(raw.numpy().tobytes())
+        head = CrossHeader.unpack(raw.numpy().tobytes())
         meta = b""
         if head.meta_len:
             buf = torch.empty(head.meta_len, dtype=torch.uint8)

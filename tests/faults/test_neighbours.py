@@ -770,9 +770,9 @@ def test_a_cross_node_header_with_a_huge_meta_len_is_refused_before_allocating()
 
     for head in (
         # kind, it, nbytes, meta_len, draws, crc, epoch, pos
-        [xnode.CODES[Kind.BATCH], 1, 0, 1 << 50, 0, -1, 0, 0],
-        [xnode.CODES[Kind.BATCH], 1, 0, 0, 1 << 40, -1, 0, 0],
-        [xnode.CODES[Kind.END], 1, 0, 0, -5, -1, 0, 0],
+        [int(Kind.BATCH), 1, 0, 1 << 50, 0, -1, 0, 0],
+        [int(Kind.BATCH), 1, 0, 0, 1 << 40, -1, 0, 0],
+        [int(Kind.END), 1, 0, 0, -5, -1, 0, 0],
     ):
         with pytest.raises(ProtocolError, match="out of bounds"):
             Fake(head).receive_header()

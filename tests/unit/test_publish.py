@@ -20,10 +20,10 @@ import torch
 
 from shmloader._node.ring import RingWriter, SlotState, new_token
 from shmloader._proto import codec, wire
-from shmloader._proto.wire import Kind
+from shmloader._proto.wire import CrossHeader, Kind
 from shmloader._roles.cursor import Cursor
 from shmloader._roles.node_writer import NodeWriter
-from shmloader._transport.xnode import Event, Header
+from shmloader._transport.xnode import Event
 from shmloader.config import Config
 from shmloader.errors import ProtocolError
 
@@ -148,7 +148,7 @@ def test_a_node_leader_checks_the_leaders_crc_before_announcing(node, corrupt):
     payload = bytes(range(256)) * 64
     crc = zlib.crc32(payload) ^ (1 if corrupt else 0)
     writer, log = node(leader=False, incoming=payload)
-    event = Event(Header(Kind.BATCH, 0, len(payload), 0, 0, crc, 0, 0), b"")
+    event = Event(CrossHeader(Kind.BATCH, 0, len(payload), 0, 0, crc, 0, 0), b"")
     if corrupt:
         with pytest.raises(ProtocolError, match="CRC-32"):
             writer.publish(0, event, 0)

@@ -236,30 +236,38 @@ def test_fuzz_near_valid_messages(kind, version, seq, body, blob, start_valid) -
 # ------------------------------------------------------- the cross-node header
 
 
-def test_cross_node_codes_are_the_bytes_they_always_were() -> None:
-    from shmloader._transport import xnode
+def test_the_cross_node_header_carries_the_events_kind_as_on_a_node() -> None:
+    """One vocabulary (issue 39): the first word of a cross-node header is the ``Kind``
+    number a node message carries, and only the four cross-node kinds are accepted."""
+    from shmloader._proto.wire import CROSS_KINDS
 
-    assert xnode.CODES == {Kind.BATCH: 1, Kind.END: 2, Kind.ERROR: 3, Kind.STOP: 4}
+    assert {Kind.BATCH, Kind.END, Kind.ERROR, Kind.STOP} == CROSS_KINDS
+    assert [int(k) for k in sorted(CROSS_KINDS)] == [2, 6, 7, 8]
 
 
 @pytest.mark.parametrize("kind", [Kind.BATCH, Kind.END, Kind.ERROR, Kind.STOP])
 def test_the_cross_node_header_is_eight_int64_words_in_field_order(kind) -> None:
     import torch
 
-    from shmloader._transport.xnode import CODES, Header
+    from shmloader._proto.wire import CrossHeader
 
-    head = Header(kind, it=3, nbytes=5, meta_len=7, draws=11, crc=0xFFFFFFFF, epoch=13, pos=17)
-    words = [CODES[kind], 3, 5, 7, 11, 0xFFFFFFFF, 13, 17]
+    head = CrossHeader(kind, it=3, nbytes=5, meta_len=7, draws=11, crc=0xFFFFFFFF, epoch=13, pos=17)
+    words = [int(kind), 3, 5, 7, 11, 0xFFFFFFFF, 13, 17]
     assert head.pack() == torch.tensor(words, dtype=torch.int64).numpy().tobytes()
-    assert Header.unpack(head.pack()) == head
-    assert Header.unpack(torch.tensor(words, dtype=torch.int64).numpy().tobytes()).kind is kind
+    assert CrossHeader.unpack(head.pack()) == head
+    assert CrossHeader.unpack(torch.tensor(words, dtype=torch.int64).numpy().tobytes()).kind is kind
 
 
 @pytest.mark.parametrize(
-    "words", [[0, 1, 0, 0, 0, -1, 0, 0], [5, 1, 0, 0, 0, -1, 0, 0], [1, 1, -1, 0, 0, -1, 0, 0]]
+    "words",
+    [
+        [0, 1, 0, 0, 0, -1, 0, 0],
+        [int(Kind.HELLO), 1, 0, 0, 0, -1, 0, 0],  # a node message's kind, not an event's
+        [int(Kind.BATCH), 1, -1, 0, 0, -1, 0, 0],
+    ],
 )
 def test_a_cross_node_header_of_an_unknown_kind_or_size_is_refused(words) -> None:
-    from shmloader._transport.xnode import Header
+    from shmloader._proto.wire import CrossHeader
 
     with pytest.raises(ProtocolError, match="bad cross-node header"):
-        Header.unpack(struct.pack("=8q", *words))
+        CrossHeader.unpack(struct.pack("=8q", *words))

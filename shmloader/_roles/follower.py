@@ -31,7 +31,7 @@ from .._transport.channel import SLICE_S, Spoke
 from .._transport.doorbell import Doorbell
 from ..errors import PeerLostError, ProtocolError, ShmLoaderError
 from .base import Context, log
-from .receiver import Receiver
+from .receiver import Receiver, Sorted
 from .topology import GroupTopology
 
 
@@ -195,15 +195,13 @@ class Follower:
         if terminal:  # the writer waits (bounded) until it knows we have it: Writer.tell_last
             self.out.send(wire.frames(Kind.ACK, msg.seq, rank=self.topo.me))
         msg_it = msg.body.get("it", it)
-        if msg_it == it:
+        closing = msg.kind == Kind.STOP and bool(msg["closed"])
+        verdict = self.receiver.sort(msg.kind, msg_it, it, closing=closing)  # NOTE [one inbox]
+        if verdict is Sorted.TAKE:
             return True
-        closed = msg.kind == Kind.STOP and msg["closed"]
-        ahead = self.receiver.writer_ahead and msg_it in self.ctx.cursor.left
-        if msg.kind == Kind.ERROR and msg_it < it and ahead:
-            return False  # NOTE [running ahead]: raised past where every user left; ACKed
-        if terminal and (msg_it < it or closed):  # the writer's last word, in any iteration
-            return True
-        if msg_it > it:  # the writer moved on: keep the message for the next iteration
+        if verdict is Sorted.PAST:  # NOTE [running ahead]: no user reached it; ACKed
+            return False
+        if verdict is Sorted.LATER:  # the writer moved on: keep it for the next iteration
             self.stash = msg
             return True
         self._drop(msg)

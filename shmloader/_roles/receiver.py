@@ -9,13 +9,15 @@ A receiver checks every message's stamp against its own position
     STOP                               -> stopped: LeaderStoppedError
     an earlier it (this rank left it)  -> left_behind: warn once, go on
 
-It reads the ``Cursor`` (where this rank left an iteration) and, at
-delivery, moves it one batch and captures the step boundary's RNG; it
-counts what it received in ``RankStats``.
+Which iteration a message belongs to is sorted here once, for both
+(``sort``, NOTE [one inbox]). It reads the ``Cursor`` (where this rank left an
+iteration) and, at delivery, moves it one batch and captures the step
+boundary's RNG; it counts what it received in ``RankStats``.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from typing import Any
 
@@ -23,13 +25,45 @@ import numpy as np
 
 from .._proto import codec
 from .._proto.codec import owned_copy
+from .._proto.wire import Kind
 from ..errors import DivergenceError, LeaderStoppedError
 from .base import Context, log
 from .topology import GroupTopology
 
 
+class Sorted(enum.Enum):
+    """What a writer's message is to the iteration a receiver waits in (NOTE [one inbox])."""
+
+    TAKE = "take"  # this iteration's, or the writer's last word (ERROR, STOP)
+    LATER = "later"  # a later iteration's: kept for it (``stash``); this one diverged
+    LEFTOVER = "leftover"  # a batch or end of an iteration this rank left: dropped
+    PAST = "past"  # an error the writer raised past where every user left: dropped quietly
+
+
+# NOTE [one inbox]
+#     A follower (its node writer's ZeroMQ messages) and a node leader (the
+#     leader's gloo events) sort what arrives against the iteration they wait in
+#     by one rule, ``Receiver.sort`` (NOTE [iteration numbers] in ``cursor``):
+#
+#         stamped it == mine                            TAKE
+#         ERROR of an earlier it the writer ran ahead   PAST (no user reached it:
+#           into, where this rank left it                 NOTE [running ahead])
+#         ERROR or STOP of an earlier it, or a          TAKE (the writer's last word)
+#           closing STOP of any (a node writer's)
+#         a later it                                    LATER (kept; DivergenceError)
+#         any other of an earlier it                    LEFTOVER (ACKed and released,
+#                                                         or its payload received into
+#                                                         nothing; left_behind warns)
+#
+#     What each does with a message is its own (a follower ACKs and releases, a
+#     node leader skips the payload); which message it is, is decided here once.
+#     A node leader's closing STOP of a later iteration is LATER: the leader
+#     closed past it, and its drain, not the loop, takes it.
+
+
 class Receiver:
-    """Stamp checks and delivery shared by followers and node leaders."""
+    """Stamp checks, the inbox's sorting and delivery shared by followers and node
+    leaders."""
 
     def __init__(self, ctx: Context, topo: GroupTopology, writer_ahead: bool = False) -> None:
         self.ctx = ctx
@@ -37,6 +71,20 @@ class Receiver:
         self.topo = topo
         #: this rank's writer's loop runs ahead of its user (NOTE [running ahead])
         self.writer_ahead = writer_ahead
+
+    def sort(self, kind: Kind, msg_it: int, it: int, *, closing: bool = False) -> Sorted:
+        """What a message of ``kind`` stamped ``msg_it`` is to iteration ``it`` (NOTE [one
+        inbox]); ``closing``: it is a node writer's closing STOP."""
+        if msg_it == it:
+            return Sorted.TAKE
+        earlier = msg_it < it
+        if kind == Kind.ERROR and earlier and self.writer_ahead and msg_it in self.ctx.cursor.left:
+            return Sorted.PAST
+        if kind in (Kind.ERROR, Kind.STOP) and (earlier or closing):
+            return Sorted.TAKE
+        if not earlier:
+            return Sorted.LATER
+        return Sorted.LEFTOVER
 
     def diverged(
         self, how: str, theirs: tuple[int, int, int], mine: tuple[int, int, int]

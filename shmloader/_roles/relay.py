@@ -22,7 +22,7 @@ from .._transport.xnode import CrossNode, Event
 from ..errors import LeaderError
 from .base import Context, Halted
 from .node_writer import NodeWriter
-from .receiver import Receiver
+from .receiver import Receiver, Sorted
 
 
 class Relay:
@@ -153,23 +153,19 @@ class Relay:
             event, self.stash = self.stash, None
             ctx.stats.note_wait(t_wait)
             head = event.head
-            if head.it < it and head.kind == Kind.ERROR and self._published_ahead(head.it):
-                continue  # NOTE [running ahead]: an error its user never reached
-            if head.it < it and head.kind not in (Kind.ERROR, Kind.STOP):
+            verdict = receiver.sort(head.kind, head.it, it)  # NOTE [one inbox] (receiver)
+            if verdict is Sorted.PAST:  # NOTE [running ahead]: an error its user never reached
+                continue
+            if verdict is Sorted.LEFTOVER:
                 self._skip_payload(event)  # this node left that iteration early
                 receiver.left_behind(head.it, head.pos, head.kind == Kind.END)
                 continue
-            if head.it > it:  # the leader left our iteration: keep its event for the next
+            if verdict is Sorted.LATER:  # the leader left our iteration: keep it for the next
                 self.stash = event
                 raise receiver.diverged(
                     "left", (head.it, head.epoch, head.pos), ctx.cursor.mine(it)
                 )
             return event
-
-    def _published_ahead(self, it: int) -> bool:
-        """Whether the leader's loop ran ahead into iteration ``it``, which this node left:
-        what it raised there was past where every user stopped (NOTE [running ahead])."""
-        return self.receiver.writer_ahead and it in self.ctx.cursor.left
 
     def _drop_halted(self, it: int) -> None:
         """A halted loop got the header of a batch of the iteration its user left: take its

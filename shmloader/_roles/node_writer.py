@@ -16,7 +16,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Callable
-from typing import Any, Literal, overload
+from typing import Any, Literal, NamedTuple, overload
 
 import numpy as np
 
@@ -36,6 +36,15 @@ from .topology import GroupTopology
 #: What ``NodeWriter.publish`` puts in a slot: a batch the leader's main process encoded,
 #: one a DataLoader worker wrote into a pool slot, or one a node leader receives.
 Publishable = codec.Encoded | SlotRef | Event
+
+
+class Filled(NamedTuple):
+    """A slot that holds one batch's payload, ready to be announced (``NodeWriter.publish``)."""
+
+    slot: Slot | None  # None: the batch has no payload
+    crc: int  # its CRC-32 as announced, -1: none
+    write_ns: int  # what this process spent putting the payload there
+    origin: Literal["encoded", "pooled", "received"]  # who wrote it; who counts it
 
 
 class NodeWriter:
@@ -110,77 +119,94 @@ class NodeWriter:
         """Put ``batch`` in a slot, tell every rank of the group; the writer's own view of it.
 
         The one sequence for every batch of the group: wait for the readers;
-        take a slot (``acquire``, or the pool slot a DataLoader worker wrote:
-        ``WorkerPool.accept``) and put the payload there (the encoded batch
-        written, or the leader's received straight into it); its CRC-32
-        (``SHMLOADER_VERIFY``: computed, or the leader's checked); on the
-        leader, the send to every node leader, done *before* this node's
-        readers hear of the batch; the announcement; the counters. Returns a
+        fill a slot, one of three ways (``_fill``: the encoded batch written,
+        the pool slot a DataLoader worker wrote, the leader's payload received
+        straight into it), each with its CRC-32 (``SHMLOADER_VERIFY``: computed,
+        or the leader's checked); on the leader, the send to every node leader,
+        done *before* this node's readers hear of the batch; the announcement;
+        the counters. Returns a
         copy-on-write view of the payload that releases the writer's hold when
         it dies. ``view=False`` (the leader under ``SHMLOADER_COPY``, which
         hands out the loader's own batch): the hold ends at once, and None.
         """
         self.await_readers()
         t0 = self.began_ns = time.perf_counter_ns()
-        slot = self._fill(batch)
-        write_ns = 0 if isinstance(batch, SlotRef) else time.perf_counter_ns() - t0
+        filled = self._fill(batch)
+        slot, crc = filled.slot, filled.crc
         payload = slot.payload[: batch.nbytes] if slot is not None else None
-        crc = self._checksum(batch, payload)
         if self.sends:
             assert self.xnode is not None
             # NOTE [closing across nodes] (xnode): close() never waits for this send
             with self.ctx.check_open.parked():
                 self.xnode.send(Kind.BATCH, it, batch.meta, payload, draws=draws, crc=crc)
-        self.announce(it, batch.meta, batch.nbytes, slot, draws, write_ns, crc)
-        self._count(batch, t0, write_ns)
+        self.announce(it, batch.meta, batch.nbytes, slot, draws, filled.write_ns, crc)
+        self._count(batch.nbytes, filled, t0)
         if view:
             return self.own_view(slot, batch.nbytes)
         if slot is not None:
             self.ring.release(self.topo.me, slot.index, slot.gen)
         return None
 
-    def _fill(self, batch: Publishable) -> Slot | None:
-        """The slot that holds ``batch``'s payload once this returns; None: no payload."""
-        if not batch.nbytes:
-            return None
-        if isinstance(batch, SlotRef):  # a DataLoader worker wrote it there already
-            assert self.pool is not None
-            return self.pool.accept(batch)
-        slot = self.ring.acquire(batch.nbytes)
-        if isinstance(batch, Event):  # the leader's payload, straight into the slot
-            assert self.xnode is not None
-            self.xnode.receive_payload(slot.payload[: batch.nbytes])
-        else:
-            codec.write_payload(batch, slot.payload)
-        return slot
+    # The three ways a slot gets its payload; each returns it ``Filled``. ``_fill`` is the
+    # one place that tells them apart.
 
-    def _checksum(self, batch: Publishable, payload: np.ndarray | None) -> int:
-        """The CRC-32 announced with ``batch``, -1: none (``SHMLOADER_VERIFY``).
-
-        The leader computes it; a node leader checks the leader's against what
-        arrived in its slot, before any of its readers may map it.
-        """
+    def _fill(self, batch: Publishable) -> Filled:
+        if isinstance(batch, SlotRef):
+            return self._fill_pooled(batch)
         if isinstance(batch, Event):
-            if payload is not None and batch.crc >= 0:
-                check_payload_crc(payload, batch.crc, self.seq)
-            return batch.crc
-        return payload_crc(payload) if self.config.verify and payload is not None else -1
+            return self._fill_received(batch)
+        return self._fill_encoded(batch)
 
-    def _count(self, batch: Publishable, t0: int, write_ns: int) -> None:
+    def _fill_encoded(self, enc: codec.Encoded) -> Filled:
+        """The leader's main process writes the encoded batch into a slot it acquires; its
+        CRC-32 computed (``SHMLOADER_VERIFY``)."""
+        t0 = time.perf_counter_ns()
+        slot = self.ring.acquire(enc.nbytes) if enc.nbytes else None
+        if slot is not None:
+            codec.write_payload(enc, slot.payload)
+        return Filled(slot, self._crc(slot, enc.nbytes), time.perf_counter_ns() - t0, "encoded")
+
+    def _fill_pooled(self, ref: SlotRef) -> Filled:
+        """A DataLoader worker wrote the batch into a pool slot already (``WorkerPool.accept``):
+        this process writes nothing."""
+        assert self.pool is not None
+        slot = self.pool.accept(ref) if ref.nbytes else None
+        return Filled(slot, self._crc(slot, ref.nbytes), 0, "pooled")
+
+    def _fill_received(self, event: Event) -> Filled:
+        """A node leader receives the leader's payload straight into a slot it acquires and
+        checks the leader's CRC-32 against it, before any of its readers may map it."""
+        assert self.xnode is not None
+        t0 = time.perf_counter_ns()
+        slot = self.ring.acquire(event.nbytes) if event.nbytes else None
+        if slot is not None:
+            payload = slot.payload[: event.nbytes]
+            self.xnode.receive_payload(payload)
+            if event.crc >= 0:
+                check_payload_crc(payload, event.crc, self.seq)
+        return Filled(slot, event.crc, time.perf_counter_ns() - t0, "received")
+
+    def _crc(self, slot: Slot | None, nbytes: int) -> int:
+        """The CRC-32 the leader announces with a payload, -1: none (``SHMLOADER_VERIFY``)."""
+        if not self.config.verify or slot is None:
+            return -1
+        return payload_crc(slot.payload[:nbytes])
+
+    def _count(self, nbytes: int, filled: Filled, t0: int) -> None:
         """The leader's counters of a batch it published (a node leader counts what it
         receives: ``Receiver.deliver``)."""
-        if isinstance(batch, Event):
+        if filled.origin == "received":
             return
-        pooled = isinstance(batch, SlotRef)
+        pooled = filled.origin == "pooled"
         counts = self.ctx.stats.counts
         counts["published"] += 1
-        if pooled:
-            counts["worker_written"] += 1
-        counts["bytes_published"] += batch.nbytes
+        counts["bytes_published"] += nbytes
         counts["publish_ms_total"] += (time.perf_counter_ns() - t0) / 1e6
-        counts["write_ms_last"] = write_ns / 1e6  # 0 for a worker's: the main process wrote none
+        # 0 for a worker's: the main process wrote none
+        counts["write_ms_last"] = filled.write_ns / 1e6
         if pooled:
             assert self.pool is not None
+            counts["worker_written"] += 1
             counts["worker_write_ms_last"] = self.pool.last_write_ns / 1e6
             counts["bytes_collated_in_place"] += self.pool.last_placed
 

@@ -1,3 +1,3 @@
-"""The roles behind ``ShmLoader``: the leader, node leader (relay), follower
+"""The roles behind ``ShmLoader``: the leader, node leader, follower
 and local rank, their shared contract and state.
 """

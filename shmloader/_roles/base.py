@@ -202,7 +202,7 @@ class Context:
 
 
 class Role(Protocol):
-    """The contract of a role object (``local``, ``leader``, ``relay``, ``follower``)."""
+    """The contract of a role object (``local``, ``leader``, ``node leader``, ``follower``)."""
 
     name: str
 

@@ -2,7 +2,7 @@
 
 It owns ``build`` (sharing on: marks, the gloo exchange group, discovery,
 agreement on the leader's loader and length, the daemon, ring and sockets, then
-one ``Leader``, ``Relay`` or ``Follower``) and ``build_local`` (sharing off: one
+one ``Leader``, ``NodeLeader`` or ``Follower``) and ``build_local`` (sharing off: one
 mark, the user's loader, ``Local``), the checks on what the leader's loader may
 be (NOTE [samplers over SP groups]) and the timeouts (NOTE [set-up is bounded]);
 whatever it made is closed if a later step raises. It is the one module that
@@ -31,10 +31,10 @@ from .._roles.cursor import Boundary, Cursor
 from .._roles.follower import Follower
 from .._roles.leader import Leader, worker_pool
 from .._roles.local import Local, Source
+from .._roles.node_leader import NodeLeader
 from .._roles.node_writer import NodeWriter
 from .._roles.producer import Producer
 from .._roles.receiver import Receiver
-from .._roles.relay import Relay
 from .._roles.stats import RankStats, Reporter, connect_daemon, describe, device_fields
 from .._roles.topology import GroupTopology, broadcast_bytes, discover, node_claim
 from .._transport.channel import Hub, Spoke
@@ -212,7 +212,7 @@ def _make_role(
                 warn_pin_memory(loader, pool)
         else:
             assert xnode is not None
-            role = Relay(ctx, Receiver(ctx, topo, leader_ahead), writer, xnode)
+            role = NodeLeader(ctx, Receiver(ctx, topo, leader_ahead), writer, xnode)
     else:
         # a node leader's loop runs ahead as the config says, the group leader's as it said
         writer_ahead = leader_ahead if topo.writer == topo.leader else config.ahead

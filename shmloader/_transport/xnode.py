@@ -64,7 +64,7 @@ def loader_tag(token: str) -> int:
 #         ------                                -----------
 #         send k    (posted under ``_tx``;      loop: receive k, k+1, ...
 #                    its wait is parked)        user leaves: loop halted
-#         send k+1  ... waits                   close(): ``Relay`` drains on a
+#         send k+1  ... waits                   close(): ``NodeLeader`` drains on a
 #         close(): STOP {closed} (posted        thread: every event up to the
 #                  under ``_tx``, after k+1;    leader's closing STOP, each
 #                  ``closed`` refuses later     payload into nothing
@@ -79,9 +79,9 @@ def loader_tag(token: str) -> int:
 #       one pair's messages of a tag in order), and ``closed`` refuses any
 #       send after it;
 #     - a node leader's ``close()`` drains up to that STOP on a daemon
-#       thread (``Relay.drain``), unless its loop already received it: the
+#       thread (``NodeLeader.drain``), unless its loop already received it: the
 #       leader's sends all complete, and its parked thread ends. An iteration
-#       left early is drained by the next one (``Relay._next_event``);
+#       left early is drained by the next one (``NodeLeader._next_event``);
 #     - each loader's messages carry their own tag (``loader_tag``), so a
 #       receive a closed loader's drain still has posted never takes a later
 #       loader's message on the same group; a link that broke ends the drain

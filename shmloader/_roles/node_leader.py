@@ -1,4 +1,4 @@
-"""The node leader (``Relay``): one loop over the leader's events, each batch received over
+"""The node leader (``NodeLeader``): one loop over the leader's events, each batch received over
 the cross-node path straight into a slot of this node's ring through its node writer's
 one ``publish``, END, ERROR and STOP passed on to this node's readers. It owns only
 ``stash`` (an event of the leader's next iteration, received while this one was still
@@ -25,7 +25,7 @@ from .node_writer import NodeWriter
 from .receiver import Receiver, Sorted
 
 
-class Relay:
+class NodeLeader:
     """The node leader's loop: the leader's batches, received into this node's ring."""
 
     name = "node leader"
@@ -86,7 +86,7 @@ class Relay:
 
     def _loop(self, it: int) -> Iterator[Any]:
         try:
-            yield from self._relay(it)
+            yield from self._receive(it)
         except GeneratorExit:
             raise
         except LeaderError:
@@ -96,7 +96,7 @@ class Relay:
                 self.writer.fail(it, exc)
             raise
 
-    def _relay(self, it: int) -> Iterator[Any]:
+    def _receive(self, it: int) -> Iterator[Any]:
         ctx, receiver, writer = self.ctx, self.receiver, self.writer
         while True:
             event = self._next_event(it)

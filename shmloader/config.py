@@ -127,7 +127,7 @@ class Config:
         verify: checksum every payload end to end, CRC-32 (``SHMLOADER_VERIFY``).
         allow_pickle: pickle leaves the codec does not know. Off by default.
         device: where delivered tensors live (``SHMLOADER_DEVICE``): ``cpu``
-            (the default), ``cuda``, ``cuda:N`` or ``auto``; see ``shmloader.device.stage``.
+            (the default), ``cuda``, ``cuda:N`` or ``auto``; see ``shmloader.device.which``.
         prefetch: batches copied to the device ahead of the one the user
             holds (``SHMLOADER_PREFETCH``, default 2); only with a CUDA device.
         small_copy_bytes: leaves of at most this many bytes are owned copies, not

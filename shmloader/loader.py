@@ -44,7 +44,7 @@ from ._transport.xnode import CrossNode  # noqa: F401  (tests/faults patch loade
 from .checkpoint import Checkpoints
 from .config import Config
 from .device.stage import DeviceOps, DeviceStage
-from .device.stage import resolve as resolve_device
+from .device.which import resolve as resolve_device
 from .errors import ConfigError, LoaderStateError
 from .mesh import resolve_group
 
@@ -104,7 +104,7 @@ class ShmLoader:
             raise ConfigError("accumulation_steps", accumulation_steps, "an integer >= 1")
         group = resolve_group(group, mesh_dim)
         self.config = resolve_config(config, group)
-        # Device delivery: validated before anything is built (shmloader.device.stage).
+        # Device delivery: validated before anything is built (shmloader.device.which).
         target = (
             device if isinstance(device, DeviceOps) else resolve_device(device, self.config.device)
         )

@@ -41,7 +41,8 @@ from .._transport.channel import Hub, Spoke
 from .._transport.xnode import CrossNode, loader_tag
 from .._workers.collate import check_installable
 from ..config import DEFAULT_TIMEOUT_S, Config
-from ..device.stage import DeviceStage, warn_pin_memory
+from ..device.stage import DeviceStage
+from ..device.which import warn_pin_memory
 from ..errors import ConfigError, PeerLostError
 from . import arrival
 from .length import GroupLength

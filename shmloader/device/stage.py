@@ -1,166 +1,36 @@
 """Device delivery: every tensor of a delivered batch arrives on the GPU.
 
-It owns which GPU ``cuda`` is (NOTE [which GPU]) and :class:`DeviceStage`, which
-wraps the delivered-batch iterator of every role; no thread of its own: where
-the role's loop runs ahead its thread issues the copies and the consuming
-thread hands them over (NOTE [copies issued by the loop ahead]), elsewhere all
-of it runs in the consuming thread:
-``select``, side-stream prefetch with a bounded number of copies in flight, the
-walk over a batch's containers, slot release on copy completion and the
-hand-over position checkpoints read (NOTE [checkpoints under prefetch]). It
-copies through ``shmloader.device.cuda`` and reads page-locked memory from
-``shmloader.device.registrar``; one ``next()`` and a batch's states in the stage
-are in docs/internals/flow.md and docs/internals/state-machines.md.
+It owns :class:`DeviceStage`, which wraps the delivered-batch iterator of every
+role; no thread of its own: where the role's loop runs ahead its thread issues
+the copies and the consuming thread hands them over (NOTE [copies issued by the
+loop ahead]), elsewhere all of it runs in the consuming thread: ``select``,
+side-stream prefetch with a bounded number of copies in flight, slot release on
+copy completion and the hand-over position checkpoints read (NOTE [checkpoints
+under prefetch]). Which GPU ``cuda`` is comes from ``shmloader.device.which``;
+the walk over a batch's containers and the block layout of a leaf from
+``shmloader.device.containers``. It copies through ``shmloader.device.cuda`` and
+reads page-locked memory from ``shmloader.device.registrar``; one ``next()`` and
+a batch's states in the stage are in docs/internals/flow.md and
+docs/internals/state-machines.md.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import copy as copy_module
-import dataclasses
 import inspect
-import itertools
-import logging
-import math
-import os
 import threading
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 
 from .._transport.channel import SLICE_S
-from ..config import _DEVICE_ACCEPTED, valid_device
 from ..errors import ConfigError, ShmLoaderError
+from .containers import align, blocks, map_tensors
 from .cuda import CudaOps, DeviceOps
 from .registrar import HostMapping, Registrar, Staging
-
-log = logging.getLogger(__name__)
-
-#: A non-contiguous tensor is copied as this many contiguous blocks at most;
-#: beyond it, it is made contiguous on the host and copied from there.
-MAX_BLOCKS = 64
-
-_warned_pin = False
-
-
-# ----------------------------------------------------------------- devices
-
-
-def resolve(
-    spec: str | torch.device | None,
-    default: str = "cpu",
-    *,
-    cuda: Any = None,
-    environ: Mapping[str, str] | None = None,
-) -> torch.device | None:
-    """The CUDA device batches go to, or None for host delivery (NOTE [which GPU]).
-
-    ``spec`` None means ``default`` (``Config.device``). ``auto`` is ``cuda``
-    when ``torch.cuda.is_available()``, else host delivery. ``cuda:N`` is
-    device N. ``cuda`` is this rank's GPU: the current device when the script
-    made one other than 0 current, else ``cuda:$LOCAL_RANK``. Raises
-    ``ConfigError`` for a bad value, a CUDA device this rank does not have,
-    or a ``LOCAL_RANK`` beyond the visible GPUs. ``cuda`` and ``environ``
-    stand in for ``torch.cuda`` and ``os.environ`` (tests).
-    """
-    cuda = torch.cuda if cuda is None else cuda
-    environ = os.environ if environ is None else environ
-    value = default if spec is None else spec
-    if isinstance(value, torch.device):
-        value = str(value)
-    if not valid_device(value):
-        raise ConfigError("device", value, _DEVICE_ACCEPTED)
-    if value == "cpu":
-        return None
-    if value == "auto":
-        if not cuda.is_available():
-            return None
-        value = "cuda"
-    if not cuda.is_available():
-        raise ConfigError(
-            "device",
-            value,
-            "'cpu' or 'auto' on this rank: torch.cuda.is_available() is False "
-            "('auto' delivers on the GPU where there is one and in host memory elsewhere)",
-        )
-    count = cuda.device_count()
-    if value == "cuda":
-        return torch.device("cuda", _this_ranks_gpu(cuda.current_device(), count, environ))
-    index = int(value.partition(":")[2])
-    if index >= count:
-        raise ConfigError("device", value, f"a CUDA device index below {count}")
-    return torch.device("cuda", index)
-
-
-def _this_ranks_gpu(current: int, count: int, environ: Mapping[str, str]) -> int:
-    """``device="cuda"`` on one rank.
-
-    NOTE [which GPU]
-        ``device="cuda"`` means this rank's GPU. torch keeps no trace of a
-        ``torch.cuda.set_device`` call but the current device, and a script
-        that set nothing sees ``cuda:0``. So:
-
-        - a current device other than 0 is the script's (or its framework's)
-          choice and wins: Lightning's ``Trainer(devices=[2, 3])`` makes
-          ``cuda:2``/``cuda:3`` current in DDP children whose ``LOCAL_RANK``
-          is 0/1; ``set_device(local_rank + 4)`` uses half a node;
-        - current device 0 means ``cuda:$LOCAL_RANK`` when ``LOCAL_RANK`` is
-          below ``device_count()`` (torchrun, no ``set_device``); without
-          ``LOCAL_RANK`` (no launcher) ``cuda:0``; with ``LOCAL_RANK`` at or
-          beyond the count ``cuda:0`` when one GPU is visible
-          (``CUDA_VISIBLE_DEVICES`` per rank), else a ``ConfigError`` (more
-          ranks on the node than GPUs).
-
-        What this cannot tell apart: a script that makes ``cuda:0`` current
-        on a rank whose ``LOCAL_RANK`` is not 0 (``devices=[1, 0]``) gets
-        ``cuda:$LOCAL_RANK``; it says ``device="cuda:0"`` (an explicit index
-        is taken as it is).
-    """
-    if current != 0:
-        return current  # the script's choice
-    raw = environ.get("LOCAL_RANK", "").strip()
-    try:
-        local = int(raw) if raw else None
-    except ValueError:
-        local = None
-    if local is None or local < 0:
-        return 0  # not under a launcher that says
-    if local < count:
-        return local
-    if count == 1:
-        return 0  # one visible GPU per rank (CUDA_VISIBLE_DEVICES)
-    raise ConfigError(
-        "device",
-        "cuda",
-        f"one GPU for this rank, but LOCAL_RANK={local} and this rank sees only {count} CUDA "
-        "devices (more ranks on the node than GPUs?). Give each rank its own GPU "
-        "(CUDA_VISIBLE_DEVICES, or torch.cuda.set_device before ShmLoader), or pass "
-        "device='cuda:N'",
-    )
-
-
-def warn_pin_memory(loader: object, pool: object = None) -> bool:
-    """Say once (per process) that ``pin_memory=True`` is wasted work on the device path.
-
-    Only where the pin thread really copies batches: with the worker pool
-    (``pool`` not None) the leader's DataLoader yields slot references, which
-    torch's pin thread passes through untouched.
-    """
-    global _warned_pin
-    if getattr(loader, "pin_memory", False) is not True or _warned_pin or pool is not None:
-        return False
-    _warned_pin = True
-    log.warning(
-        "shmloader: the leader's DataLoader has pin_memory=True, but with device= the batch "
-        "goes to the GPU from the page-locked ring, never from the loader's pinned copy: the "
-        "pin thread copies every batch for nothing (about 220 ms per 256 MiB). "
-        "Fix: DataLoader(..., pin_memory=False)"
-    )
-    return True
-
 
 # ------------------------------------------------------------------- stage
 
@@ -614,7 +484,7 @@ class DeviceStage:
         plans: list[_Plan] = []
         with ops.side():
             try:
-                out = _map_tensors(batch, lambda t: self._plan(t, copy, plans, tensors), {})
+                out = map_tensors(batch, lambda t: self._plan(t, copy, plans, tensors), {})
                 del batch  # the leaves in copy.keep hold the slots, not the container
                 self._stage(plans, copy)
                 copy.start = ops.record()
@@ -699,7 +569,7 @@ class DeviceStage:
         if not pending:
             return
         sizes = [p.host.numel() * p.host.element_size() for p in pending]  # type: ignore[union-attr]
-        total = sum(_align(n) for n in sizes)
+        total = sum(align(n) for n in sizes)
         staging.note(total)
         buffer = staging.take(total)
         if buffer is None:  # every buffer is read by a copy in flight: completed already?
@@ -720,7 +590,7 @@ class DeviceStage:
             window = buffer[at : at + n]
             window.copy_(host.reshape(-1).view(torch.uint8))
             plan.sources = [window]
-            at += _align(n)
+            at += align(n)
         self._stats["device_staged_bytes"] += sum(sizes)
 
     def _sources(self, t: torch.Tensor, copy: _Copy) -> list[torch.Tensor] | None:
@@ -732,14 +602,14 @@ class DeviceStage:
         if hit is None:
             return None
         mapping, at = hit
-        blocks = _blocks(t)
-        if blocks is None or mapping.base is None:
+        layout = blocks(t)
+        if layout is None or mapping.base is None:
             return None
         if mapping not in copy.maps:
             mapping.users += 1
             copy.maps.append(mapping)
         size = t.element_size()
-        offsets, inner = blocks
+        offsets, inner = layout
         return [mapping.base[at + off * size : at + (off + inner) * size] for off in offsets]
 
     # NOTE [device memory reuse]
@@ -879,113 +749,3 @@ def _takes_step(select: Callable[..., Any] | None) -> bool:
         return False
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return parameter is not None and parameter.kind in kinds
-
-
-def _align(n: int, to: int = 64) -> int:
-    return (n + to - 1) // to * to
-
-
-def _blocks(t: torch.Tensor) -> tuple[list[int], int] | None:
-    """``t`` as contiguous runs: (element offsets from ``t``'s first element, run length).
-
-    None when it would take more than ``MAX_BLOCKS`` runs.
-    """
-    shape, stride = list(t.shape), list(t.stride())
-    run, k = 1, len(shape)
-    while k > 0 and (shape[k - 1] == 1 or stride[k - 1] == run):
-        run *= shape[k - 1]
-        k -= 1
-    outer_shape, outer_stride = shape[:k], stride[:k]
-    if math.prod(outer_shape) > MAX_BLOCKS:
-        return None
-    offsets = [
-        sum(i * s for i, s in zip(index, outer_stride, strict=True))
-        for index in itertools.product(*(range(n) for n in outer_shape))
-    ]
-    return offsets, run
-
-
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], memo: dict[int, Any]) -> Any:
-    """``obj`` with every tensor replaced by ``fn(tensor)``; aliases stay aliases.
-
-    NOTE [containers on the device]
-        The stage walks every container the codec can deliver or ``select``
-        can return, as torch's own ``pin_memory`` does, and rebuilds each as
-        its own type: mutable mappings (``dict``, ``OrderedDict``,
-        ``defaultdict``, ``UserDict`` subclasses such as Hugging Face's
-        ``BatchEncoding``) and mutable sequences as a shallow copy
-        (``copy.copy``: a ``defaultdict``'s factory, a ``BatchEncoding``'s
-        encodings and attributes stay) with the values replaced; other
-        ``collections.abc.Mapping``/``Sequence`` types as
-        ``type(obj)(values)``, or a ``dict``/``list`` where that type cannot
-        be built from its values; tuples and namedtuples as their type;
-        dataclasses field by field. A container with no tensor in it is
-        returned as it is, as are strings, bytes, numpy arrays and other
-        leaves. The shallow copy can share state with the original only in
-        a container type whose copy does (the stage keeps the CPU leaves
-        themselves until the copy completed, never through the container).
-    """
-    if isinstance(obj, torch.Tensor):
-        if id(obj) not in memo:
-            memo[id(obj)] = fn(obj)
-        return memo[id(obj)]
-    if isinstance(obj, str | bytes | bytearray | memoryview):
-        return obj
-    if isinstance(obj, tuple):
-        values = [_map_tensors(v, fn, memo) for v in obj]
-        if _same(values, obj):
-            return obj
-        if type(obj) is tuple:
-            return tuple(values)
-        if hasattr(obj, "_fields"):  # a namedtuple
-            return type(obj)(*values)
-        return _rebuild(obj, values, tuple)
-    if isinstance(obj, Mapping):
-        items = {k: _map_tensors(v, fn, memo) for k, v in obj.items()}
-        if _same(items.values(), obj.values()):
-            return obj
-        if type(obj) is dict:
-            return items
-        if isinstance(obj, MutableMapping):
-            with contextlib.suppress(Exception):
-                clone: Any = copy_module.copy(obj)
-                for k, v in items.items():
-                    clone[k] = v
-                return clone
-        return _rebuild(obj, items, dict)
-    if isinstance(obj, Sequence):
-        values = [_map_tensors(v, fn, memo) for v in obj]
-        if _same(values, obj):
-            return obj
-        if type(obj) is list:
-            return values
-        if isinstance(obj, MutableSequence):
-            with contextlib.suppress(Exception):
-                clone = copy_module.copy(obj)
-                for k, v in enumerate(values):
-                    clone[k] = v
-                return clone
-        return _rebuild(obj, values, list)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        names = [f.name for f in dataclasses.fields(obj)]  # not ClassVar / InitVar pseudo-fields
-        values = [_map_tensors(getattr(obj, name), fn, memo) for name in names]
-        if _same(values, [getattr(obj, name) for name in names]):
-            return obj
-        new = copy_module.copy(obj)
-        for name, value in zip(names, values, strict=True):
-            object.__setattr__(new, name, value)
-        return new
-    return obj
-
-
-def _same(values: Any, originals: Any) -> bool:
-    """Whether every mapped value is its original object (nothing in it was a tensor)."""
-    return all(v is o for v, o in zip(values, originals, strict=True))
-
-
-def _rebuild(obj: Any, values: Any, fallback: type) -> Any:
-    """``type(obj)(values)``, or ``fallback(values)`` where that type cannot be built so."""
-    try:
-        return type(obj)(values)
-    except Exception:
-        return fallback(values)

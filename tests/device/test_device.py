@@ -38,6 +38,7 @@ from shmloader.config import DEFAULT_PREFETCH
 from shmloader.device import cuda as cudaops
 from shmloader.device import registrar as hostmem
 from shmloader.device import stage as device
+from shmloader.device import which
 from shmloader.errors import ConfigError, ShmLoaderError
 from tests.support.fake_device import FakeCuda, FakeOps
 from tests.support.harness import run_ranks
@@ -396,10 +397,10 @@ def test_device_and_prefetch_settings():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
 def test_without_cuda_auto_is_host_delivery_and_cuda_is_refused():
-    assert device.resolve("auto") is None and device.resolve(None, "auto") is None
-    assert device.resolve(None) is None and device.resolve(torch.device("cpu")) is None
+    assert which.resolve("auto") is None and which.resolve(None, "auto") is None
+    assert which.resolve(None) is None and which.resolve(torch.device("cpu")) is None
     with pytest.raises(ConfigError, match=r"torch\.cuda\.is_available"):
-        device.resolve("cuda")
+        which.resolve("cuda")
     with pytest.raises(ConfigError, match=r"torch\.cuda\.is_available"):
         ShmLoader(lambda: [1], device="cuda:0")
     with pytest.raises(ConfigError, match="select"):
@@ -407,12 +408,12 @@ def test_without_cuda_auto_is_host_delivery_and_cuda_is_refused():
 
 
 def test_pin_memory_is_reported_once(caplog, monkeypatch):
-    monkeypatch.setattr(device, "_warned_pin", False)
+    monkeypatch.setattr(which, "_warned_pin", False)
     pinned = torch.utils.data.DataLoader(list(range(4)), pin_memory=True)
     with caplog.at_level(logging.WARNING, logger="shmloader.device"):
-        assert device.warn_pin_memory(torch.utils.data.DataLoader(list(range(4)))) is False
-        assert device.warn_pin_memory(pinned) is True
-        assert device.warn_pin_memory(pinned) is False
+        assert which.warn_pin_memory(torch.utils.data.DataLoader(list(range(4)))) is False
+        assert which.warn_pin_memory(pinned) is True
+        assert which.warn_pin_memory(pinned) is False
     assert len(caplog.records) == 1 and "pin_memory=False" in caplog.records[0].message
 
 
@@ -1083,9 +1084,9 @@ def test_cuda_is_this_ranks_gpu_under_torchrun(count, current, local_rank, want)
     env = {} if local_rank is None else {"LOCAL_RANK": local_rank}
     cuda = FakeCuda(count=count, current=current)
     for spec in ("cuda", "auto", torch.device("cuda")):
-        assert device.resolve(spec, cuda=cuda, environ=env) == torch.device("cuda", want)
+        assert which.resolve(spec, cuda=cuda, environ=env) == torch.device("cuda", want)
     last = count - 1  # an explicit index is taken as it is
-    assert device.resolve(f"cuda:{last}", cuda=cuda, environ=env) == torch.device("cuda", last)
+    assert which.resolve(f"cuda:{last}", cuda=cuda, environ=env) == torch.device("cuda", last)
 
 
 @pytest.mark.parametrize(
@@ -1103,31 +1104,31 @@ def test_a_current_device_other_than_0_is_the_scripts_choice(local_rank, current
     """NOTE [which GPU]: the script's (or its framework's) device choice wins."""
     cuda = FakeCuda(count=8)
     cuda.set_device(current)
-    assert device.resolve("cuda", cuda=cuda, environ={"LOCAL_RANK": local_rank}).index == want
+    assert which.resolve("cuda", cuda=cuda, environ={"LOCAL_RANK": local_rank}).index == want
     # an explicit index is never second-guessed
-    assert device.resolve("cuda:1", cuda=cuda, environ={"LOCAL_RANK": local_rank}).index == 1
+    assert which.resolve("cuda:1", cuda=cuda, environ={"LOCAL_RANK": local_rank}).index == 1
 
 
 def test_a_local_rank_beyond_the_visible_gpus_is_refused_where_it_cannot_be_resolved():
     with pytest.raises(ConfigError, match=r"LOCAL_RANK=9 and this rank sees only 8"):
-        device.resolve("cuda", cuda=FakeCuda(count=8), environ={"LOCAL_RANK": "9"})
+        which.resolve("cuda", cuda=FakeCuda(count=8), environ={"LOCAL_RANK": "9"})
     with pytest.raises(ConfigError, match="index below 8"):
-        device.resolve("cuda:8", cuda=FakeCuda(count=8), environ={})
+        which.resolve("cuda:8", cuda=FakeCuda(count=8), environ={})
     off = FakeCuda(available=False)
-    assert device.resolve("auto", cuda=off, environ={"LOCAL_RANK": "1"}) is None
+    assert which.resolve("auto", cuda=off, environ={"LOCAL_RANK": "1"}) is None
     with pytest.raises(ConfigError, match=r"is_available"):
-        device.resolve("cuda", cuda=off, environ={})
+        which.resolve("cuda", cuda=off, environ={})
 
 
 def test_pin_memory_warning_only_where_the_pin_thread_copies(caplog, monkeypatch):
     """With the worker pool the leader's DataLoader yields slot references,
     which torch's pin thread passes through: nothing is pinned, nothing to say."""
-    monkeypatch.setattr(device, "_warned_pin", False)
+    monkeypatch.setattr(which, "_warned_pin", False)
     pinned = torch.utils.data.DataLoader(list(range(4)), pin_memory=True)
     with caplog.at_level(logging.WARNING, logger="shmloader.device"):
-        assert device.warn_pin_memory(pinned, pool=object()) is False
+        assert which.warn_pin_memory(pinned, pool=object()) is False
         assert caplog.records == []
-        assert device.warn_pin_memory(pinned, pool=None) is True
+        assert which.warn_pin_memory(pinned, pool=None) is True
 
 
 def test_without_torchs_own_runtime_nothing_is_registered(monkeypatch):

@@ -20,6 +20,7 @@ import torch
 from shmloader import Config, ShmLoader
 from shmloader.device import cuda as cudaops
 from shmloader.device import stage as device
+from shmloader.device import which
 from shmloader.errors import ConfigError
 from tests.device.test_device import RingSource, _all_dtypes_batch, _assert_same, same
 from tests.support.harness import run_ranks
@@ -147,13 +148,13 @@ def test_cuda_means_this_ranks_gpu_by_local_rank(monkeypatch):
     last = count - 1
     assert torch.cuda.current_device() == 0
     env = {"LOCAL_RANK": str(last)}
-    assert device.resolve("cuda", environ=env) == torch.device("cuda", last)
+    assert which.resolve("cuda", environ=env) == torch.device("cuda", last)
     beyond = {"LOCAL_RANK": str(count + 2)}
     if count == 1:  # one visible GPU per rank (CUDA_VISIBLE_DEVICES): that one
-        assert device.resolve("cuda", environ=beyond) == torch.device("cuda", 0)
+        assert which.resolve("cuda", environ=beyond) == torch.device("cuda", 0)
     else:
         with pytest.raises(ConfigError, match="sees only"):
-            device.resolve("cuda", environ=beyond)
+            which.resolve("cuda", environ=beyond)
     monkeypatch.setenv("LOCAL_RANK", str(last))
     loader = ShmLoader(
         lambda: [{"x": torch.arange(10)}], None, config=Config(enabled=False), device="cuda"

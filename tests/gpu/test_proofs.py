@@ -31,6 +31,7 @@ import torch
 
 from shmloader import Config, ShmLoader
 from shmloader._node import ringdir
+from shmloader.device import containers
 from shmloader.device import cuda as cudaops
 from shmloader.device import registrar as hostmem
 from shmloader.device import stage as device
@@ -326,7 +327,7 @@ def epochs_rank(rank: int, world: int, *, devices: dict, epochs: int, workers: i
     for epoch in range(epochs):
         loader.set_epoch(epoch)
         for batch in loader:
-            host = device._map_tensors(batch, lambda t: t.cpu(), {})
+            host = containers.map_tensors(batch, lambda t: t.cpu(), {})
             out["batches"].append(ranks.to_plain(host))
             del batch, host
         stats = loader.stats()

@@ -245,7 +245,8 @@ def _mapped(address: int) -> bool:
 
 
 class FakeCuda:
-    """Stands in for ``torch.cuda`` in ``device.resolve``: a node's GPUs as one rank sees them.
+    """Stands in for ``torch.cuda`` in ``shmloader.device.which.resolve``: a node's GPUs as
+    one rank sees them.
 
     ``current`` is what ``torch.cuda.current_device()`` returns: 0 until the
     script calls ``set_device`` (torch keeps no other trace of that call).

@@ -22,8 +22,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ._proto import codec, wire  # noqa: F401  (tests/faults patch loader.codec, .wire)
-from ._proto.wire import Kind  # noqa: F401  (tests/faults patch loader.wire.frames by kind)
 from ._roles.base import CLOSE_WAIT_S, Owner, Role
 from ._roles.cursor import Boundary, Cursor
 from ._roles.iteration import Iteration
@@ -40,7 +38,6 @@ from ._setup.build import (
     group_ranks,
     resolve_config,
 )
-from ._transport.xnode import CrossNode  # noqa: F401  (tests/faults patch loader.CrossNode)
 from .checkpoint import Checkpoints
 from .config import Config
 from .device.stage import DeviceOps, DeviceStage

@@ -78,21 +78,29 @@ def leader_raises(rank: int, world: int, *, exc: str, at: int = 3) -> dict:
 
 
 def kill_at(rank: int, world: int, *, victim: int, point: str, timeout: float = 30.0) -> dict:
-    """Every rank iterates; ``victim`` SIGKILLs itself at ``point``."""
-    import shmloader.loader as L
+    """Every rank iterates; ``victim`` SIGKILLs itself at ``point``.
+
+    Each fault is patched where the library looks the name up: the follower says
+    HELLO through ``wire.frames`` (``_roles.follower``), a node's writer copies a
+    batch into its slot with ``codec.write_payload`` (``_roles.node_writer``), and
+    ``_setup.build`` makes the ``CrossNode`` a node leader receives payloads from.
+    """
+    from shmloader._proto.wire import Kind
+    from shmloader._roles import follower, node_writer
+    from shmloader._setup import build
 
     if rank == victim:
         if point == "before-hello":
-            real = L.wire.frames
+            real = follower.wire.frames
 
             def frames(kind, *a, **kw):
-                if kind == L.Kind.HELLO:
+                if kind == Kind.HELLO:
                     die()
                 return real(kind, *a, **kw)
 
-            L.wire.frames = frames
+            follower.wire.frames = frames
         elif point == "mid-publish":
-            real_write = L.codec.write_payload
+            real_write = node_writer.codec.write_payload
 
             def write(enc, dest):
                 if ranks._MADE.get("writes", 0) == 2:
@@ -101,17 +109,17 @@ def kill_at(rank: int, world: int, *, victim: int, point: str, timeout: float = 
                 ranks._MADE["writes"] = ranks._MADE.get("writes", 0) + 1
                 real_write(enc, dest)
 
-            L.codec.write_payload = write
+            node_writer.codec.write_payload = write
         elif point == "during-broadcast":
-            real_recv = L.CrossNode.receive_payload
 
-            def recv(self, dest):
-                if ranks._MADE.get("recv", 0) == 2:
-                    die()
-                ranks._MADE["recv"] = ranks._MADE.get("recv", 0) + 1
-                real_recv(self, dest)
+            class Dying(build.CrossNode):
+                def receive_payload(self, dest):
+                    if ranks._MADE.get("recv", 0) == 2:
+                        die()
+                    ranks._MADE["recv"] = ranks._MADE.get("recv", 0) + 1
+                    super().receive_payload(dest)
 
-            L.CrossNode.receive_payload = recv
+            build.CrossNode = Dying  # type: ignore[misc]
     loader = ShmLoader(
         lambda: DataLoader(ranks.Synthetic(40), batch_size=2, collate_fn=ranks.collate),
         dist.group.WORLD,

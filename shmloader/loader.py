@@ -3,7 +3,7 @@
 It owns construction, ``__iter__`` (the sharing line at the first; the
 pipeline from the role's loop on the producer to the user), ``__len__``,
 ``set_epoch``, ``state_dict`` and ``load_state_dict``, ``stats`` and ``close``
-(``_Closing``: every step of closing, in order, once, from any thread), and
+(``_setup.closing``: every step of closing, in order, once, from any thread), and
 holds by composition what ``shmloader._setup.build`` made for this rank: one
 role object, its producer and ``Owner``, the ``Cursor`` and ``Boundary``, the
 checkpoints, the group's length and the device stage. It keeps no role's state
@@ -13,8 +13,6 @@ reach them, and one batch's way, in docs/internals/flow.md.
 
 from __future__ import annotations
 
-import os
-import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -25,12 +23,10 @@ import torch.distributed as dist
 from ._roles.base import CLOSE_WAIT_S, Owner, Role
 from ._roles.cursor import Boundary, Cursor
 from ._roles.iteration import Iteration
-from ._roles.producer import Producer
 from ._roles.stats import RankStats
 from ._roles.topology import GroupTopology
 from ._setup import arrival, banner
 from ._setup.build import (
-    Built,
     Shared,
     build,
     build_local,
@@ -38,6 +34,7 @@ from ._setup.build import (
     group_ranks,
     resolve_config,
 )
+from ._setup.closing import Closing
 from .checkpoint import Checkpoints
 from .config import Config
 from .device.stage import DeviceOps, DeviceStage
@@ -145,7 +142,7 @@ class ShmLoader:
         if self._producer is not None:
             self._boundary.prefetching = True  # the step boundary at the user's request
             self._stats.ahead = True
-        self._closing = _Closing(self._owner, self._producer, self._stage, self._role, self._built)
+        self._closing = Closing(self._owner, self._producer, self._stage, self._role, self._built)
         if self._producer is not None:
             self._producer.closing = self._closing.free
         if self._role.name != "local":
@@ -329,7 +326,7 @@ class ShmLoader:
         From any thread: an iteration under way on another thread stops first
         (it raises ``ShmLoaderError``), then the peers are told and everything
         is freed, by the thread that owns it (NOTE [one owner] in
-        ``_roles.base``). Every step of closing is ``_Closing``'s, in its order,
+        ``_roles.base``). Every step of closing is ``Closing``'s (``_setup.closing``), in its order,
         run once.
         """
         self._closing()
@@ -393,63 +390,3 @@ class ShmLoader:
 
 def _ignore(_: object) -> None:
     """A position the device stage hands over itself (NOTE [the position handed over])."""
-
-
-class _Closing:
-    """Every step of closing one ``ShmLoader``, in order, once, from any thread.
-
-    ``close()`` calls it, and so does the loader's finalizer (a loader dropped
-    unclosed, or at exit: ``at_exit``, which says no goodbye and does nothing
-    in a forked child). Whoever owns the resources frees them (NOTE [one
-    owner] in ``_roles.base``): the producer, once it left its iteration, or
-    the caller, where no producer ever ran or ``close()`` took them from a
-    producer that was away. It refers to what set-up made, never to the
-    ``ShmLoader``: a loader the user drops is freed at once and its finalizer
-    runs then, not at the next cycle collection.
-    """
-
-    def __init__(
-        self,
-        owner: Owner,
-        producer: Producer | None,
-        stage: DeviceStage | None,
-        role: Role,
-        built: Built,
-    ) -> None:
-        self.creator = os.getpid()
-        self.owner, self.producer, self.stage = owner, producer, stage
-        self.role, self.built = role, built
-        self.goodbye = True
-        self._freed = threading.Lock()  # held by whoever frees: it happens once
-
-    def __call__(self, *, at_exit: bool = False) -> None:
-        if at_exit and os.getpid() != self.creator:
-            return
-        if not self.owner.close():  # closed already
-            return
-        self.goodbye = not at_exit
-        producer = self.producer
-        if producer is not None:
-            producer.stop()  # it leaves its iteration at its next check
-            if producer.started:
-                if producer.on_its_thread():  # a finalizer on the producer: it frees when back
-                    return
-                if producer.finish():  # it said its goodbyes and freed what it owns
-                    return
-        with self.owner.closing():  # no producer ever ran, or it was away: ours now
-            self.free()
-
-    def free(self) -> None:
-        """The closing sequence itself: the peers told, then everything freed."""
-        if not self._freed.acquire(blocking=False):
-            return
-        built, goodbye = self.built, self.goodbye
-        if built.reporter is not None and goodbye:
-            built.reporter.close()
-        if self.stage is not None:  # copies in flight finish; unregister before unmap
-            close_quietly([self.stage.close])
-        if goodbye:
-            self.role.close()  # a follower's BYE, a writer's STOP
-        close_quietly(built.closers)
-        if built.source is not None:
-            built.source.loader = None

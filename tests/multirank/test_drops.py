@@ -67,9 +67,9 @@ def test_in_step_the_user_thread_unmaps_as_before() -> None:
 
 
 def lockstep(rank: int, world: int) -> dict:
-    """In step, two slots: the follower drops each batch at its next ``next()``; 50 ms
-    later (a quarter of a wait's slice) both ranks meet at a barrier, and only then does
-    the leader publish the batch after."""
+    """In step, two slots. The follower takes batch k (dropping k - 1) and sleeps 50 ms;
+    then the leader publishes batch k + 1, for which it needs the slot of k - 1; only then
+    does the follower ask for k + 1 (a request of its own would wake its producer)."""
     import time
 
     loader = ShmLoader(
@@ -77,13 +77,21 @@ def lockstep(rank: int, world: int) -> dict:
         dist.group.WORLD,
         config=Config.from_env(enabled=True, ahead=False, slots=2),
     )
+    it = iter(loader)
     seen = []
-    for batch in loader:
+    for _ in range(N):
+        if rank == 0:
+            dist.barrier()  # the follower dropped its batch before last 50 ms ago
+            batch = next(it)
+            dist.barrier()
+        else:
+            dist.barrier()
+            dist.barrier()  # the leader published the batch we ask for now
+            batch = next(it)
+            time.sleep(0.05)
         seen.append(float(batch[0]))
-        time.sleep(0.05)
-        dist.barrier()
     out = {"seen": seen, "slots": loader.stats().get("ring_slots")}
-    del batch
+    del batch, it
     loader.close()
     return out
 
@@ -92,7 +100,7 @@ def test_a_dropped_batchs_release_leaves_at_once_so_a_lockstep_job_cycles_two_sl
     """NOTE [prompt release] (follower): a dropped batch's RELEASE is queued by its
     finalizer and the producer, woken by its doorbell, sends it at once, long before the
     leader publishes the batch after next; one that waited for the end of the producer's
-    slice (200 ms) or the follower's next ``next()`` would find every slot held and grow
+    slice (200 ms) or for the follower's next request would find every slot held and grow
     the ring to three."""
     out = run_ranks(lockstep, 2)
     assert [o["seen"] for o in out] == [[float(i) for i in range(N)]] * 2, out

@@ -208,7 +208,8 @@ def _make_role(
             role = Leader(ctx, source, writer, pool)
             if producer.in_step:  # its loader stays on the user's thread (NOTE [draws ahead])
                 role.feed = producer.feed()
-            producer.idle = writer.free_released  # pool slots back to the workers while it waits
+                # pool slots back to the workers while it waits for what they write
+                producer.idle = writer.free_released
             if shared.stage is not None and shared.stage.on_device:
                 warn_pin_memory(loader, pool)
         else:

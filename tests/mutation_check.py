@@ -296,6 +296,23 @@ BUGS = [
         "close() waits for a producer in the user's code instead of taking its resources",
     ),
     Bug(
+        "settle-waits-for-a-parked-producer",
+        "shmloader/_roles/producer.py",
+        "        return thread is None or not thread.is_alive()"
+        " or thread in self.owner.parked_threads\n",
+        "        return thread is None or not thread.is_alive()  # planted\n",
+        (f"{AHEAD}test_a_node_leaders_iter_does_not_wait_for_its_parked_gloo_receive",),
+        "settle() waits for a producer parked in a gloo wait instead of going on at once",
+    ),
+    Bug(
+        "drain-after-the-closing-stop",
+        "shmloader/_roles/node_leader.py",
+        "        if not self.leader_closed and not self.xnode.broken:",
+        "        if not self.xnode.broken:  # planted",
+        (f"{AHEAD}test_a_node_leader_that_took_the_closing_stop_drains_nothing",),
+        "a node leader whose loop took the leader's closing STOP drains for another one",
+    ),
+    Bug(
         "drop-unmapped-in-place",
         "shmloader/_node/unmap.py",
         '        if os.getpid() != self.pid or getattr(_here, "unmaps", False):\n',

@@ -669,3 +669,83 @@ def test_a_stateful_loaders_state_saved_after_leaving_is_where_the_user_left(how
     for rank, o in enumerate(out):
         assert o["first"] == [0, 1, 2] and o["batches"] == 3, (rank, o)
         assert o["rest"] == list(range(3, 12)), (rank, o)
+
+
+class _SlowAfter(Dataset):
+    """Sample ``i`` is 64 KiB of ``i``; from sample 4 on it takes 2 s while ``slow``."""
+
+    slow = True
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.slow and i >= 4:
+            time.sleep(2.0)
+        return torch.full((1 << 14,), float(i))
+
+
+def parked_at_the_break(rank: int, world: int) -> dict:
+    """Both ranks leave the first pass after 2 batches, while the leader's workers are slow:
+    the node leader's producer is then parked in its gloo receive of the leader's next
+    header. Its second ``iter()`` must not wait for that receive; the second pass is whole."""
+    dataset = _SlowAfter()
+    loader = ShmLoader(
+        lambda: DataLoader(dataset, batch_size=1, num_workers=2),
+        dist.group.WORLD,
+        config=Config.from_env(enabled=True),
+    )
+    first = []
+    for batch in loader:
+        first.append(int(batch[0, 0]))
+        if len(first) == 2:
+            break
+    time.sleep(0.5)  # the node leader's producer took what was sent and parked
+    dataset.slow = False  # the next pass's workers (forked at iter()) are quick
+    t0 = time.monotonic()
+    it = iter(loader)
+    settled_s = time.monotonic() - t0
+    second = [int(batch[0, 0]) for batch in it]
+    loader.close()
+    return {"role": loader.role, "first": first, "second": second, "iter_s": settled_s}
+
+
+def test_a_node_leaders_iter_does_not_wait_for_its_parked_gloo_receive():
+    """NOTE [running ahead]: ``settle`` goes on at once past a producer parked in a gloo wait
+    (``Owner.parked``); its next step is a check, and it takes the next iteration once its
+    peer's message came (here after the leader's 2 s sample)."""
+    out = run_ranks(parked_at_the_break, 2, nodes=[0, 1], timeout=60)
+    assert [o["role"] for o in out] == ["leader", "node leader"], out
+    for o in out:
+        assert o["first"] == [0, 1] and o["second"] == list(range(8)), out
+    assert out[1]["iter_s"] < 1.0, out[1]  # not the leader's 2 s
+
+
+def leader_closes_first(rank: int, world: int) -> dict:
+    """The leader leaves after 3 batches and closes; the node leader's producer takes its
+    closing STOP, and the node leader closes in turn: nothing is left to drain."""
+    loader = _loader(12)
+    seen: list[int] = []
+    outcome = "finished"
+    try:
+        for batch in loader:
+            seen.append(int(batch[0, 0]))
+            if rank == 0 and len(seen) == 3:
+                break
+    except Exception as exc:  # the test looks at what each rank saw
+        outcome = type(exc).__name__
+    loader.close()
+    time.sleep(1.0)
+    draining = [t.name for t in threading.enumerate() if t.name == "shmloader-drain"]
+    dist.barrier()  # the leader lives until every rank looked
+    return {"role": loader.role, "seen": seen, "outcome": outcome, "draining": draining}
+
+
+def test_a_node_leader_that_took_the_closing_stop_drains_nothing():
+    """NOTE [closing across nodes] (xnode): a node leader's close() drains the leader's
+    sends up to its closing STOP; once its loop took that STOP there is nothing left, and a
+    drain would wait on a gloo receive for a message that never comes."""
+    out = run_ranks(leader_closes_first, 2, nodes=[0, 1], timeout=60)
+    assert out[0]["seen"] == [0, 1, 2], out
+    assert out[1]["outcome"] in ("LeaderStoppedError", "PeerLostError"), out
+    assert out[1]["draining"] == [], out

@@ -286,9 +286,9 @@ class Producer:
     ) -> Iterator[Any]:
         """The user's side: batches of ``inner``, which the producer runs.
 
-        ``position()``: the loop's position, snapshotted after each batch on the
-        producer and now, before it starts; ``hand(p)``: the user has reached
-        ``p`` (NOTE [the position handed over] in ``cursor``). ``request()``: the
+        ``position()``: the loop's position, snapshotted (ahead only) after each
+        batch on the producer and now, before it starts; ``hand(p)``: the user
+        has reached ``p`` (NOTE [the position handed over] in ``cursor``). ``request()``: the
         user asks for a batch (the step boundary's capture), before anything is
         handed over. ``waited(t0)``: the user waited for a batch since
         ``perf_counter()`` ``t0``. ``supply``: in step, (the user's loader,

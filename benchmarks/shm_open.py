@@ -142,13 +142,18 @@ class Ways:
         shm.unlink()
 
     # the same system calls as posix_ipc, shmloader's flags
-    def os_create(self, allocate: bool = False) -> None:
+    def _os_make(self, allocate: bool) -> tuple[int, str]:
+        """A new sized file with shmloader's flags: (descriptor, path)."""
         path = "/dev/shm" + self._name()
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | FLAGS, 0o600)
         if allocate:
             os.posix_fallocate(fd, 0, self.size)
         else:
             os.ftruncate(fd, self.size)
+        return fd, path
+
+    def os_create(self, allocate: bool = False) -> None:
+        fd, path = self._os_make(allocate)
         os.close(fd)
         os.unlink(path)
 
@@ -158,12 +163,7 @@ class Ways:
         os.close(fd)
 
     def os_touch(self, allocate: bool = False) -> None:
-        path = "/dev/shm" + self._name()
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | FLAGS, 0o600)
-        if allocate:
-            os.posix_fallocate(fd, 0, self.size)
-        else:
-            os.ftruncate(fd, self.size)
+        fd, path = self._os_make(allocate)
         mm = mmap.mmap(fd, self.size)
         self.touch(mm)
         mm.close()

@@ -236,34 +236,27 @@ class ShmLoader:
         reporter = self._built.reporter
         settled = reporter.now if reporter is not None else None
         checkpoints, hand = self._checkpoints, self._cursor.hand
-        if producer is None:  # sharing off: the user's loader, on this thread
-            if stage is not None:
-                inner = (
-                    stage.wrap(
-                        inner,
-                        checkpoints.snapshot,
-                        checkpoints.user_request,
-                        settled,
-                        start=cursor,
-                        hand=hand,
-                    )
-                    if on_device
-                    else stage.wrap(inner, start=cursor)
-                )
-        elif on_device and not producer.in_step:  # NOTE [copies issued by the loop ahead]
+        if producer is not None and on_device and not producer.in_step:
+            # NOTE [copies issued by the loop ahead] (device.stage)
             assert stage is not None
             inner = stage.issue(inner, self._owner, producer.idle, start=cursor)
             inner = producer.run(
                 inner, checkpoints.snapshot, hand, checkpoints.user_request, self._user_waited
             )
             inner = stage.deliver(inner, settled)
-        else:  # NOTE [one path] (_roles.producer)
-            fed = self._role.supply(it, cursor, skip)  # in step, the leader's loader
-            if on_device:  # the stage pulls ahead on this thread; it hands the positions over
-                assert stage is not None
+        else:
+            if producer is not None:  # NOTE [one path] (_roles.producer)
+                # a device stage pulls ahead on this thread: it hands the positions over
+                pulls = on_device
                 inner = producer.run(
-                    inner, checkpoints.snapshot, _ignore, None, self._user_waited, fed
+                    inner,
+                    checkpoints.snapshot,
+                    _ignore if pulls else hand,
+                    None if pulls else checkpoints.user_request,
+                    self._user_waited,
+                    self._role.supply(it, cursor, skip),  # in step, the leader's loader
                 )
+            if stage is not None and on_device:  # prefetch on this thread
                 inner = stage.wrap(
                     inner,
                     checkpoints.snapshot,
@@ -272,17 +265,8 @@ class ShmLoader:
                     start=cursor,
                     hand=hand,
                 )
-            else:
-                inner = producer.run(
-                    inner,
-                    checkpoints.snapshot,
-                    hand,
-                    checkpoints.user_request,
-                    self._user_waited,
-                    fed,
-                )
-                if stage is not None:
-                    inner = stage.wrap(inner, start=cursor)
+            elif stage is not None:
+                inner = stage.wrap(inner, start=cursor)
         # the iterator keeps this loader alive (NOTE [an iterator keeps its loader])
         current = Iteration(inner, self)
         if self.role != "local":

@@ -63,16 +63,16 @@ class Owner:
         without an ERROR (``close()`` tells the peers: STOP, closed), says its
         goodbyes (a follower's BYE, a writer's STOP, the leader's closing STOP
         across nodes) and frees what it owns, in ``ShmLoader``'s one closing
-        sequence, then ends; ``close()`` waits for that, bounded. Two places
-        the producer cannot leave at a check: the user's code (a leader's
-        ``next()`` of its loader when it runs ahead: ``outside``) and a gloo
-        wait that nothing can cut short (``parked``: a node leader's receive
-        of the leader's next header, the leader's wait for its sends to be
-        received; NOTE [closing across nodes] in ``_transport.xnode``). There
-        it touches nothing it owns, so ``close()`` does not wait for it: it
-        takes the resources over (``take``) and closes them itself, and the
-        producer, once back, finds them taken and touches nothing. That is
-        the one moment ownership moves, and it moves once.
+        sequence, then ends; ``close()`` waits for that, bounded. A gloo
+        call, which nothing can cut short, is not the producer's to make: the
+        loader's link thread makes it, and the producer waits for it with a
+        check per slice (NOTE [the link owns gloo] in ``_transport.xnode``).
+        One place the producer cannot leave at a check: the user's code (a
+        leader's ``next()`` of its loader when it runs ahead: ``outside``).
+        There it touches nothing it owns, so ``close()`` does not wait for
+        it: it takes the resources over (``take``) and closes them itself,
+        and the producer, once back, finds them taken and touches nothing.
+        That is the one moment ownership moves, and it moves once.
 
         A rank with sharing off has no producer and nothing to own: its loop
         on the user's thread checks the mark at each batch.
@@ -87,13 +87,11 @@ class Owner:
         self._closing = 0  # the thread that runs the closing sequence: its waits go on
         #: the producer thread, once it runs (``outside`` is a no-op elsewhere)
         self.producer: threading.Thread | None = None
-        self._away: set[threading.Thread] = set()  # in the user's code or a gloo wait
+        self._away: set[threading.Thread] = set()  # in the user's code
         #: ``close()`` took the resources from a producer that was away
         self.taken = False
         #: per thread: the event that halts the work it does now (``halted_by``)
         self._local = threading.local()
-        #: threads away in a wait gloo cannot cut short (``parked``)
-        self.parked_threads: set[threading.Thread] = set()
 
     def __call__(self) -> None:
         """Raise ``ShmLoaderError`` once ``close()`` began (but in the thread that closes),
@@ -156,19 +154,6 @@ class Owner:
             with self._lock:
                 self._away.discard(me)
             self()  # whatever the body raised, the loader closed: that is the error
-
-    @contextlib.contextmanager
-    def parked(self) -> Iterator[None]:
-        """``outside``, around a cross-node wait that nothing can cut short (gloo has no
-        cancel): ``Producer.settle`` does not wait for a producer parked here either, whose
-        every step after it is a check (NOTE [closing across nodes] in ``_transport.xnode``)."""
-        me = threading.current_thread()
-        self.parked_threads.add(me)
-        try:
-            with self.outside():
-                yield
-        finally:
-            self.parked_threads.discard(me)
 
     def take(self) -> bool:
         """``close()``: take the resources from a producer that is away now (it touches

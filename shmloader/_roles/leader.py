@@ -127,7 +127,6 @@ class Leader:
         return self.source.open(skip, at_iter=at_iter)
 
     def set_epoch(self, epoch: int) -> None:
-        self.writer.follow_epoch()
         if self.source.loader is not None:
             forward_set_epoch(self.source.loader, epoch)
 

@@ -9,8 +9,6 @@ on a node leader, drawn: ``docs/internals/datapath.md``.
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -38,11 +36,6 @@ class NodeLeader:
         self.writer = writer
         self.xnode = xnode
         self.stash: Event | None = None  # an event of the next iteration
-        #: held while a thread receives a header into ``stash`` (the loop's, or the drain's)
-        self._rx = threading.Lock()
-        #: the loop got the leader's closing STOP: nothing is left to drain
-        self.leader_closed = False
-        self.drainer: threading.Thread | None = None
 
     def ready(self) -> None:
         pass
@@ -55,28 +48,11 @@ class NodeLeader:
         return None
 
     def set_epoch(self, epoch: int) -> None:
-        self.writer.follow_epoch()
+        pass  # a node leader stamps nothing of its own: it checks the leader's stamps
 
     def close(self) -> None:
         self.writer.say_closed(self.ctx.cursor.it)
-        if not self.leader_closed and not self.xnode.broken:  # NOTE [closing across nodes]
-            self.drainer = threading.Thread(target=self.drain, name="shmloader-drain", daemon=True)
-            self.drainer.start()
-
-    def drain(self) -> None:
-        """After ``close()``: receive the leader's events into nothing up to its closing STOP,
-        so that every send of the leader completes (NOTE [closing across nodes] in ``xnode``).
-        A loop still parked in a header receive gets its header first (``_rx``); a broken
-        link ends the drain."""
-        with contextlib.suppress(Exception):
-            while True:
-                with self._rx:
-                    event, self.stash = self.stash, None
-                    if event is None:
-                        event = self.xnode.receive_header()
-                    self.xnode.skip_payload()
-                if _closing(event):
-                    return
+        self.xnode.drain()  # NOTE [closing across nodes] (xnode): on the link, never waited
 
     def closers(self) -> list[Callable[[], None]]:
         return self.writer.closers()
@@ -110,7 +86,6 @@ class NodeLeader:
                 ctx.cursor.finish()
                 return
             if head.kind == Kind.STOP:
-                self.leader_closed = _closing(event)
                 reason = str(json_body(event.meta).get("reason", ""))
                 writer.tell_last(writer.stamped(Kind.STOP, it, reason=reason, closed=0))
                 raise receiver.stopped(reason, theirs, mine)
@@ -143,12 +118,12 @@ class NodeLeader:
             t_wait = time.perf_counter()
             if self.stash is None:
                 try:
-                    # gloo only: close() need not wait for the leader's next header
-                    # (NOTE [one owner] in base)
-                    with ctx.check_open.parked(), self._rx:
-                        self.stash = xnode.receive_header()
+                    self.stash = xnode.receive_header()  # NOTE [the link owns gloo] (xnode)
                 except Halted:
-                    self._drop_halted(it)
+                    # a batch of the iteration its user left: its payload into nothing once
+                    # its header comes, or the leader's send of it waits for this node's
+                    # next iteration (NOTE [running ahead])
+                    xnode.drop_leftover(it)
                     raise
             event, self.stash = self.stash, None
             ctx.stats.note_wait(t_wait)
@@ -167,21 +142,7 @@ class NodeLeader:
                 )
             return event
 
-    def _drop_halted(self, it: int) -> None:
-        """A halted loop got the header of a batch of the iteration its user left: take its
-        payload into nothing now, or the leader's send of it waits for this node's next
-        iteration (NOTE [running ahead]). A later iteration's event stays in ``stash``."""
-        event = self.stash
-        if event is not None and event.head.it <= it and event.head.kind == Kind.BATCH:
-            self.stash = None
-            self._skip_payload(event)
-
     def _skip_payload(self, event: Event) -> None:
         """Receive (and drop) the payload of a batch this node will not publish: the last
         header received is always ``event``'s (``stash`` holds one only while empty)."""
         self.xnode.skip_payload()
-
-
-def _closing(event: Event) -> bool:
-    """Whether ``event`` is the leader's closing STOP (NOTE [closing across nodes] in ``xnode``)."""
-    return event.head.kind == Kind.STOP and bool(json_body(event.meta).get("closed"))

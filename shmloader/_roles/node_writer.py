@@ -64,7 +64,7 @@ class NodeWriter:
         self.topo = topo
         self.ring = ring
         self.hub = hub
-        self.xnode = xnode  # its position follows the stamps (the leader's cross-node stamps)
+        self.xnode = xnode  # the leader's sends to node leaders, a node leader's receives
         #: the group leader's writer sends every event on to the node leaders first
         self.sends = xnode is not None and topo.is_leader
         self.pool = pool  # the leader's: release words of pooled slots (NOTE [release words])
@@ -84,12 +84,10 @@ class NodeWriter:
     def begin(self, cursor: int) -> None:
         """A new iteration starts at position ``cursor`` of the epoch."""
         self.pos = cursor
-        self.follow_epoch()
 
-    def follow_epoch(self) -> None:
-        """The leader's cross-node stamps follow (epoch, pos)."""
-        if self.xnode is not None:
-            self.xnode.position = (self.ctx.cursor.epoch, self.pos)
+    def at(self) -> tuple[int, int]:
+        """(epoch, position) stamped on the next message, on this node or across nodes."""
+        return self.ctx.cursor.epoch, self.pos
 
     def describe(self, description: dict) -> None:
         """Rewrite the ring's description for ``stat`` (``stats.Reporter``)."""
@@ -136,9 +134,9 @@ class NodeWriter:
         payload = slot.payload[: batch.nbytes] if slot is not None else None
         if self.sends:
             assert self.xnode is not None
-            # NOTE [closing across nodes] (xnode): close() never waits for this send
-            with self.ctx.check_open.parked():
-                self.xnode.send(Kind.BATCH, it, batch.meta, payload, draws=draws, crc=crc)
+            # NOTE [the link owns gloo] (xnode): close() never waits for this send
+            self.xnode.send(Kind.BATCH, it, batch.meta, payload, at=self.at(), draws=draws, crc=crc)
+            self.ctx.check_open()  # a close meanwhile announces nothing
         self.announce(it, batch.meta, batch.nbytes, slot, draws, filled.write_ns, crc)
         self._count(batch.nbytes, filled, t0)
         if view:
@@ -161,6 +159,8 @@ class NodeWriter:
         """The leader's main process writes the encoded batch into a slot it acquires; its
         CRC-32 computed (``SHMLOADER_VERIFY``)."""
         t0 = time.perf_counter_ns()
+        if self.xnode is not None:
+            self.xnode.sent()  # NOTE [a slot in flight] (xnode)
         slot = self.ring.acquire(enc.nbytes) if enc.nbytes else None
         if slot is not None:
             codec.write_payload(enc, slot.payload)
@@ -222,8 +222,7 @@ class NodeWriter:
         """The iteration ended: END to the node leaders (the leader's), then to this node."""
         if self.sends:
             assert self.xnode is not None
-            with self.ctx.check_open.parked():  # NOTE [closing across nodes] (xnode)
-                self.xnode.send(Kind.END, it, b"", draws=draws)
+            self.xnode.send(Kind.END, it, b"", at=self.at(), draws=draws)
         self.await_readers(window=False)
         self.tell_readers(self.stamped(Kind.END, it, draws=draws))
 
@@ -255,8 +254,7 @@ class NodeWriter:
                 kind, body = Kind.ERROR, error_body(it, exc)
                 parts = wire.frames(Kind.ERROR, self.seq, **body)
             if self.sends and self.xnode is not None and not self.xnode.broken:
-                with self.ctx.check_open.parked():  # NOTE [closing across nodes] (xnode)
-                    self.xnode.send_json(kind, it, body)
+                self.xnode.send_json(kind, it, body, at=self.at())
             with contextlib.suppress(PeerLostError):
                 self.await_readers(window=False, timeout=min(self.config.timeout, CLOSE_WAIT_S))  # type: ignore[type-var]
             self.tell_last(parts)
@@ -288,7 +286,6 @@ class NodeWriter:
             **(self.pool.announce_fields(slot) if self.pool is not None else {}),
         )
         self.pos += 1
-        self.follow_epoch()
         self.tell_readers(parts)
         self.warn_growth()
         self.ctx.report()
@@ -562,4 +559,4 @@ class NodeWriter:
             stop = self.stamped(Kind.STOP, it, reason="the writer closed", closed=1)
             self.tell_readers(stop, best_effort=True)
         if self.sends and self.xnode is not None:
-            self.xnode.say_closed(it)
+            self.xnode.say_closed(it, at=self.at())

@@ -69,20 +69,17 @@ from .cursor import Position
 #     telling the peers anything (as a loop left at a ``yield`` tells them
 #     nothing) and what it queued is dropped; ``settle`` (before the next
 #     ``iter()``, ``set_epoch`` or ``close``) waits for the producer to leave
-#     it; the user's position stays the last one handed over. Two waits
-#     cannot be cut short: a node leader's gloo receive of the leader's next
-#     header and the leader's wait for a send to be received (gloo has no
-#     receive or send that can be polled or cancelled). ``settle`` therefore
-#     waits until the producer left the iteration *or is parked* in one of
-#     them (``Owner.parked``), where it touches nothing and from where its next
-#     step is a check: it leaves as soon as its peer takes the message, and
-#     only then takes the next iteration. A header a halted node leader then
-#     gets is a later iteration's (kept as the role's ``stash``) or a
-#     leftover, whose payload it takes into nothing at once so that the
-#     leader's send of it completes; each loader's cross-node messages carry
-#     a tag of their own (``loader_tag``). What is left in flight at
-#     ``close()`` is drained there (NOTE [closing across nodes] in
-#     ``_transport.xnode``). An error the leader's loop raised past where
+#     it; the user's position stays the last one handed over. No wait of
+#     the producer is one it cannot leave: a gloo send or receive, which
+#     nothing can cut short, runs on the loader's link thread while the
+#     producer waits for it in slices (NOTE [the link owns gloo] in
+#     ``_transport.xnode``). A header a halted node leader then gets is a
+#     later iteration's (kept as the role's ``stash``) or a leftover, whose
+#     payload its link takes into nothing at once so that the leader's send
+#     of it completes; each loader's cross-node messages carry a tag of
+#     their own (``loader_tag``). What is left in flight at ``close()`` is
+#     drained there (NOTE [closing across nodes]). An error the leader's
+#     loop raised past where
 #     every user left (its user never reached it) is dropped by the readers,
 #     as the leader's own user never sees it. ``close()`` from any thread
 #     stops the producer, which then frees what it owns (NOTE [one owner] in
@@ -491,8 +488,8 @@ class Producer:
 
     def finish(self) -> bool:
         """``close()``, after ``stop``: wait until the producer ran ``closing`` and ended
-        (True), or take what it owns if it is away, in the user's code or a gloo wait
-        (False: the caller closes it; NOTE [one owner]). Bounded by ``Owner.limit``."""
+        (True), or take what it owns if it is away in the user's code (False: the caller
+        closes it; NOTE [one owner]). Bounded by ``Owner.limit``."""
         thread, owner = self._thread, self.owner
         assert thread is not None
         deadline = time.monotonic() + owner.limit
@@ -515,8 +512,7 @@ class Producer:
         ``timeout`` seconds.
 
         ``timeout``: default the owner's limit, with a warning when it is
-        over. A producer parked in a cross-node wait (``Owner.parked``) is not
-        waited for (NOTE [running ahead]).
+        over.
 
         Once it waited, the role's loop is not running: the caller may touch
         what the loop owns from its own thread. Nothing is rewound: the user's
@@ -543,14 +539,13 @@ class Producer:
             )
 
     def _left(self, run: _Run) -> bool:
-        """Whether the producer is out of ``run``: finished it, never took it, or parked in
-        a wait nothing can cut short (it touches nothing there)."""
+        """Whether the producer is out of ``run``: finished it, or never took it."""
         with self._jobs:
             untaken = self._next is run
         if run.finished or untaken:
             return True
         thread = self._thread
-        return thread is None or not thread.is_alive() or thread in self.owner.parked_threads
+        return thread is None or not thread.is_alive()
 
 
 def _addresses(obj: Any, found: list[int], depth: int = 0) -> None:

@@ -173,7 +173,7 @@ def _make_role(
     xnode = None
     if len(topo.nodes) > 1 and topo.me in topo.node_leaders:
         tag = loader_tag(topo.fact(topo.leader).token)  # NOTE [running ahead] (producer)
-        xnode = CrossNode(pg, topo.leader, topo.node_leaders, tag)
+        xnode = CrossNode(pg, topo.leader, topo.node_leaders, tag, ctx.check_open)
     source = None
     role: Role
     if topo.is_writer:
@@ -229,6 +229,8 @@ def _make_role(
         producer.idle = follower.out.flush  # NOTE [prompt release] (follower)
         role = follower
     closers = role.closers()
+    if xnode is not None:
+        closers.append(xnode.close)  # its link ends after the goodbyes handed to it
     if daemon is not None:
         if topo.is_writer:
             closers.append(functools.partial(daemon.unregister, topo.ring_token))

@@ -61,8 +61,9 @@ def _loader(n: int = 12, fail_at: int | None = None, device: bool = False, **con
 
 
 def _ahead_threads() -> list[threading.Thread]:
-    """Every thread of shmloader's: loops ahead, a node leader's drain, the leader's wait for
-    its closing STOP to be taken (NOTE [closing across nodes] in shmloader/_transport/xnode.py)."""
+    """Every thread of shmloader's: producers, the cross-node links (a node leader's drain
+    and the leader's closing STOP are their last jobs: NOTE [closing across nodes] in
+    shmloader/_transport/xnode.py)."""
     return [t for t in threading.enumerate() if t.name.startswith("shmloader-") and t.is_alive()]
 
 
@@ -328,8 +329,8 @@ def test_a_leader_error_at_batch_k_surfaces_at_step_k_on_every_rank(nodes, devic
 @pytest.mark.parametrize("how", ["inside", "another-thread"])
 def test_close_mid_lookahead_stops_every_thread(how, nodes, device):
     # over two nodes the leader has sends in flight that no loop will take: each node
-    # leader's close drains them up to the leader's closing STOP, so the leader's parked
-    # thread, the drain and the wait for the STOP all end (NOTE [closing across nodes])
+    # leader's close drains them up to the leader's closing STOP, so both links (and the
+    # leader's wait for the STOP) end (NOTE [closing across nodes])
     kwargs = {"how": how, "device": device}
     out = run_ranks(close_mid_lookahead, 4 if nodes else 2, kwargs=kwargs, nodes=nodes)
     for rank, o in enumerate(out):
@@ -687,7 +688,7 @@ class _SlowAfter(Dataset):
 
 def parked_at_the_break(rank: int, world: int) -> dict:
     """Both ranks leave the first pass after 2 batches, while the leader's workers are slow:
-    the node leader's producer is then parked in its gloo receive of the leader's next
+    the node leader's producer then waits for its link's gloo receive of the leader's next
     header. Its second ``iter()`` must not wait for that receive; the second pass is whole."""
     dataset = _SlowAfter()
     loader = ShmLoader(
@@ -700,7 +701,7 @@ def parked_at_the_break(rank: int, world: int) -> dict:
         first.append(int(batch[0, 0]))
         if len(first) == 2:
             break
-    time.sleep(0.5)  # the node leader's producer took what was sent and parked
+    time.sleep(0.5)  # the node leader's producer took what was sent and waits for more
     dataset.slow = False  # the next pass's workers (forked at iter()) are quick
     t0 = time.monotonic()
     it = iter(loader)
@@ -711,9 +712,9 @@ def parked_at_the_break(rank: int, world: int) -> dict:
 
 
 def test_a_node_leaders_iter_does_not_wait_for_its_parked_gloo_receive():
-    """NOTE [running ahead]: ``settle`` goes on at once past a producer parked in a gloo wait
-    (``Owner.parked``); its next step is a check, and it takes the next iteration once its
-    peer's message came (here after the leader's 2 s sample)."""
+    """NOTE [running ahead]: ``settle`` does not wait for a gloo receive: the link makes it,
+    the producer leaves its wait at the next check (NOTE [the link owns gloo]), and the
+    next iteration takes the header once it came (here after the leader's 2 s sample)."""
     out = run_ranks(parked_at_the_break, 2, nodes=[0, 1], timeout=60)
     assert [o["role"] for o in out] == ["leader", "node leader"], out
     for o in out:
@@ -736,7 +737,8 @@ def leader_closes_first(rank: int, world: int) -> dict:
         outcome = type(exc).__name__
     loader.close()
     time.sleep(1.0)
-    draining = [t.name for t in threading.enumerate() if t.name == "shmloader-drain"]
+    # a drain for a STOP that never comes would keep the link in a gloo receive
+    draining = [t.name for t in threading.enumerate() if t.name == "shmloader-link"]
     dist.barrier()  # the leader lives until every rank looked
     return {"role": loader.role, "seen": seen, "outcome": outcome, "draining": draining}
 

@@ -10,7 +10,6 @@ the leader's before announcing anything, and the counters are the leader's.
 from __future__ import annotations
 
 import collections
-import contextlib
 import types
 import zlib
 
@@ -21,6 +20,7 @@ import torch
 from shmloader._node.ring import RingWriter, SlotState, new_token
 from shmloader._proto import codec, wire
 from shmloader._proto.wire import CrossHeader, Kind
+from shmloader._roles.base import Halted
 from shmloader._roles.cursor import Cursor
 from shmloader._roles.node_writer import NodeWriter
 from shmloader._transport.xnode import Event
@@ -50,12 +50,26 @@ class _Link:
 
     def __init__(self, log: list, incoming: bytes = b"") -> None:
         self.log, self.incoming = log, incoming
-        self.position = (0, 0)
         self.broken = False
         self.bytes_sent = 0
 
-    def send(self, kind, it, meta, payload=None, *, draws=0, crc=-1) -> None:
+        #: a send the writer stopped waiting for, as the link's: it reads its payload, a
+        #: view of the slot, until ``sent`` or the next send (the link sends in order)
+        self.in_flight: np.ndarray | None = None
+        self.halt_next = False  # the next send's wait is halted (NOTE [a slot in flight])
+        self.delivered: list[bytes] = []  # what the node leaders received of in-flight sends
+
+    def send(self, kind, it, meta, payload=None, *, at, draws=0, crc=-1) -> None:
+        self.sent()
         self.log.append(("send", kind, crc, None if payload is None else bytes(payload)))
+        if self.halt_next:
+            self.halt_next, self.in_flight = False, payload
+            raise Halted("this iteration was halted")
+
+    def sent(self) -> None:
+        if self.in_flight is not None:
+            self.delivered.append(bytes(self.in_flight))
+            self.in_flight = None
 
     def receive_payload(self, dest: np.ndarray) -> None:
         self.log.append(("receive", dest.nbytes))
@@ -63,20 +77,13 @@ class _Link:
 
 
 class _Owner:
-    """The loader's owner as the writer uses it: a check, and the parked send around which
-    ``close()`` never waits (NOTE [closing across nodes]); its exit is a check, as the real one."""
+    """The loader's owner as the writer uses it: a check."""
 
     def __init__(self, log: list) -> None:
         self.log = log
 
     def __call__(self) -> None:
         self.log.append(("check_open",))
-
-    @contextlib.contextmanager
-    def parked(self):
-        self.log.append(("parked",))
-        yield
-        self()
 
 
 @pytest.fixture
@@ -118,10 +125,11 @@ def test_the_leader_sends_to_node_leaders_before_its_readers_hear_of_the_batch(n
     view = writer.publish(0, enc, 0)
     payload = bytes(view)
     crc = zlib.crc32(payload) if verify else -1
-    # parked (close() never waits for it), then a check: a close meanwhile announces nothing
-    assert [e[0] for e in log] == ["parked", "send", "check_open", "announce"], log
-    assert log[1] == ("send", Kind.BATCH, crc, payload), "node leaders: another CRC-32 or payload"
-    assert log[3] == ("announce", Kind.BATCH, crc), "the readers were told another CRC-32"
+    # the send (waited on the link: NOTE [the link owns gloo]), then a check: a close
+    # meanwhile announces nothing
+    assert [e[0] for e in log] == ["send", "check_open", "announce"], log
+    assert log[0] == ("send", Kind.BATCH, crc, payload), "node leaders: another CRC-32 or payload"
+    assert log[2] == ("announce", Kind.BATCH, crc), "the readers were told another CRC-32"
     assert writer.seq == 1
 
 
@@ -158,3 +166,19 @@ def test_a_node_leader_checks_the_leaders_crc_before_announcing(node, corrupt):
     assert bytes(view) == payload
     assert log == [("receive", len(payload)), ("announce", Kind.BATCH, crc)], log
     assert "published" not in writer.ctx.stats.counts, "a node leader counts what it receives"
+
+
+def test_no_slot_is_refilled_while_a_send_left_in_flight_still_reads_it(node):
+    # NOTE [a slot in flight] (xnode): the leader's wait for a send was halted, the slot it
+    # sends was never announced (so it is FREE), and the next iteration publishes at once
+    writer, _log = node()
+    link = writer.xnode
+    first = codec.encode({"x": torch.full((4096,), 1, dtype=torch.int32)}, allow_pickle=False)
+    link.halt_next = True
+    with pytest.raises(Halted):
+        writer.publish(0, first, 0)
+    second = codec.encode({"x": torch.full((4096,), 2, dtype=torch.int32)}, allow_pickle=False)
+    writer.publish(1, second, 0)
+    sent = bytearray(first.nbytes)
+    codec.write_payload(first, np.frombuffer(sent, np.uint8))
+    assert link.delivered == [bytes(sent)], "a node leader received bytes of the next batch"

@@ -63,6 +63,7 @@ DROPS = "tests/multirank/test_drops.py::"
 BOUNDARIES = "tests/multirank/test_boundaries.py::"
 TENANTS = "tests/daemon/test_daemon_tenants.py::"
 LINK = "tests/multirank/test_link.py::"
+SWEEP = "tests/multirank/test_close_sweep.py::"
 PUBLISH = "tests/unit/test_publish.py::"
 
 #: The planted bugs, each with the multi-rank tests that exercise its line: the tests that
@@ -332,6 +333,26 @@ BUGS = [
         "            while not self.broken:  # planted",
         (f"{AHEAD}test_a_node_leader_that_took_the_closing_stop_drains_nothing",),
         "a node leader whose loop took the leader's closing STOP drains for another one",
+    ),
+    Bug(
+        "close-waits-for-the-loaders-end",
+        "shmloader/_roles/producer.py",
+        "        while thread.is_alive() and not self.closed.is_set():\n",
+        "        while thread.is_alive():  # planted\n",
+        (
+            f"{SWEEP}test_close_from_another_thread_at_every_point_of_a_step_on_every_role[leader-ahead]",
+        ),
+        "close() waits for the producer to end the user's DataLoader, not for its goodbyes",
+    ),
+    Bug(
+        "loader-ended-before-the-goodbyes",
+        "shmloader/_roles/producer.py",
+        "                self._remains.append(exc)  # NOTE [goodbyes first]\n",
+        "                pass  # planted: its frames, and the user's loader, end here\n",
+        (
+            f"{SWEEP}test_close_from_another_thread_at_every_point_of_a_step_on_every_role[leader-ahead]",
+        ),
+        "a loop's error ends the user's DataLoader before the producer's goodbyes",
     ),
     Bug(
         "drop-unmapped-in-place",

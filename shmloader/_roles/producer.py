@@ -207,6 +207,13 @@ class Producer:
         #: ``ShmLoader``'s closing sequence, which the producer runs once it stopped, unless
         #: ``close()`` took its resources while it was away (NOTE [one owner] in ``base``)
         self.closing: Callable[[], None] | None = None
+        #: set once the closing sequence ran (or was not the producer's): ``finish`` waits
+        #: for this, not for the loops' ends, which close the user's loader after it
+        self.closed = threading.Event()
+        #: what a closing loader's loops left (a loop, or the error that ended one, whose
+        #: frames hold the user's loader), let go after the closing sequence (NOTE
+        #: [goodbyes first])
+        self._remains: list[Any] = []
         #: batches it may hold ready for the user; 0: it makes each one when asked
         self.depth = depth
         self.in_step = depth == 0
@@ -386,9 +393,24 @@ class Producer:
                 finally:
                     self._current = None
         finally:
-            if self.closing is not None and not owner.taken:
-                with owner.closing():
-                    self.closing()
+            try:
+                if self.closing is not None and not owner.taken:
+                    with owner.closing():
+                        self.closing()
+            finally:
+                self.closed.set()
+                while self._remains:
+                    _end_loop(self._remains.pop())
+
+    # NOTE [goodbyes first]
+    #     Ending a loop ends the user's loader in it: a DataLoader iterator's
+    #     shutdown joins its workers, and a worker waiting for a pool slot no
+    #     rank will release sees the shutdown only once its wait to grow one ran
+    #     out (``partition.GROW_GRACE_S``, 2 s). Where the loader is closing,
+    #     the producer says its goodbyes and frees what it owns first, then lets
+    #     go of what its loops left (a loop, or the error that ended one: its
+    #     traceback's frames hold the user's loader); ``close()`` waits for the
+    #     first (``closed``) only.
 
     def _await_run(self) -> _Run | None:
         """The next iteration the user started; None once stopped. Between iterations the
@@ -423,12 +445,17 @@ class Producer:
         except Halted:
             pass
         except BaseException as exc:  # the loop's own error: raised at its step
-            if not owner.closed:
+            if owner.closed:
+                self._remains.append(exc)  # NOTE [goodbyes first]
+            else:
                 with run.ready:
                     run.queue.append(_Failed(exc))
         finally:
-            with contextlib.suppress(Exception):
-                inner.close()  # type: ignore[attr-defined]
+            if owner.closed:
+                self._remains.append(inner)  # NOTE [goodbyes first]
+            else:
+                _end_loop(inner)
+            del inner
             run.inner = iter(())  # the finished loop's frame, and what it holds, go now
             with run.ready:
                 run.finished = True
@@ -493,7 +520,7 @@ class Producer:
         thread, owner = self._thread, self.owner
         assert thread is not None
         deadline = time.monotonic() + owner.limit
-        while thread.is_alive():
+        while thread.is_alive() and not self.closed.is_set():
             if owner.take():
                 return False
             if time.monotonic() > deadline:
@@ -546,6 +573,13 @@ class Producer:
             return True
         thread = self._thread
         return thread is None or not thread.is_alive()
+
+
+def _end_loop(remains: Any) -> None:
+    """End a role's loop (and the user's loader it iterates); an error is only let go."""
+    if not isinstance(remains, BaseException):
+        with contextlib.suppress(Exception):
+            remains.close()
 
 
 def _addresses(obj: Any, found: list[int], depth: int = 0) -> None:

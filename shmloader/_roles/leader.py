@@ -163,25 +163,30 @@ class Leader:
         ``_Ended``: on the user's thread in step, on the producer ahead."""
         ctx, source = self.ctx, self.source
         batches, pending = self._open(skip) if opened is None else opened
-        while True:
-            ctx.check_open()
-            source.boundary_reached()
-            before = None if self.feed is None else rng.snapshot()  # NOTE [draws ahead]
-            box = []  # NOTE [no batch in the frame] (base)
-            t_wait = time.perf_counter()
-            try:
-                # the user's code: close() from another thread need not wait for
-                # it (NOTE [one owner] in base)
-                with ctx.check_open.outside():
-                    box.append(next(batches))
-            except StopIteration:
-                ctx.cursor.finish()
-                yield _Ended(pending + self._drawn(before))
-                return
-            ctx.stats.note_wait(t_wait)
-            draws, pending = pending + self._drawn(before), 0
-            ctx.cursor.count()
-            yield box.pop(), draws
+        try:
+            while True:
+                ctx.check_open()
+                source.boundary_reached()
+                before = None if self.feed is None else rng.snapshot()  # NOTE [draws ahead]
+                box = []  # NOTE [no batch in the frame] (base)
+                t_wait = time.perf_counter()
+                try:
+                    # the user's code: close() from another thread need not wait for
+                    # it (NOTE [one owner] in base)
+                    with ctx.check_open.outside():
+                        box.append(next(batches))
+                except StopIteration:
+                    ctx.cursor.finish()
+                    yield _Ended(pending + self._drawn(before))
+                    return
+                ctx.stats.note_wait(t_wait)
+                draws, pending = pending + self._drawn(before), 0
+                ctx.cursor.count()
+                yield box.pop(), draws
+        except BaseException:  # left early: the loader's iterator ends with this frame
+            if self.pool is not None:
+                self.pool.leaving()  # its workers stop waiting for slots
+            raise
 
     def _loop(self, it: int, items: Iterator[tuple[Any, int] | _Ended]) -> Iterator[Any]:
         ctx, writer = self.ctx, self.writer

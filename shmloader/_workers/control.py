@@ -138,6 +138,10 @@ def records(words: np.ndarray, total: int) -> list[Record]:
 #: The fewest slots a worker runs with (NOTE [pool size]); word 3 holds how many are in use.
 MIN_PER_WORKER = 2
 USE = 3
+#: Word 6: nonzero while the leader's main process ends its DataLoader iterator (the user
+#: left the iteration, or the loader closed): a worker waiting for a slot stops waiting
+#: (NOTE [pool size]), so the iterator's shutdown does not wait out ``GROW_GRACE_S``.
+LEAVING = 6
 
 
 def pool_stem(token: str) -> str:

@@ -45,6 +45,7 @@ from .._node.segment import (
 )
 from ..errors import PeerLostError, ShmCapacityError, ShmLoaderError, human_bytes
 from .control import (
+    LEAVING,
     MIN_PER_WORKER,
     USE,
     PoolSpec,
@@ -150,6 +151,11 @@ class WorkerSlots:
             now = time.monotonic()
             if now >= check:
                 check = now + OWNER_CHECK_S
+                if self.words[LEAVING]:
+                    raise ShmLoaderError(
+                        f"DataLoader worker {self.worker_id} stopped waiting for a pool slot: "
+                        "the leader left the iteration (this batch is never delivered)"
+                    )
                 self._check_holders()
                 if not process_alive(self.spec.owner_pid, self.spec.owner_start):
                     raise PeerLostError(

@@ -41,6 +41,7 @@ from .._node.segment import (
 )
 from ..errors import ProtocolError, human_bytes
 from .control import (
+    LEAVING,
     POOL_VERSION,
     RECORD_WORDS,
     RECORDS_AT,
@@ -350,13 +351,20 @@ class WorkerPool:
         if rec.state == PoolState.FILLED and rec.ticket == ref.ticket:
             rec.state = PoolState.EMPTY
 
+    def leaving(self) -> None:
+        """This process ends its DataLoader iterator: its workers' waits for a slot end at
+        once (``LEAVING``), until the next ``iter()``'s ``reclaim``."""
+        self.words[LEAVING] = 1
+
     def reclaim(self) -> list[int]:
-        """At ``iter()``: empty the slots whose worker died while WRITING or FILLED.
+        """At ``iter()``: empty the slots whose worker died while WRITING or FILLED (the
+        workers the last iteration's end stopped, too: ``leaving``).
 
         The half-written batch of a killed worker is never announced (its
         SlotRef was never sent, or died with the iterator) and its slot
         returns to the pool here. Returns the indices reclaimed.
         """
+        left, self.words[LEAVING] = bool(self.words[LEAVING]), 0
         done = []
         for i in range(self.spec.total):
             rec = self._record(i)
@@ -367,8 +375,10 @@ class WorkerPool:
                     self._keep_orphan(i, rec.gen)
                 rec.state = PoolState.EMPTY
                 done.append(i)
-        if done:
-            log.warning("shmloader: reclaimed pool slots %s of dead DataLoader workers", done)
+        if done:  # workers the last iteration's end stopped are no news
+            (log.debug if left else log.warning)(
+                "shmloader: reclaimed pool slots %s of dead DataLoader workers", done
+            )
         return done
 
     def _keep_orphan(self, i: int, gen: int) -> None:

@@ -89,6 +89,8 @@ def close_sweep(rank: int, world: int, *, workers: int) -> list[dict]:
         loader.close()
         close_s = time.monotonic() - t0
         thread.join(30)
+        left = _wait_gone(10.0)
+        gone_s = time.monotonic() - t0
         trials.append(
             {
                 "role": loader.role,
@@ -96,7 +98,8 @@ def close_sweep(rank: int, world: int, *, workers: int) -> list[dict]:
                 "bad": result["bad"],
                 "alive": thread.is_alive(),
                 "close_s": close_s,
-                "left": _wait_gone(10.0),
+                "gone_s": gone_s,
+                "left": left,
             }
         )
         dist.barrier()  # the next trial starts together
@@ -120,4 +123,38 @@ def test_close_from_another_thread_at_every_point_of_a_step_on_every_role(worker
             # wait for a pool slot runs 2 s (NOTE [goodbyes first] in _roles/producer.py)
             assert t["close_s"] < 1.0, where
             assert t["left"] == [], where
+            # an ahead leader's DataLoader workers, waiting for pool slots no rank will
+            # release, stop waiting as its iterator ends (LEAVING in _workers/control.py)
+            assert t["gone_s"] < 1.5, where
             assert t["gave_up"] == [], where
+
+
+def break_and_again(rank: int, world: int) -> dict:
+    """Three passes, each left after 4 batches while the leader's workers wait for slots."""
+    warnings = capture_warnings()
+    loader = ShmLoader(
+        lambda: DataLoader(_Values(), batch_size=1, num_workers=2),
+        dist.group.WORLD,
+        config=Config.from_env(enabled=True, timeout=20.0),
+    )
+    passes = []
+    for _ in range(3):
+        seen = []
+        for step, batch in enumerate(loader):
+            seen.append(bool((batch == step).all()))
+            time.sleep(CYCLE_S)
+            if step == 3:
+                break
+        passes.append(seen)
+    loader.close()
+    return {"passes": passes, "warnings": warnings.messages}
+
+
+@pytest.mark.timeout(120)
+def test_leaving_an_iteration_stops_the_workers_quietly():
+    # the workers the leader's iterator stopped are reclaimed at the next iter() without
+    # a warning about dead workers: nothing died that the user should hear of
+    out = run_ranks(break_and_again, 2, nodes=[0, 1], timeout=100)
+    for rank, o in enumerate(out):
+        assert o["passes"] == [[True] * 4] * 3, (rank, o)
+        assert not [m for m in o["warnings"] if "reclaimed" in m], (rank, o)

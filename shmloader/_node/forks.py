@@ -139,13 +139,15 @@ os.register_at_fork(after_in_child=_reserve_in_child)
 #
 #     Ordering: the parent keeps every view alive through the fork and waits
 #     (``FORK_COPY_WAIT_S`` at most) until its child says the copies are
-#     made, or is gone. ``no_fork`` is one lock, held by the forking thread
-#     from the snapshot of the views to the ``fork()`` itself and by any
-#     thread that maps and registers a view or takes a batch out of a hidden
-#     queue: a child's views are exactly the snapshot, and what one fork
+#     made, or is gone. ``no_fork`` is one gate (``_ForkGate``), held
+#     exclusively by the forking thread from the snapshot of the views to the
+#     ``fork()`` itself, and shared by every thread that maps and registers a
+#     view or takes a batch out of a hidden queue (they never wait for each
+#     other: a user's ``next()`` does not wait for the loop mapping the next
+#     batch): a child's views are exactly the snapshot, and what one fork
 #     carries from its parent's handler to its child's and back is its own
-#     (a second thread's fork waits for the lock, never for the first
-#     fork's child: the lock is given back before the parent waits). The
+#     (a second thread's fork waits for the gate, never for the first
+#     fork's child: the gate is given back before the parent waits). The
 #     cost is one copy of the batches user code holds at the fork, in the
 #     child, in time and memory (``os.fork`` returns that much later in the
 #     parent); a forkserver or spawn context copies nothing.
@@ -156,14 +158,60 @@ FORK_COPY_WAIT_S = 60.0
 #: The piece a view is copied in where the whole copy cannot be mapped at once.
 PIECE = 2 << 20
 
-_LOCK = threading.Lock()
+
+class _ForkGate:
+    """Shared by the threads that map and register views or hand a batch over, exclusive
+    for a fork (NOTE [batches cross a fork]): they never wait for each other, only for a
+    fork, and a fork waits for them (and for another fork) before its snapshot."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._inside = 0  # threads in a ``no_fork`` block
+        self._forking = False  # a fork holds the gate, or waits for the blocks to end
+
+    def enter(self) -> None:
+        with self._cond:
+            while self._forking:
+                self._cond.wait()
+            self._inside += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self._inside -= 1
+            if not self._inside:
+                self._cond.notify_all()
+
+    def fork_begins(self) -> None:
+        with self._cond:
+            while self._forking:  # one fork at a time
+                self._cond.wait()
+            self._forking = True  # no block begins from now on
+            while self._inside:
+                self._cond.wait()
+
+    def fork_ends(self) -> None:
+        with self._cond:
+            self._forking = False
+            self._cond.notify_all()
+
+    def reset_in_child(self) -> None:
+        """The child's copy: only the forking thread lives on, and the condition's lock
+        may have been held by a thread the child does not have."""
+        self.__init__()  # type: ignore[misc]
+
+
+_GATE = _ForkGate()
 
 
 @contextlib.contextmanager
 def no_fork() -> Iterator[None]:
-    """No ``os.fork`` of this process happens inside the block (NOTE [batches cross a fork])."""
-    with _LOCK:
+    """No ``os.fork`` of this process happens inside the block (NOTE [batches cross a fork]);
+    other threads' blocks run meanwhile."""
+    _GATE.enter()
+    try:
         yield
+    finally:
+        _GATE.leave()
 
 
 def copy_at_fork(mm: mmap.mmap) -> None:
@@ -226,13 +274,13 @@ class _Fork:
         self.pipe: tuple[int, int] | None = None  # the child answers on it
 
 
-#: The fork in progress: set and read only while ``_LOCK`` is held by the forking thread.
+#: The fork in progress: set and read only while the forking thread holds ``_GATE``.
 _current: _Fork | None = None
 
 
 def _before_fork() -> None:
     global _current
-    _LOCK.acquire()
+    _GATE.fork_begins()
     fork = _Fork()
     try:
         hidden = _hidden_addresses()
@@ -266,7 +314,7 @@ def _copy_in_child() -> None:
     fork, _current = _current, None
     if fork is None:
         return
-    _LOCK.release()  # the forking thread's acquire, in the child's copy of the lock
+    _GATE.reset_in_child()  # the forking thread's hold, in the child's copy of the gate
     kept = False
     for _mm, addr, length in fork.drop:
         _deny(addr, length)
@@ -340,7 +388,7 @@ def _after_fork_parent() -> None:
             # lock is held, so that no other fork's child inherits it.
             os.close(fork.pipe[1])
     finally:
-        _LOCK.release()
+        _GATE.fork_ends()
     if fork.pipe is not None:
         _await_child(fork.pipe[0], fork.copy)
 

@@ -341,6 +341,10 @@ class Producer:
                     return
                 box = [item.batch]  # NOTE [no batch in the frame] (base)
                 del item
+                if not self.in_step:
+                    # room in the queue: the producer wakes only once the hand-over is
+                    # done, so that it does not run for the GIL inside the user's next()
+                    self.doorbell.ring()
                 yield box.pop()
         finally:
             self._halt(run)
@@ -365,8 +369,6 @@ class Producer:
                 self._user_since = None
             with forks.no_fork():  # a fork sees it queued (hidden) or handed over, never between
                 item = run.queue.popleft()
-        if not self.in_step:
-            self.doorbell.ring()  # room in the queue
         return item
 
     # -- the producer --------------------------------------------------------

@@ -494,7 +494,8 @@ def _steps(mib: float) -> int:
 
 def worst(rows: list[dict], topology: str, mib: float, mode: str, key: str) -> float | None:
     """The largest ``key`` over the ranks of one way, or None where it did not run."""
-    vals = [r[key] for r in rows if (r["topology"], r["mib"], r["mode"]) == (topology, mib, mode)]
+    way = (topology, mib, mode)
+    vals = [r[key] for r in rows if (r["topology"], r["mib"], r["mode"]) == way and key in r]
     return max(vals) if vals else None
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ._roles import rng
+from . import _rng as rng
 from ._roles.base import log
 from ._roles.cursor import Boundary, Cursor, Position
 from ._roles.local import Source, stateful
@@ -174,7 +174,7 @@ class Checkpoints:
         self.resumed_ended = _ended(state)
         boundary.pending = state.get("rng")
         boundary.resume_open = None
-        if loader is not None:  # NOTE [RNG at the epoch's start] (rng.py)
+        if loader is not None:  # NOTE [RNG at the epoch's start] (_rng.py)
             opened = state.get("opened") or {}
             boundary.resume_open = {
                 "rng": opened.get("rng"),

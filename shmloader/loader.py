@@ -24,7 +24,6 @@ from ._roles.base import CLOSE_WAIT_S, Owner, Role
 from ._roles.cursor import Boundary, Cursor
 from ._roles.iteration import Iteration
 from ._roles.stats import RankStats
-from ._roles.topology import GroupTopology
 from ._setup import arrival, banner
 from ._setup.build import (
     Shared,
@@ -35,6 +34,7 @@ from ._setup.build import (
     resolve_config,
 )
 from ._setup.closing import Closing
+from ._topology import GroupTopology
 from .checkpoint import Checkpoints
 from .config import Config
 from .device.stage import DeviceOps, DeviceStage
@@ -228,7 +228,7 @@ class ShmLoader:
             banner.show(self._line)
             self._line = None
         cursor, skip = self._cursor.begin()
-        self._boundary.begin(cursor)  # NOTE [RNG at the step boundary] (rng)
+        self._boundary.begin(cursor)  # NOTE [RNG at the step boundary] (_rng)
         it = self._cursor.it
         inner = self._role.iterate(it, cursor, skip)
         stage, producer = self._stage, self._producer
@@ -332,7 +332,7 @@ class ShmLoader:
         whole optimizer step of ``accumulation_steps`` unless the epoch ended);
         ``accumulation_steps``; ``topology`` (world, SP size, DP size, the
         saving rank and its group); ``rng``: this rank's default generators at
-        that boundary (NOTE [RNG at the step boundary] in ``rng.py``); on the
+        that boundary (NOTE [RNG at the step boundary] in ``_rng.py``); on the
         leader (every rank with sharing off): ``sampler``, the state of a
         :class:`~shmloader.ShardedSampler` at that boundary (what resuming
         under another DP size needs), and ``loader``, the state of a loader

@@ -131,7 +131,7 @@ BUGS = [
     ),
     Bug(
         "rng-mirror",
-        "shmloader/_roles/rng.py",
+        "shmloader/_rng.py",
         "    _Torch.draw(n)\n",
         "    _Torch.draw(max(n - 1, 0))\n",
         (
@@ -154,7 +154,7 @@ BUGS = [
     ),
     Bug(
         "factory-word-cap",
-        "shmloader/_roles/rng.py",
+        "shmloader/_rng.py",
         "MAX_FACTORY_WORDS = 1 << 30\n",
         "MAX_FACTORY_WORDS = 1 << 24\n",
         (
@@ -166,7 +166,7 @@ BUGS = [
     ),
     Bug(
         "factory-follower-warning",
-        "shmloader/_roles/rng.py",
+        "shmloader/_rng.py",
         "        if g is not _Torch:\n",
         "        if False:  # planted\n",
         (

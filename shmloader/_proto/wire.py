@@ -25,7 +25,7 @@ _HEADER = struct.Struct("<2sBBQ")  # frame 0: magic b"SL", version, kind, seq
 MAX_BODY = 1 << 20
 MAX_BLOB = 64 << 20
 #: A draw count (32-bit words of the default generator) is given up past this many
-#: between two snapshots (NOTE [counting words] in ``_roles.rng``).
+#: between two snapshots (NOTE [counting words] in ``_rng``).
 MAX_COUNTED_DRAWS = 1 << 24
 #: Most words one message can carry: an ``iter()`` and a ``next()``, each counted.
 MAX_MIRRORED_DRAWS = 2 * MAX_COUNTED_DRAWS

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-from . import rng
+from .. import _rng as rng
 
 #: Iterations a rank remembers having left early (NOTE [iteration numbers]).
 LEFT_KEPT = 5
@@ -189,7 +189,7 @@ class Boundary:
     """This rank's RNG and loader state at the optimizer-step boundary and the epoch's start.
 
     NOTE [RNG at the step boundary] and NOTE [RNG at the epoch's start] in
-    ``rng.py`` say what each capture is for. ``capture`` runs at the request
+    ``_rng.py`` say what each capture is for. ``capture`` runs at the request
     of a step's first micro-batch: the leader and local ranks in their
     ``Source`` (an iteration's first request, before the loader is opened,
     and every later request), followers and node leaders at delivery, before

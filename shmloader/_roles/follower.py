@@ -27,12 +27,12 @@ from .._proto import wire
 from .._proto.bodies import leader_error
 from .._proto.checksum import check_payload_crc
 from .._proto.wire import Kind
+from .._topology import GroupTopology
 from .._transport.channel import SLICE_S, Spoke
 from .._transport.doorbell import Doorbell
 from ..errors import PeerLostError, ProtocolError, ShmLoaderError
 from .base import Context, log
 from .receiver import Receiver, Sorted
-from .topology import GroupTopology
 
 
 class _Releaser:

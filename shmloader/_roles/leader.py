@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .. import _rng as rng
 from .._node.ring import RingWriter
 from .._proto import codec
 from .._proto.codec import owned_copy
@@ -22,7 +23,6 @@ from .._transport.daemon_client import DaemonClient
 from .._workers import collate
 from .._workers.pool import SlotRef, WorkerPool
 from ..config import Config
-from . import rng
 from .base import Context
 from .local import Source, forward_set_epoch
 from .node_writer import NodeWriter

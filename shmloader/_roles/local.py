@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
+from .. import _rng as rng
 from .._proto import codec
 from .._setup import arrival
 from ..errors import UnsupportedBatchError
-from . import rng
 from .base import Context, log
 from .cursor import Boundary, Cursor
 
@@ -28,7 +28,7 @@ class Source:
 
     Reads the ``Cursor`` (epoch, position); writes the ``Boundary``'s loader
     state, epoch-start RNG and step-boundary capture (NOTE [RNG at the step
-    boundary], NOTE [RNG at the epoch's start] in ``rng``).
+    boundary], NOTE [RNG at the epoch's start] in ``_rng``).
     """
 
     def __init__(self, loader: Iterable[Any], cursor: Cursor, boundary: Boundary) -> None:
@@ -45,7 +45,7 @@ class Source:
         """``iter()`` the user's loader and fast-forward ``skip`` batches (a resume).
 
         Returns the iterator and the default-generator draws made so far
-        (NOTE [RNG mirroring] in ``rng``). Skipping replays the skipped batches through
+        (NOTE [RNG mirroring] in ``_rng``). Skipping replays the skipped batches through
         the loader, so its sampler, workers and RNG end where an
         uninterrupted run would be.
         """
@@ -55,7 +55,7 @@ class Source:
         b.just_opened = True
         before = rng.snapshot()
         loader = self.loader
-        # NOTE [RNG at the epoch's start] (rng): a resume reopens the loader with the
+        # NOTE [RNG at the epoch's start] (_rng): a resume reopens the loader with the
         # generators of the saved epoch's start, then puts the step boundary back.
         resumed, b.resume_open = b.resume_open, None
         undo, b.undo = b.undo, None
@@ -81,7 +81,7 @@ class Source:
                 next(source)
             except StopIteration:
                 break
-        if undo is not None:  # NOTE [RNG at the step boundary] (rng)
+        if undo is not None:  # NOTE [RNG at the step boundary] (_rng)
             rng.restore(undo)
         return source, self.count(before)
 
@@ -91,7 +91,7 @@ class Source:
         NOTE [limits of exact resume]
             A mid-epoch resume is exact because the loader is re-opened with
             the *default* generators of the saved epoch's start and fast-forwarded
-            (NOTE [RNG at the epoch's start] in ``rng``). Two kinds of
+            (NOTE [RNG at the epoch's start] in ``_rng``). Two kinds of
             randomness no checkpoint of ours holds, with sharing on and off
             alike, as in plain torch:
 
@@ -136,7 +136,7 @@ class Source:
 
     def count(self, before: torch.Tensor) -> int:
         """Default-generator words drawn since ``before`` (``rng.snapshot()``); 0, once
-        warned, when they cannot be mirrored (NOTE [RNG mirroring] in ``rng``)."""
+        warned, when they cannot be mirrored (NOTE [RNG mirroring] in ``_rng``)."""
         after = rng.snapshot()
         n = rng.count_draws(before, after)
         if n is None:

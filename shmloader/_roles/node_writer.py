@@ -26,12 +26,12 @@ from .._proto import codec, wire
 from .._proto.bodies import error_body
 from .._proto.checksum import check_payload_crc, payload_crc
 from .._proto.wire import Kind
+from .._topology import GroupTopology
 from .._transport.channel import BYE_GRACE_S, Hub
 from .._transport.xnode import CrossNode, Event
 from .._workers.pool import SlotRef, WorkerPool
 from ..errors import PeerLostError, ProtocolError, human_bytes
 from .base import CLOSE_WAIT_S, Context, log
-from .topology import GroupTopology
 
 #: What ``NodeWriter.publish`` puts in a slot: a batch the leader's main process encoded,
 #: one a DataLoader worker wrote into a pool slot, or one a node leader receives.

@@ -18,11 +18,11 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
+from .. import _rng as rng
 from .._node import forks, unmap
 from .._transport.channel import SLICE_S
 from .._transport.doorbell import Doorbell
 from ..errors import ShmLoaderError
-from . import rng
 from .base import CLOSED_MESSAGE, Halted, Owner, log
 from .cursor import Position
 

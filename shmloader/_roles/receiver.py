@@ -26,9 +26,9 @@ import numpy as np
 from .._proto import codec
 from .._proto.codec import owned_copy
 from .._proto.wire import Kind
+from .._topology import GroupTopology
 from ..errors import DivergenceError, LeaderStoppedError
 from .base import Context, log
-from .topology import GroupTopology
 
 
 class Sorted(enum.Enum):
@@ -165,7 +165,7 @@ class Receiver:
         if self.config.copy:
             batch = owned_copy(batch)
         cursor, counts = self.ctx.cursor, self.ctx.stats.counts
-        self.ctx.boundary.capture(cursor.delivered)  # NOTE [RNG at the step boundary] (rng)
+        self.ctx.boundary.capture(cursor.delivered)  # NOTE [RNG at the step boundary] (_rng)
         self.ctx.mirror(draws)  # NOTE [running ahead] (producer): at the hand-over
         cursor.count()
         elapsed = (time.perf_counter_ns() - t0) / 1e6

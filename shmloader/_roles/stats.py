@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from .._node.inventory import DEVICE_REPORTED
 from .._proto.waits import WaitHistogram
+from .._topology import GroupTopology
 from .._transport.daemon_client import DaemonClient
 from ..config import Config
-from .topology import GroupTopology
 
 if TYPE_CHECKING:
     from ..device.stage import DeviceStage

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from .._node import ringdir
-from .._roles.topology import GroupTopology
+from .._topology import GroupTopology
 from ..config import Config, well_known_socket
 
 log = logging.getLogger("shmloader.loader")

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _rng as rng
 from .._node import segment
 from .._node.ring import RingReader, RingWriter, new_token
 from .._proto.bodies import error_body, json_body, leader_error
-from .._roles import rng
 from .._roles.base import Context, Owner, Role, log
 from .._roles.cursor import Boundary, Cursor
 from .._roles.follower import Follower
@@ -36,7 +36,7 @@ from .._roles.node_writer import NodeWriter
 from .._roles.producer import Producer
 from .._roles.receiver import Receiver
 from .._roles.stats import RankStats, Reporter, connect_daemon, describe, device_fields
-from .._roles.topology import GroupTopology, broadcast_bytes, discover, node_claim
+from .._topology import GroupTopology, broadcast_bytes, discover, node_claim
 from .._transport.channel import Hub, Spoke
 from .._transport.xnode import CrossNode, loader_tag
 from .._workers.collate import check_installable
@@ -323,7 +323,7 @@ def _agree_on_loader(
     raised, so that the caller does not take it for a peer lost during the
     exchange. The default generators' states around the factory travel with
     the length and every other rank follows them (NOTE [factory draws] in
-    ``rng``); a data-parallel sampler keyed on other replicas than the SP
+    ``_rng``); a data-parallel sampler keyed on other replicas than the SP
     groups is refused (NOTE [samplers over SP groups]).
     """
     error: BaseException | None = None
@@ -350,7 +350,7 @@ def _agree_on_loader(
         body = agreed["error"] if isinstance(agreed["error"], dict) else {}
         return None, None, error or leader_error(body, topo.leader), False
     if not topo.is_leader:
-        for warning in rng.follow_factory(agreed.get("draws", {})):  # NOTE [factory draws] (rng)
+        for warning in rng.follow_factory(agreed.get("draws", {})):  # NOTE [factory draws] (_rng)
             log.warning("shmloader: %s", warning)
     length = agreed.get("length")
     ahead = agreed.get("ahead") is True  # NOTE [running ahead] (producer): for the readers

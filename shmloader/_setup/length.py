@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._roles.topology import GroupTopology
+from .._topology import GroupTopology
 from ..errors import PeerLostError
 
 

@@ -194,7 +194,7 @@ class DeviceStage:
     #       snapshot on (``hand``: the cursor's ``handed``, what ``state_dict()``
     #       reads, NOTE [the position handed over] in ``_roles.cursor``);
     #     - RNG: the capture at a step's first micro-batch (NOTE [RNG at the step
-    #       boundary] in ``rng``) happens in ``request()``, at the user's
+    #       boundary] in ``_rng``) happens in ``request()``, at the user's
     #       ``next()``, not where the loop pulls (that is up to ``prefetch``
     #       batches earlier, before the user's own draws for the batches between).
     #

@@ -31,12 +31,12 @@ import torch
 import torch.distributed as dist
 
 from shmloader import Config, ShmLoader
+from shmloader import _rng as rng
 from shmloader._node import cleanup, forks, inventory, reaping, segment
 from shmloader._node.ring import RingReader, RingWriter, new_token
 from shmloader._node.rundir import SOCKET_NAME, make_private_dir, rundir_prefix, socket_path
 from shmloader._node.segment import KIND_DATA, KIND_PROBE, PAGE, Segment
 from shmloader._proto import codec, typenames
-from shmloader._roles import rng
 from shmloader._transport.channel import Hub, Peer, Spoke
 from shmloader.errors import ProtocolError
 from tests.faults.scenarios import outcome
@@ -761,7 +761,8 @@ def test_a_cross_node_header_with_a_huge_meta_len_is_refused_before_allocating()
 
     class Fake(xnode.CrossNode):
         def __init__(self, head: list[int]) -> None:
-            self.head, self.leader, self.owed = head, 0, 0
+            super().__init__(None, 0, (0,))  # type: ignore[arg-type]  # no gloo: _recv below
+            self.head = head
 
         def _recv(self, tensor: torch.Tensor) -> None:
             if tensor.numel() != len(self.head):
@@ -774,8 +775,10 @@ def test_a_cross_node_header_with_a_huge_meta_len_is_refused_before_allocating()
         [int(Kind.BATCH), 1, 0, 0, 1 << 40, -1, 0, 0],
         [int(Kind.END), 1, 0, 0, -5, -1, 0, 0],
     ):
+        fake = Fake(head)
         with pytest.raises(ProtocolError, match="out of bounds"):
-            Fake(head).receive_header()
+            fake.receive_header()
+        fake.close()  # its link ends
 
 
 def nothing(rank: int, world: int) -> int:
@@ -828,7 +831,7 @@ def test_a_forked_child_does_not_keep_its_parents_life_lock() -> None:
     look alive to peers of another pid namespace."""
     import fcntl
 
-    from shmloader._roles.topology import _Held
+    from shmloader._topology import _Held
     from shmloader._transport.channel import life_lock_held
 
     token = new_token()

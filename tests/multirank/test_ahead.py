@@ -413,7 +413,7 @@ def test_a_pause_longer_than_the_timeout_fails_nothing(workers):
 
 class Drawing(Dataset):
     """Each sample draws from the default generator (in the loading process): whole int64
-    draws, what followers can mirror (NOTE [RNG mirroring] in shmloader/_roles/rng.py)."""
+    draws, what followers can mirror (NOTE [RNG mirroring] in shmloader/_rng.py)."""
 
     def __len__(self) -> int:
         return 8

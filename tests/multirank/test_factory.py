@@ -1,6 +1,6 @@
 """What the leader's ``make_loader`` does that followers never run.
 
-NOTE [factory draws] (``rng``): the factory's draws from the default
+NOTE [factory draws] (``_rng``): the factory's draws from the default
 generators are counted on the leader and mirrored on every other rank.
 NOTE [samplers over SP groups] (``_setup.build``): a data-parallel sampler in the
 factory keyed on other replicas than the SP groups is refused.
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, Subset, random_split
 
 from shmloader import Config, ShmLoader
-from shmloader._roles import rng
+from shmloader import _rng as rng
 from shmloader.errors import ProtocolError
 from tests.support import ranks
 from tests.support.harness import run_ranks

@@ -179,7 +179,7 @@ def empty_epochs_and_cursors(rank: int, world: int) -> dict:
 
 
 def same_claim_two_nodes(rank: int, world: int) -> dict:
-    import shmloader._roles.topology as topology
+    import shmloader._topology as topology
 
     # Equal claims on both simulated nodes (as two hosts with one boot id and one
     # SHMLOADER_NODE, or a claim collision): only the probe can tell them apart.

@@ -140,10 +140,12 @@ LAYERS = {
     "_proto": 1,  # pure formats: codec, wire, waits
     "mesh": 1,  # pure: a DeviceMesh or group -> the SP group, DP topology
     "config": 2,
+    "_rng": 2,  # the default generators: draws counted and mirrored, captured, restored
     "samplers": 2,  # the user's samplers: over mesh, nothing of the loader's
     "_transport": 3,
     "_workers": 4,
     "device": 4,
+    "_topology": 4,  # who is where: node identity, the group's roles, the set-up exchange
     "_roles": 5,
     "_setup": 6,
     "loader": 7,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from shmloader._roles import rng
+from shmloader import _rng as rng
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -18,7 +18,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from .._proto.wire import MAX_COUNTED_DRAWS, MAX_MIRRORED_DRAWS
+from ._proto.wire import MAX_COUNTED_DRAWS, MAX_MIRRORED_DRAWS
 
 # NOTE [RNG mirroring]
 #     Without shmloader every SP rank runs its own DataLoader, and PyTorch draws
@@ -133,7 +133,7 @@ def mirror_draws(n: int) -> None:
     ``0..MAX_MIRRORED_DRAWS`` is a :class:`ProtocolError`, never a long loop.
     """
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_MIRRORED_DRAWS:
-        from ..errors import ProtocolError
+        from .errors import ProtocolError
 
         raise ProtocolError(
             f"a peer asked for {n!r} generator draws (32-bit words); a message carries "
@@ -473,7 +473,7 @@ def follow_factory(draws: object, limit: int = MAX_FACTORY_WORDS) -> list[str]:
     :class:`ProtocolError`, never a long loop. Returns the warnings for this
     rank, one per generator it cannot follow exactly (NOTE [factory draws]).
     """
-    from ..errors import ProtocolError
+    from .errors import ProtocolError
 
     if not isinstance(draws, dict) or not set(draws) <= set(GENERATORS):
         raise ProtocolError(f"factory draws {draws!r:.200}: expected a dict over {GENERATORS}")

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .._node import reaping, segment
-from .._node.rundir import make_private_dir, remove_private_dir, socket_path
-from .._node.segment import KIND_PROBE, PREFIX, Segment, ring_dir
-from .._transport.channel import Peer
-from ..errors import ProtocolError, TopologyMismatchError
+from ._node import reaping, segment
+from ._node.rundir import make_private_dir, remove_private_dir, socket_path
+from ._node.segment import KIND_PROBE, PREFIX, Segment, ring_dir
+from ._transport.channel import Peer
+from .errors import ProtocolError, TopologyMismatchError
 
 _LEN = struct.Struct("<q")
 

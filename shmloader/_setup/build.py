@@ -201,7 +201,7 @@ def _make_role(
         made.hub = hub.close
         writer = NodeWriter(ctx, topo, ring, hub, xnode, pool)
         writer.prefault = running  # the producer faults the user's pages in
-        writer.later = running  # NOTE [unmapped off the step] (unmap)
+        writer.later = True  # ahead or in step: NOTE [unmapped off the step] (unmap)
         reporter.writer = writer
         if topo.is_leader:
             source = Source(loader, shared.cursor, shared.boundary)  # type: ignore[arg-type]
@@ -220,7 +220,7 @@ def _make_role(
         writer_ahead = leader_ahead if topo.writer == topo.leader else config.ahead
         ring_reader = RingReader(topo.ring_token, topo.me)
         ring_reader.prefault = running  # the producer faults the user's pages in
-        ring_reader.later = running  # NOTE [unmapped off the step] (unmap)
+        ring_reader.later = True  # ahead or in step: NOTE [unmapped off the step] (unmap)
         made.reader = ring_reader.close
         spoke = Spoke(topo.socket_path, topo.me, wake=producer.doorbell)
         made.spoke = spoke.close

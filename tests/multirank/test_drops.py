@@ -1,6 +1,6 @@
-"""NOTE [unmapped off the step] (unmap): where a rank's loop runs ahead, the batch the
-user drops at the next ``next()`` is unmapped and released by the unmap thread, on
-every role (leader, follower, node leader), and every batch is still exact."""
+"""NOTE [unmapped off the step] (unmap): the batch the user drops at the next ``next()`` is
+unmapped and released by the unmap thread, ahead or in step, on every role (leader,
+follower, node leader), and every batch is still exact."""
 
 from __future__ import annotations
 
@@ -59,11 +59,13 @@ def test_batches_dropped_ahead_are_unmapped_by_the_unmap_thread_on_every_role(no
         assert o["unmapped"] >= N, (rank, o["role"], o["unmapped"])
 
 
-def test_in_step_the_user_thread_unmaps_as_before() -> None:
+def test_in_step_too_every_dropped_batch_is_unmapped_by_the_unmap_thread() -> None:
+    # issue 39 item 8: nothing of the data path on the training thread, in step as well
+    # (the in-step 256 MiB step: drop 10-16 ms -> 0.1 ms, above C 41 -> 36 ms)
     out = run_ranks(drops, 2, kwargs={"ahead": False})
     for rank, o in enumerate(out):
         assert o["seen"] == [float(i) for i in range(N)], (rank, o["seen"])
-        assert o["unmapped"] == 0, (rank, o["role"], o["unmapped"])
+        assert o["unmapped"] >= N, (rank, o["role"], o["unmapped"])
 
 
 def lockstep(rank: int, world: int) -> dict:

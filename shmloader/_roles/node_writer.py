@@ -404,8 +404,8 @@ class NodeWriter:
         NOTE [retired slots] in ``ring``).
         """
         for name in self.ring.take_retired():
-            self.hub.publish(wire.frames(Kind.RETIRE, seg=name))
-        self.hub.publish(parts)
+            self.hub.broadcast(wire.frames(Kind.RETIRE, seg=name))
+        self.hub.broadcast(parts)
         lost = self.settle_left()
         if lost is not None and not best_effort:
             raise lost

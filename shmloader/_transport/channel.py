@@ -229,7 +229,7 @@ class Hub(_Endpoint):
         self._poller.register(self.sock, zmq.POLLIN)
         self._poller.register(self.pub, zmq.POLLIN)
 
-    def publish(self, parts: list) -> None:
+    def broadcast(self, parts: list) -> None:
         """Send ``parts`` to every subscribed reader at once (NOTE [one announcement])."""
         self.pub.send_multipart(parts)
         self.events()

@@ -306,7 +306,7 @@ class _Hub:
         bye_msg = (wire.parse(wire.frames(wire.Kind.BYE, rank=1)), 1)
         self.queued = [None, None, bye_msg] if bye else []  # trails the unsubscription
 
-    def publish(self, parts: list) -> None:
+    def broadcast(self, parts: list) -> None:
         self.published += 1
 
     def receive(self, timeout: float):

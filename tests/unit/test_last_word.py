@@ -31,7 +31,7 @@ class _Hub:
         self.published: list[wire.Message] = []
         self.waited: list[list] = []
 
-    def publish(self, parts: list) -> None:
+    def broadcast(self, parts: list) -> None:
         self.published.append(wire.parse(parts))
 
     def receive(self, timeout: float):

@@ -34,7 +34,7 @@ class _Hub:
         self.left: set[int] = set()
         self.subscribed = {1}
 
-    def publish(self, parts: list) -> None:
+    def broadcast(self, parts: list) -> None:
         msg = wire.parse(parts)
         self.log.append(("announce", msg.kind, msg.body.get("crc")))
 

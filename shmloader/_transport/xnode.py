@@ -97,6 +97,7 @@ class Link:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start = threading.Lock()  # one start, whoever hands the first job
+        self._finished = False
         # a link nobody finished ends with its owner
         weakref.finalize(self, self._jobs.put, None)
 
@@ -104,6 +105,8 @@ class Link:
         """Run ``job`` on the link after every job handed before it; its future."""
         done: Future[T] = Future()
         with self._start:
+            if self._finished:  # no job after the last: it would never run
+                raise ShmLoaderError("this loader's cross-node link is closed")
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=_run_jobs, args=(self._jobs,), name=self.name, daemon=True
@@ -113,12 +116,12 @@ class Link:
         return done
 
     def finish(self) -> None:
-        """The link ends after the jobs handed so far."""
+        """The link ends after the jobs handed so far; it takes no more."""
+        with self._start:
+            if self._finished:
+                return
+            self._finished = True
         self._jobs.put(None)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
 
 
 def _run_jobs(jobs: queue.SimpleQueue) -> None:
@@ -277,11 +280,12 @@ class CrossNode:
         to take it; never raises."""
         meta = json.dumps({"reason": "the leader closed", "closed": 1}).encode()
         head = CrossHeader(Kind.STOP, it, 0, len(meta), 0, -1, *at)
-        done = self.link.submit(lambda: self._post_closing(head, meta))
-        self.link.finish()
-        # not taken in time (it stays posted), or the link broke: nothing to say
+        # not taken in time (it stays posted), the link broke or ended: nothing to say
         with contextlib.suppress(Exception):
+            done = self.link.submit(lambda: self._post_closing(head, meta))
+            self.link.finish()
             done.result(timeout=CLOSE_WAIT_S)
+        self.link.finish()
 
     def _post_closing(self, head: CrossHeader, meta: bytes) -> None:
         if self._said_closed or self.broken:
@@ -353,7 +357,8 @@ class CrossNode:
             if last is not None and last.kind == Kind.BATCH and last.it <= it:
                 self._skip()
 
-        self.link.submit(drop)
+        with contextlib.suppress(ShmLoaderError):  # the link ended: nothing is left to take
+            self.link.submit(drop)
 
     def drain(self) -> None:
         """After ``close()``: on the link, receive the leader's events into nothing up to its
@@ -365,7 +370,8 @@ class CrossNode:
                 self._receive_header()
             self._skip()
 
-        self.link.submit(drain)
+        with contextlib.suppress(ShmLoaderError):  # the link ended already
+            self.link.submit(drain)
         self.link.finish()
 
 

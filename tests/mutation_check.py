@@ -368,6 +368,24 @@ BUGS = [
         "a loop's error ends the user's DataLoader before the producer's goodbyes",
     ),
     Bug(
+        "workers-wait-out-the-grace",
+        "shmloader/_workers/partition.py",
+        "                if self.words[LEAVING]:\n",
+        "                if False:  # planted: LEAVING unread\n",
+        (
+            f"{SWEEP}test_close_from_another_thread_at_every_point_of_a_step_on_every_role[leader-ahead]",
+        ),
+        "a DataLoader worker waits out GROW_GRACE_S for a pool slot after the leader left",
+    ),
+    Bug(
+        "reclaim-warns-at-every-break",
+        "shmloader/_workers/pool.py",
+        "            (log.debug if left else log.warning)(\n",
+        "            (log.warning)(  # planted\n",
+        (f"{SWEEP}test_leaving_an_iteration_stops_the_workers_quietly",),
+        "the workers the leader stopped at a break are reported as dead at the next iter()",
+    ),
+    Bug(
         "drop-unmapped-in-place",
         "shmloader/_node/unmap.py",
         '        if os.getpid() != self.pid or getattr(_here, "unmaps", False):\n',

@@ -352,20 +352,18 @@ BUGS = [
         "shmloader/_roles/producer.py",
         "        while thread.is_alive() and not self.closed.is_set():\n",
         "        while thread.is_alive():  # planted\n",
-        (
-            f"{SWEEP}test_close_from_another_thread_at_every_point_of_a_step_on_every_role[leader-ahead]",
-        ),
+        (f"{SWEEP}test_close_does_not_wait_for_the_users_dataloader_to_shut_down",),
         "close() waits for the producer to end the user's DataLoader, not for its goodbyes",
     ),
     Bug(
         "loader-ended-before-the-goodbyes",
         "shmloader/_roles/producer.py",
-        "                self._remains.append(exc)  # NOTE [goodbyes first]\n",
-        "                pass  # planted: its frames, and the user's loader, end here\n",
-        (
-            f"{SWEEP}test_close_from_another_thread_at_every_point_of_a_step_on_every_role[leader-ahead]",
-        ),
-        "a loop's error ends the user's DataLoader before the producer's goodbyes",
+        "            if owner.closed:\n                self._remains.append(inner)",
+        "            if False:  # planted\n                self._remains.append(inner)",
+        (f"{SWEEP}test_close_does_not_wait_for_the_users_dataloader_to_shut_down",),
+        "a closing producer ends the user's DataLoader before its goodbyes",
+        "Caught by the sweep's 2 s close before the LEAVING word made a worker's wait for a "
+        "slot end at once; since then by a dataset whose workers are inside 2 s samples.",
     ),
     Bug(
         "workers-wait-out-the-grace",

@@ -158,3 +158,59 @@ def test_leaving_an_iteration_stops_the_workers_quietly():
     for rank, o in enumerate(out):
         assert o["passes"] == [[True] * 4] * 3, (rank, o)
         assert not [m for m in o["warnings"] if "reclaimed" in m], (rank, o)
+
+
+class _Slow(Dataset):
+    """Samples of 2 s: the two workers start two at a time (0 and 1 at 0 s, 2 and 3 at
+    2 s, 4 and 5 at 4 s)."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(2.0)
+        return torch.full((1 << 10,), float(i))
+
+
+def close_with_workers_busy(rank: int, world: int) -> dict:
+    loader = ShmLoader(
+        lambda: DataLoader(_Slow(), batch_size=1, num_workers=2),
+        dist.group.WORLD,
+        config=Config.from_env(enabled=True, timeout=20.0),
+    )
+    seen: list[int] = []
+    done = threading.Event()
+
+    def train() -> None:
+        try:
+            for batch in loader:
+                seen.append(int(batch[0, 0]))
+                time.sleep(3.0)  # the step: slower than the samples
+        except Exception:  # the closed loader's error (or the peer's)
+            pass
+        done.set()
+
+    threading.Thread(target=train, daemon=True).start()
+    deadline = time.monotonic() + 30
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # ~4.5 s: batch 1 waits ready, the producer waits for room to queue batch 2, and both
+    # workers are inside samples 4 and 5 (until ~6 s)
+    time.sleep(2.5)
+    t0 = time.monotonic()
+    loader.close()
+    close_s = time.monotonic() - t0
+    done.wait(10)
+    return {"role": loader.role, "seen": seen[:1], "close_s": close_s, "left": _wait_gone(10.0)}
+
+
+@pytest.mark.timeout(120)
+def test_close_does_not_wait_for_the_users_dataloader_to_shut_down():
+    # NOTE [goodbyes first]: each worker is inside a 2 s sample when the loader closes and
+    # its producer waits for room in its queue; the DataLoader's shutdown waits for the
+    # workers, close() only for the producer's goodbyes
+    out = run_ranks(close_with_workers_busy, 2, timeout=100)
+    leader = out[0]
+    assert leader["role"] == "leader" and leader["seen"] == [0], out
+    assert leader["close_s"] < 0.7, out
+    assert all(o["left"] == [] for o in out), out

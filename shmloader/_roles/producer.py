@@ -79,9 +79,8 @@ from .cursor import Position
 #     of it completes; each loader's cross-node messages carry a tag of
 #     their own (``loader_tag``). What is left in flight at ``close()`` is
 #     drained there (NOTE [closing across nodes]). An error the leader's
-#     loop raised past where
-#     every user left (its user never reached it) is dropped by the readers,
-#     as the leader's own user never sees it. ``close()`` from any thread
+#     loop raised past where every user left (its user never reached it) is
+#     dropped by the readers, as the leader's own user never sees it. ``close()`` from any thread
 #     stops the producer, which then frees what it owns (NOTE [one owner] in
 #     ``base``); it is a daemon, so interpreter exit never waits for it.
 
@@ -516,9 +515,10 @@ class Producer:
         self.doorbell.ring()
 
     def finish(self) -> bool:
-        """``close()``, after ``stop``: wait until the producer ran ``closing`` and ended
-        (True), or take what it owns if it is away in the user's code (False: the caller
-        closes it; NOTE [one owner]). Bounded by ``Owner.limit``."""
+        """``close()``, after ``stop``: wait until the producer ran ``closing`` (True: it
+        ends the user's loader after, NOTE [goodbyes first]), or take what it owns if it is
+        away in the user's code (False: the caller closes it; NOTE [one owner]). Bounded
+        by ``Owner.limit``."""
         thread, owner = self._thread, self.owner
         assert thread is not None
         deadline = time.monotonic() + owner.limit

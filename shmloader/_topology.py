@@ -65,7 +65,7 @@ class _Held:
         self.creator = os.getpid()
         _ALL_HELD.add(self)
 
-    def release(self) -> None:
+    def free(self) -> None:
         if os.getpid() != self.creator:
             return
         for seg in [self.probe, *self.peers.values()]:
@@ -111,12 +111,12 @@ class GroupTopology:
 
     def __post_init__(self) -> None:
         if self.held is not None:
-            weakref.finalize(self, self.held.release)
+            weakref.finalize(self, self.held.free)
 
     def close(self) -> None:
         """Drop the life lock and the peers' probes, remove our runtime directory."""
         if self.held is not None:
-            self.held.release()
+            self.held.free()
 
     @property
     def leader(self) -> int:
@@ -269,7 +269,7 @@ def discover(
         saw = {f.rank: set(s) for f, s in zip(facts, seen_all, strict=True)}
         nodes = _nodes(sorted(ranks), by_rank, saw)
     except BaseException:
-        held.release()
+        held.free()
         raise
     leader = min(ranks)
     nodes.sort(key=lambda n: (leader not in n, n[0]))

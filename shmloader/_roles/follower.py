@@ -63,7 +63,7 @@ class _Releaser:
         #: the producer's: rung when a RELEASE is queued
         self.doorbell: Doorbell | None = None
 
-    def release(self, item: tuple[int, int, int]) -> None:
+    def queue_release(self, item: tuple[int, int, int]) -> None:
         """The finalizer callback, on any thread: queue, and wake the producer."""
         if self.closed:
             return
@@ -306,7 +306,7 @@ class Follower:
         if not nbytes:
             return np.empty(0, np.uint8)
         self._attach(msg["seg"])
-        release = functools.partial(self.out.release, (msg["slot"], msg["gen"], msg.seq))
+        release = functools.partial(self.out.queue_release, (msg["slot"], msg["gen"], msg.seq))
         payload = self.ring.view(msg["seg"], nbytes, release, announced_words(msg.body))
         if msg["crc"] >= 0:
             check_payload_crc(payload, msg["crc"], msg.seq)

@@ -852,7 +852,7 @@ def test_a_forked_child_does_not_keep_its_parents_life_lock() -> None:
         assert os.read(ready_r, 1) == b"r"
         os.close(ready_r)
         assert life_lock_held(tester.fd)
-        held.release()  # the parent's last descriptor goes, as at its death
+        held.free()  # the parent's last descriptor goes, as at its death
         assert not life_lock_held(tester.fd), "the forked child kept the life lock"
     finally:
         os.write(wfd, b"x")

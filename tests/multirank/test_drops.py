@@ -60,7 +60,7 @@ def test_batches_dropped_ahead_are_unmapped_by_the_unmap_thread_on_every_role(no
 
 
 def test_in_step_too_every_dropped_batch_is_unmapped_by_the_unmap_thread() -> None:
-    # issue 39 item 8: nothing of the data path on the training thread, in step as well
+    # nothing of the data path on the training thread, in step as well
     # (the in-step 256 MiB step: drop 10-16 ms -> 0.1 ms, above C 41 -> 36 ms)
     out = run_ranks(drops, 2, kwargs={"ahead": False})
     for rank, o in enumerate(out):

@@ -47,6 +47,14 @@ def _wait_links_gone(limit: float = 10.0) -> list[str]:
     return _link_threads()
 
 
+def _closed(xnode: CrossNode, out: dict) -> dict:
+    """Close this rank's link; ``out`` with the link threads still alive after a while."""
+    xnode.close()
+    out["links"] = _wait_links_gone()
+    dist.barrier()
+    return out
+
+
 def halted_send(rank: int, world: int) -> dict:
     """The leader's send waits for a node leader that receives 2 s later; its iteration is
     halted after 0.3 s. The halted wait ends at its next check; the send goes on on the
@@ -77,10 +85,7 @@ def halted_send(rank: int, world: int) -> dict:
         out["kind"], out["nbytes"] = int(event.head.kind), event.nbytes
         out["values"] = sorted(set(np.unique(dest).tolist()))
         xnode.drain()
-    xnode.close()
-    out["links"] = _wait_links_gone()
-    dist.barrier()
-    return out
+    return _closed(xnode, out)
 
 
 def test_a_halted_send_leaves_at_a_check_and_its_slot_is_refilled_only_once_it_was_sent():
@@ -125,10 +130,7 @@ def halted_receive(rank: int, world: int) -> dict:
         first, second = xnode.receive_header(), xnode.receive_header()
         out["events"] = [(int(e.head.kind), e.head.it, e.head.pos) for e in (first, second)]
         xnode.drain()
-    xnode.close()
-    out["links"] = _wait_links_gone()
-    dist.barrier()
-    return out
+    return _closed(xnode, out)
 
 
 def test_a_halted_receive_leaves_at_a_check_and_takes_the_leftover_payload_as_it_comes():

@@ -65,6 +65,7 @@ TENANTS = "tests/daemon/test_daemon_tenants.py::"
 LINK = "tests/multirank/test_link.py::"
 SWEEP = "tests/multirank/test_close_sweep.py::"
 PUBLISH = "tests/unit/test_publish.py::"
+DEVICE = "tests/device/test_device.py::"
 
 #: The planted bugs, each with the multi-rank tests that exercise its line: the tests that
 #: caught it when it was first planted (warm), and one or two that run the same path without
@@ -340,6 +341,18 @@ BUGS = [
         "a halted node leader leaves the leftover batch's payload for its next iteration",
     ),
     Bug(
+        "payload-left-behind-a-header",
+        "shmloader/_roles/node_leader.py",
+        "                self._skip_payload(event)  # NOTE [running ahead]: the leader's send"
+        " completes\n",
+        "                pass  # planted: the payload waits for the next iteration\n",
+        (
+            f"{AHEAD}test_a_node_leader_that_breaks_holding_a_header_takes_its_payload_at_once",
+            f"{AHEAD}test_breaking_out_early_on_every_rank_is_quiet_and_exact[two-nodes]",
+        ),
+        "a node leader that breaks holding a header leaves its payload for its next iteration",
+    ),
+    Bug(
         "drain-after-the-closing-stop",
         "shmloader/_transport/xnode.py",
         "            while not (self._got_closing or self.broken):",
@@ -394,6 +407,19 @@ BUGS = [
             "[one-node]",
         ),
         "a dropped batch is unmapped on the thread that dropped it",
+    ),
+    Bug(
+        "copy-issued-after-the-settle",
+        "shmloader/device/stage.py",
+        "                        # here to the count, the user's deliver() cannot reset it\n"
+        "                        check()\n",
+        "                        # here to the count, the user's deliver() cannot reset it\n"
+        "                        pass  # planted: no check under the lock\n",
+        (
+            f"{DEVICE}test_no_copy_is_issued_after_the_user_left_and_the_stage_settled",
+            f"{DEVICE}test_each_iterations_loop_counts_its_own_issued_batches",
+        ),
+        "a loop that was in select when the user left issues a copy after the stage settled",
     ),
     Bug(
         "unwatched-dir-made",

@@ -655,6 +655,62 @@ def test_each_iterations_loop_counts_its_own_issued_batches():
     assert [o["got"] for o in out] == [8, 8], out
 
 
+def left_during_a_select(rank: int, world: int) -> dict:
+    """Rank function: prefetch 1; the user holds batch 0 and leaves the iteration while the
+    loop ahead is inside ``select`` of batch 1 (0.8 s long: past the role's last check);
+    the copies issued, the copies in flight and the device counters once the user left
+    (the stage settled) and again once that ``select`` returned."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from tests.support import ranks
+
+    inside = threading.Event()
+
+    def select(batch, step):
+        if step == 1:
+            inside.set()
+            time.sleep(0.8)
+        return batch
+
+    ops = FakeOps(auto=True)
+    loader = ShmLoader(
+        ranks.make_loader_factory(2, n=16),
+        dist.new_group(list(range(world))),
+        config=Config.from_env(enabled=True, small_copy_bytes=0, prefetch=1),
+        device=ops,
+        select=select,
+    )
+
+    def now() -> dict:
+        stage = loader._stage
+        assert stage is not None
+        device = {k: v for k, v in loader.stats().items() if k.startswith("device_")}
+        return {"copies": len(ops.copies), "in_flight": len(stage._inflight), **device}
+
+    for _batch in loader:
+        assert inside.wait(30)
+        break
+    del _batch
+    left = now()
+    time.sleep(1.5)  # the select returns meanwhile
+    out = {"left": left, "later": now()}
+    loader.close()
+    return out
+
+
+def test_no_copy_is_issued_after_the_user_left_and_the_stage_settled():
+    """NOTE [copies issued by the loop ahead]: a loop that passed its last check before the
+    user left (it was in ``select``) issues nothing once the stage settled: no copy, none in
+    flight holding a slot, the counters final."""
+    out = run_ranks(left_during_a_select, 2)
+    for rank, o in enumerate(out):
+        assert o["left"]["in_flight"] == 0, (rank, o)
+        assert o["later"] == o["left"], (rank, o)
+
+
 class FailsAtBatch(FakeOps):
     """A fake device whose copy of batch ``at`` (counted from 0) raises."""
 

@@ -168,6 +168,51 @@ def closed_with_a_payload_owed(rank: int, world: int) -> dict:
     return {"seen": seen, "left": left, "counted": counted[0]}
 
 
+class Large(Dataset):
+    """Sample ``i`` is 8 MiB of ``i``: more than a loopback socket buffers, so the leader's
+    send of it completes only once the node leader receives its payload."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((2 << 20,), float(i))
+
+
+def break_holding_a_header(rank: int, world: int) -> dict:
+    """Over two nodes: the node leader's follower (rank 3, in step: it takes only what its
+    user asks) takes batch 0 and pauses, so the node leader's loop, its user having taken
+    batches 0 and 1, waits for that reader with the leader's header of batch 3 taken and its
+    payload not yet. The node leader's user then breaks, and iterates again 3 s later; the
+    node leader's follower breaks after its pause. The leader and its follower go through the
+    epoch. Then every rank a second epoch, whole; each rank says when (wall clock) it got
+    each batch of the first epoch, and when it broke and began again."""
+    loader = ShmLoader(
+        lambda: DataLoader(Large(), batch_size=1, num_workers=2),
+        dist.group.WORLD,
+        config=Config.from_env(enabled=True, ahead=rank != 3),
+    )
+    first: list[tuple[int, float]] = []
+    out: dict = {}
+    for batch in loader:
+        first.append((int(batch[0, 0]), time.time()))
+        if rank == 2 and len(first) == 2:
+            time.sleep(1.0)  # its loop takes batch 2 into its queue, then waits in batch 3
+            out["broke"] = time.time()
+            break
+        if rank == 3:
+            time.sleep(2.5)  # past the node leader's break: its loop waits for this reader
+            break
+    del batch
+    if rank == 2:
+        time.sleep(3.0)  # nothing of this node receives meanwhile but what the break left
+    loader.set_epoch(1)
+    out["again"] = time.time()
+    out["second"] = [int(b[0, 0]) for b in loader]
+    loader.close()
+    return {**out, "first": first}
+
+
 def resume_in_flight(
     rank: int, world: int, *, stop: int | None, ckpt: str, device: bool = False
 ) -> dict:
@@ -353,6 +398,24 @@ def test_a_close_while_a_node_leader_owes_a_payload_leaves_no_send_waiting():
         assert o["left"] == [], (rank, o)
         assert o["seen"] == list(range(len(o["seen"]))), (rank, o)
     assert out[2]["counted"] > out[3]["counted"], out  # the node leader's user was ahead
+
+
+def test_a_node_leader_that_breaks_holding_a_header_takes_its_payload_at_once():
+    # the leader's send of batch 3 completes at the node leader's break, not at its next
+    # iteration: the leader (which announces a batch to its own node once sent) and its
+    # follower get batch 3 while the node leader is away (NOTE [running ahead] in
+    # shmloader/_roles/producer.py)
+    out = run_ranks(break_holding_a_header, 4, nodes=[0, 0, 1, 1])
+    broke, again = out[2]["broke"], out[2]["again"]
+    assert [b for b, _ in out[2]["first"]] == [0, 1], out[2]
+    for rank in (0, 1):
+        got = dict(out[rank]["first"])
+        assert sorted(got) == list(range(8)), (rank, out[rank])
+        assert got[2] < broke, (rank, out)  # the node leader's loop had batch 2 queued
+        # batch 3 waited for the node leader's break (its loop held that header), no longer
+        assert broke - 0.05 <= got[3] < again - 1.0, (rank, got[3] - broke, again - broke)
+    for rank, o in enumerate(out):
+        assert o["second"] == list(range(8)), (rank, o)
 
 
 @pytest.mark.parametrize("nodes, device", PLACES.values(), ids=PLACES.keys())

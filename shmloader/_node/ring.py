@@ -383,10 +383,11 @@ class RingWriter:
         cleanup.own(segment=name)  # ours now: removed on SIGTERM like the ones we create
         return segment
 
-    def publish(self, slot: Slot, seq: int, nbytes: int, publish_ns: int) -> None:
-        """Mark ``slot`` HELD by every reader for batch ``seq``."""
+    def hold_for_readers(self, slot: Slot, seq: int, nbytes: int, publish_ns: int) -> None:
+        """Mark ``slot`` HELD by every reader for batch ``seq`` (the ring's half of a
+        publish: ``NodeWriter.announce``) and count it published."""
         if slot.state != SlotState.FREE:
-            raise AssertionError(f"publishing into slot {slot.index} in state {slot.state.name}")
+            raise AssertionError(f"holding slot {slot.index} in state {slot.state.name}")
         slot.seq = seq
         slot.holders = set(self.readers)
         if self.self_rank is not None:

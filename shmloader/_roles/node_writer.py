@@ -270,7 +270,7 @@ class NodeWriter:
         seq = self.seq
         self.seq += 1
         if slot is not None:
-            ring.publish(slot, seq, nbytes, ns)
+            ring.hold_for_readers(slot, seq, nbytes, ns)
         parts = self.stamped(
             Kind.BATCH,
             it,

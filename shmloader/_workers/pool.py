@@ -224,7 +224,8 @@ class WorkerPool:
     # -- per batch ---------------------------------------------------------
 
     def accept(self, ref: SlotRef) -> Slot:
-        """The ring slot ``ref`` names, ready for ``ring.publish`` (FILLED -> PUBLISHED)."""
+        """The ring slot ``ref`` names, ready for ``ring.hold_for_readers``
+        (FILLED -> PUBLISHED)."""
         i = ref.index
         if not 0 <= i < self.spec.total or ref.token != self.ring.token:
             raise ProtocolError(f"{ref!r} does not belong to pool {self.ring.token}")

@@ -59,7 +59,7 @@ def live_ring() -> Iterator[RingWriter]:
     ring = RingWriter(token, frozenset({1}), desc)
     try:
         slot = ring.acquire(200_000)
-        ring.publish(slot, 0, 150_000, 3_000_000)
+        ring.hold_for_readers(slot, 0, 150_000, 3_000_000)
         yield ring
     finally:
         ring.close()
@@ -214,7 +214,7 @@ def dead_ring(job: str) -> Iterator[RingWriter]:
     token = new_token()
     ring = RingWriter(token, frozenset({1}), {"token": token, "job": job, "pids": {}})
     slot = ring.acquire(100_000)  # reader 1 never attaches: the data segment stays named
-    ring.publish(slot, 0, 100_000, 1_000_000)
+    ring.hold_for_readers(slot, 0, 100_000, 1_000_000)
     pid = dead_pid()
     originals = []
     for seg in (ring.control, slot.segment):
@@ -568,7 +568,7 @@ def test_stat_says_where_each_ring_really_is(daemons) -> None:
         with segment.in_dir(where):
             token = new_token()
             ring = RingWriter(token, frozenset({1}), {"token": token, "job": "gone"})
-            ring.publish(ring.acquire(4096), 0, 4096, 1)
+            ring.hold_for_readers(ring.acquire(4096), 0, 4096, 1)
         os._exit(0)
 
     with ring_dir_of_root() as huge, live_ring() as ring:

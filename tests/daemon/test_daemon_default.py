@@ -79,7 +79,7 @@ def cmd_slots(name: str, slots: int, nbytes: int) -> dict:
     try:
         for _ in range(slots):
             slot = ring.acquire(nbytes)
-            ring.publish(slot, made, nbytes, 1_000_000)
+            ring.hold_for_readers(slot, made, nbytes, 1_000_000)
             made += 1
     except ShmCapacityError as exc:
         return {"made": made, "refused": str(exc)}

@@ -90,7 +90,7 @@ def cmd_ring(readers: list[int], token: str = "") -> dict:
     }  # fmt: skip
     ring = RingWriter(token, frozenset(readers), desc)
     slot = ring.acquire(100_000)
-    ring.publish(slot, 0, 100_000, 1_000_000)
+    ring.hold_for_readers(slot, 0, 100_000, 1_000_000)
     _state.setdefault("rings", []).append(ring)
     _client().register(desc)
     names = [n for n in segment.list_segments() if n.startswith(f"/shml-{token}-")]
@@ -122,7 +122,7 @@ def cmd_victim_ring(token: str, slots: int, nbytes: int) -> dict:
     try:
         for i in range(slots):
             slot = ring.acquire(nbytes)
-            ring.publish(slot, i, nbytes, 1_000_000)
+            ring.hold_for_readers(slot, i, nbytes, 1_000_000)
             made += 1
     except ShmCapacityError as exc:
         return {"made": made, "refused": str(exc)}

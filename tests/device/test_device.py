@@ -63,7 +63,7 @@ class RingSource:
         enc = codec.encode(batch)
         slot = self.ring.acquire(enc.nbytes)
         codec.write_payload(enc, slot.payload)
-        self.ring.publish(slot, self.seq, enc.nbytes, 0)
+        self.ring.hold_for_readers(slot, self.seq, enc.nbytes, 0)
         release = functools.partial(self._release, slot.index, slot.gen, self.seq)
         self.seq += 1
         view = private_view(slot.segment, enc.nbytes, release)

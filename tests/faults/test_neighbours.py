@@ -149,7 +149,7 @@ def test_names_carry_a_random_part_nobody_can_derive_from_the_token() -> None:
     w = RingWriter(token, frozenset({1}), {"job": "t"})
     try:
         a, b = w.acquire(10), w.acquire(10)  # b: a is FREE, reused; force a second slot
-        w.publish(a, 0, 10, 0)
+        w.hold_for_readers(a, 0, 10, 0)
         b = w.acquire(10)
         stems = {f"/shml-{token}-ctl", f"/shml-{token}-0.0", f"/shml-{token}-1.0"}
         for seg in (w.control, a.segment, b.segment):

@@ -279,7 +279,7 @@ def test_workers_ask_the_daemon_before_they_grow_a_slot(daemons):
                 if isinstance(ref, WorkerFailure):
                     raise ref.exception()
                 # published and never released: each batch grows another slot
-                ring.publish(pool.accept(ref), seq, ref.nbytes, 0)
+                ring.hold_for_readers(pool.accept(ref), seq, ref.nbytes, 0)
         time.sleep(0.3)  # what the other workers do meanwhile counts too
         del it
     finally:

@@ -103,7 +103,7 @@ class Leader:
         if isinstance(ref, WorkerFailure):
             raise ref.exception()
         slot = self.pool.accept(ref)
-        self.ring.publish(slot, self.seq, ref.nbytes, 0)
+        self.ring.hold_for_readers(slot, self.seq, ref.nbytes, 0)
         self.seq += 1
         released = []
         view = private_view(slot.segment, ref.nbytes, lambda: released.append(1))
@@ -337,7 +337,7 @@ def test_pool_names_cannot_be_predicted_or_squatted():
             assert re.fullmatch(
                 rf"/shml-{token}-{ref.index}\.{slot.gen}\.[0-9a-f]{{16}}", slot.segment.name
             )
-            ring.publish(slot, seq, ref.nbytes, 0)
+            ring.hold_for_readers(slot, seq, ref.nbytes, 0)
             ring.release(0, slot.index, slot.gen)
             pool.sync()
         assert max(gens) >= 1, "no slot grew: the test did not reach the worker's growth path"

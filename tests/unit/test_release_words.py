@@ -70,7 +70,7 @@ class Node:
         self.worker.filled(i, 0)
         ref = SlotRef(self.ring.token, i, gen, ticket, NBYTES, b"", os.getpid())
         slot = self.pool.accept(ref)
-        self.ring.publish(slot, self.seq, NBYTES, 0)
+        self.ring.hold_for_readers(slot, self.seq, NBYTES, 0)
         self.seq += 1
         views = {0: private_view(slot.segment, NBYTES, lambda: None, self.pool.own_release(slot))}
         fields = self.pool.announce_fields(slot)
@@ -116,7 +116,7 @@ def test_the_main_process_accepts_a_reclaimed_slot_and_ignores_the_late_releases
     _dest, gen = node.worker.payload(i, NBYTES)
     node.worker.filled(i, 0)
     slot = node.pool.accept(SlotRef(node.ring.token, i, gen, ticket + 1, NBYTES, b"", os.getpid()))
-    node.ring.publish(slot, node.seq, NBYTES, 0)
+    node.ring.hold_for_readers(slot, node.seq, NBYTES, 0)
     # the first batch's RELEASEs arrive now: they must not count for the second
     for rank in (0, 1, 2):
         node.ring.release(rank, i, gen, first_seq)

@@ -442,11 +442,11 @@ def test_publish_reuse_and_growth(writer, token) -> None:
     assert s0.segment.name in names(token)
     assert s0.payload.nbytes == s0.capacity >= 1000
     assert w.acquire(1000) is s0  # still FREE: the same slot
-    w.publish(s0, seq=1, nbytes=1000, publish_ns=5)
+    w.hold_for_readers(s0, seq=1, nbytes=1000, publish_ns=5)
     assert s0.state == SlotState.HELD and s0.holders == {1, 2}
     s1 = w.acquire(1000)  # every slot HELD: the ring grows
     assert s1 is not s0 and (s1.index, s1.gen) == (1, 0)
-    w.publish(s1, seq=2, nbytes=10, publish_ns=5)
+    w.hold_for_readers(s1, seq=2, nbytes=10, publish_ns=5)
     w.release(1, 0, 0)
     assert s0.state == SlotState.HELD
     w.release(2, 0, 0)
@@ -462,15 +462,15 @@ def test_publish_reuse_and_growth(writer, token) -> None:
 def test_publishing_a_held_slot_is_a_bug(writer) -> None:
     w = writer()
     s = w.acquire(10)
-    w.publish(s, 1, 10, 0)
+    w.hold_for_readers(s, 1, 10, 0)
     with pytest.raises(AssertionError):
-        w.publish(s, 2, 10, 0)
+        w.hold_for_readers(s, 2, 10, 0)
 
 
 def test_release_checks_holder_and_generation(writer) -> None:
     w = writer()
     s = w.acquire(10)
-    w.publish(s, 1, 10, 0)
+    w.hold_for_readers(s, 1, 10, 0)
     with pytest.raises(ProtocolError):
         w.release(3, 0, 0)  # not a holder
     with pytest.raises(ProtocolError):
@@ -486,7 +486,7 @@ def test_release_checks_holder_and_generation(writer) -> None:
 def test_best_fit_among_free_slots(writer) -> None:
     w = writer()
     big = w.acquire(10 * GRANULE)
-    w.publish(big, 1, 1, 0)
+    w.hold_for_readers(big, 1, 1, 0)
     small = w.acquire(10)
     assert small is not big
     for r in (1, 2):
@@ -519,16 +519,16 @@ def test_a_slot_grown_for_one_large_batch_is_retired_once_batches_are_small(writ
     w = writer(readers=frozenset({1}))
     big_n, small_n = 16 << 20, 64 << 10
     small = w.acquire(small_n)
-    w.publish(small, 0, small_n, 1)
+    w.hold_for_readers(small, 0, small_n, 1)
     big = w.acquire(big_n)  # the small one is HELD: the ring grows a large slot
-    w.publish(big, 1, big_n, 1)
+    w.hold_for_readers(big, 1, big_n, 1)
     w.release(1, small.index, small.gen)
     peak = w.total_bytes
     assert peak > big_n
     for seq in range(2, 2 + ring.SHRINK_WINDOW):  # the large batch is still held
         s = w.acquire(small_n)
         assert s is small and big.state == SlotState.HELD
-        w.publish(s, seq, small_n, 1)
+        w.hold_for_readers(s, seq, small_n, 1)
         w.release(1, s.index, s.gen)
     assert w.total_bytes == peak
     w.release(1, big.index, big.gen)  # now FREE, and the last batches were all small
@@ -536,7 +536,7 @@ def test_a_slot_grown_for_one_large_batch_is_retired_once_batches_are_small(writ
     assert big.state == SlotState.RETIRED and big.segment.fd == -1  # memory given back
     assert w.total_bytes == ring.slot_capacity_for(small_n) and peak > 100 * w.total_bytes
     # the retired index comes back, right-sized, when the ring needs a second slot
-    w.publish(s, 99, small_n, 1)
+    w.hold_for_readers(s, 99, small_n, 1)
     again = w.acquire(small_n)
     assert (again.index, again.gen) == (big.index, big.gen + 1)
     assert again.capacity == ring.slot_capacity_for(small_n)
@@ -549,7 +549,7 @@ def test_batches_that_vary_within_the_ratio_never_retire_a_slot(writer) -> None:
     for seq, n in enumerate(sizes):
         s = w.acquire(n)
         slots.add((s.index, s.gen))
-        w.publish(s, seq, n, 1)
+        w.hold_for_readers(s, seq, n, 1)
         w.release(1, s.index, s.gen)
     assert all(s.state != SlotState.RETIRED for s in w.slots)
     assert len(slots) <= 2, slots  # at most one regrow, never a retire
@@ -575,7 +575,7 @@ def test_without_readers_data_segments_are_never_named(writer, token) -> None:
     w = writer(readers=frozenset(), self_rank=0)
     s = w.acquire(10)
     assert names(token) == {control_name(token)}
-    w.publish(s, 1, 10, 0)
+    w.hold_for_readers(s, 1, 10, 0)
     assert s.holders == {0} and s.state == SlotState.HELD
     w.release(0, 0, 0)
     assert s.state == SlotState.FREE
@@ -584,16 +584,16 @@ def test_without_readers_data_segments_are_never_named(writer, token) -> None:
 def test_nobody_holding_a_published_slot_leaves_it_free(writer) -> None:
     w = writer(readers=frozenset())
     s = w.acquire(10)
-    w.publish(s, 1, 10, 0)
+    w.hold_for_readers(s, 1, 10, 0)
     assert s.state == SlotState.FREE
 
 
 def test_drop_reader_frees_its_slots(writer) -> None:
     w = writer()
     a, b = w.acquire(10), None
-    w.publish(a, 1, 10, 0)
+    w.hold_for_readers(a, 1, 10, 0)
     b = w.acquire(10)
-    w.publish(b, 2, 10, 0)
+    w.hold_for_readers(b, 2, 10, 0)
     w.release(1, a.index, a.gen)
     w.drop_reader(2)
     assert a.state == SlotState.FREE and b.state == SlotState.HELD and b.holders == {1}
@@ -603,7 +603,7 @@ def test_close_unlinks_everything_and_is_idempotent(writer, token) -> None:
     w = writer()
     for _ in range(3):
         s = w.acquire(100)
-        w.publish(s, 0, 1, 0)
+        w.hold_for_readers(s, 0, 1, 0)
     assert len(names(token)) == 4
     keep = w.slots[0].payload  # an exported view must not stop close()
     w.close()
@@ -659,7 +659,7 @@ def test_admit_is_asked_before_a_slot_is_made(writer, token) -> None:
     daemon = FakeDaemon()
     w = writer(daemon=daemon)
     s = w.acquire(10)
-    w.publish(s, 1, 1, 0)
+    w.hold_for_readers(s, 1, 1, 0)
     with pytest.raises(ShmCapacityError):
         w.acquire(10)
     assert daemon.asked == [GRANULE + HEADER_SIZE] * 2
@@ -717,7 +717,7 @@ def test_reader_sees_the_batch_and_release_follows_garbage(writer, token) -> Non
     enc = codec.encode(batch)
     s = w.acquire(enc.nbytes)
     codec.write_payload(enc, s.payload)
-    w.publish(s, 1, enc.nbytes, 0)
+    w.hold_for_readers(s, 1, enc.nbytes, 0)
 
     r = RingReader(token)
     try:
@@ -824,7 +824,7 @@ def test_a_reader_closes_older_generations_when_a_slot_regrows(writer, token) ->
     try:
         old = w.acquire(10)
         assert r.open(old.segment.name)
-        w.publish(old, 0, 10, 0)
+        w.hold_for_readers(old, 0, 10, 0)
         w.release(1, old.index, old.gen)
         grown = w.acquire(4 * GRANULE)  # the free slot is too small: regrown as gen 1
         assert (grown.index, grown.gen) == (old.index, old.gen + 1)
@@ -838,7 +838,7 @@ def test_a_reader_that_left_is_no_longer_waited_for(writer, token) -> None:
     w = writer(readers={1, 2})
     w.drop_reader(2)
     s = w.acquire(10)
-    w.publish(s, 0, 10, 0)
+    w.hold_for_readers(s, 0, 10, 0)
     assert s.holders == {1}
     w.attached(1, s.segment.name)
     assert not s.segment.linked, "unlinked once every *live* reader attached"
@@ -854,7 +854,7 @@ def test_a_reader_that_dies_before_mapping_leaves_no_name_once_the_others_opened
     it the name must go: nobody else will ever attach, and nobody would unlink it."""
     w = writer()
     slot = w.acquire(1000)
-    w.publish(slot, 0, 1000, 0)
+    w.hold_for_readers(slot, 0, 1000, 0)
     name = slot.segment.name
     steps = [lambda: w.drop_reader(2), lambda: w.attached(1, name)]
     for step in steps if order == "dies-then-attach" else steps[::-1]:

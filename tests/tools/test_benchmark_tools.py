@@ -52,3 +52,18 @@ def test_breakdown_runs_at_a_tiny_size(tmp_path) -> None:
     # leader's main process shows _publish but no RingWriter.acquire / codec.write_payload
     assert "follower: codec.decode" in proc.stdout and "leader: _publish (all)" in proc.stdout
     assert (out / "breakdown_sp2_1mib.json").exists()
+
+
+@pytest.mark.timeout(60)
+def test_pagetables_times_each_step_of_a_view_in_each_directory(tmp_path) -> None:
+    import json
+
+    proc = _run(["benchmarks.pagetables", "--mib", "2", "--reps", "2", "--out", str(tmp_path)], 50)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((tmp_path / "pagetables.json").read_text())
+    done = {row["directory"]: row for row in result["rows"]}
+    skipped = {s["directory"] for s in result["skipped"]}
+    assert set(done) | skipped == {"/dev/shm", "huge-page tmpfs"} and "/dev/shm" in done
+    for row in done.values():
+        assert all(len(row[step]) == 2 for step in ("mmap", "populate", "munmap")), row
+    assert "| /dev/shm | 4 KiB |" in (tmp_path / "pagetables.md").read_text()

@@ -87,11 +87,17 @@ def peer_uid(fd: int, path: str) -> int | None:
     return None if cred is None else cred[1]
 
 
-def shut_down(fd: int, path: str, pid: int, uid: int) -> bool:
+def shut_down(fd: int, ino: int, path: str, pid: int, uid: int) -> bool:
     """End the stream of libzmq's connection ``fd`` (libzmq then closes it itself),
-    only while ``fd`` is a connection to ``path`` of that very process (``pid`` and
-    ``uid`` by ``SO_PEERCRED``): a number libzmq has since given to another
-    process's connection is left alone."""
+    only while ``fd`` is that very socket (inode ``ino``, read when it was accepted)
+    and a connection to ``path`` of that process (``pid`` and ``uid`` by
+    ``SO_PEERCRED``): a number libzmq has since given to another connection, of
+    this process or another, is left alone."""
+    try:
+        if os.fstat(fd).st_ino != ino:
+            return False
+    except OSError:
+        return False
     if peer_cred(fd, path) != (pid, uid):
         return False
     return _LIBC.shutdown(fd, socket.SHUT_RDWR) == 0

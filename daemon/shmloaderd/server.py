@@ -272,8 +272,9 @@ class Daemon:
         """One chunk of a connection's bytes (NOTE [bounded state] in ``registry``)."""
         now = time.monotonic()
         if not len(data):  # STREAM's notice: a connection opened, or closed
-            if self.wire.closed(ident) is None:
-                new = self.wire.opened(ident, peer_of(data), _src_fd(data), now)  # NOTE [tenants]
+            if self.wire.notice(ident):  # NOTE [notices of the end] (zmtp)
+                fd = _src_fd(data)
+                new = self.wire.opened(ident, peer_of(data), fd, _inode(fd), now)  # NOTE [tenants]
                 self._serve_conn(ident, new)
             return
         conn = self.wire.conns.get(ident)
@@ -324,9 +325,10 @@ class Daemon:
                 self.wire.waiting.add(ident)
                 return False
             except zmq.ZMQError:  # EHOSTUNREACH: libzmq has closed it
-                self.wire.closed(ident)
+                self.wire.forget(ident, noticed=False)
                 return False
             del conn.outbox[: zmtp.PIECE]
+            conn.pieces += 1
         self.wire.waiting.discard(ident)
         if not conn.held:
             conn.since = 0.0
@@ -335,7 +337,7 @@ class Daemon:
     def _hang_up(self, ident: bytes, why: str) -> None:
         """Drop a connection for what it sent, and log it; no other is touched."""
         assert self.sock is not None
-        conn = self.wire.closed(ident)
+        conn = self.wire.forget(ident, noticed=False)
         if conn is None:
             return
         self.wire.dropped += 1
@@ -349,8 +351,10 @@ class Daemon:
             pass
         except zmq.ZMQError:
             return  # EHOSTUNREACH: already gone
-        if conn.fd is not None and conn.peer is not None:
-            shut_down(conn.fd, self.path, conn.peer.pid, conn.peer.uid)
+        # refused with fewer than SNDHWM pieces queued: libzmq is closing it already
+        full = conn.pieces >= zmtp.SNDHWM  # NOTE [notices of the end] (zmtp)
+        if full and conn.fd is not None and conn.ino is not None and conn.peer is not None:
+            shut_down(conn.fd, conn.ino, self.path, conn.peer.pid, conn.peer.uid)
 
     def _sweep(self, now: float) -> None:
         """Drop connections holding an unfinished request or unread replies for too
@@ -683,6 +687,16 @@ class Daemon:
             except OSError as exc:
                 if exc.errno != errno.ENOENT:
                     log.warning("could not remove %s: %s", self.path, exc)
+
+
+def _inode(fd: int | None) -> int | None:
+    """The inode of the socket ``fd`` is now (None if it cannot be told)."""
+    if fd is None:
+        return None
+    try:
+        return os.fstat(fd).st_ino
+    except OSError:
+        return None
 
 
 def _src_fd(frame: zmq.Frame) -> int | None:

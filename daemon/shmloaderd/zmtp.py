@@ -32,6 +32,9 @@ UID_BYTES = 4 * CONN_BYTES
 #: Seconds a connection may hold an unfinished request, or replies it does not
 #: read, before it is dropped.
 UNFINISHED_S = 30.0
+#: Connections forgotten before libzmq's notice of their end, kept to tell that notice
+#: from a start (NOTE [notices of the end]).
+FORGOTTEN = 4096
 #: Largest command frame (``READY``'s properties, ``PING``).
 MAX_COMMAND = 4096
 #: The libzmq chunks of raw bytes (8 KiB at most each) one connection may have
@@ -82,6 +85,8 @@ class Conn:
     peer: Peer | None
     fd: int | None  # libzmq's descriptor of it, for a hang-up libzmq cannot queue
     last: float  # monotonic time of its latest bytes
+    ino: int | None = None  # its socket's inode: ``fd`` is that socket only while it matches
+    pieces: int = 0  # pieces of replies libzmq took for it (NOTE [notices of the end])
     stage: int = 0  # 0: its greeting, 1: its READY, 2: requests
     buf: bytearray = field(default_factory=bytearray)  # received, not parsed yet
     frames: list[bytes] = field(default_factory=list)  # of its unfinished message
@@ -114,19 +119,55 @@ class Wire:
         self.held_by_uid: dict[int, int] = {}
         self.waiting: set[bytes] = set()  # connections whose outbox libzmq refused
         self.dropped = 0  # connections dropped for what they sent, in all
+        #: connections the daemon forgot before libzmq's notice of their end came (NOTE
+        #: [notices of the end]), oldest first; at most ``FORGOTTEN`` of them
+        self.forgotten: dict[bytes, None] = {}
 
-    def opened(self, ident: bytes, peer: Peer | None, fd: int | None, now: float) -> Conn:
+    # NOTE [notices of the end]
+    #     libzmq tells a STREAM socket of a connection's start and of its end
+    #     alike: an empty message from it. The daemon forgets a connection
+    #     itself when it hangs up or finds it gone (``forget``), and the
+    #     notice of its end comes after; taken for a start, it would make a
+    #     connection that is not there, whose descriptor number libzmq may
+    #     have given to another connection meanwhile. So the notice of a
+    #     forgotten connection only ends its entry in ``forgotten`` (libzmq's
+    #     routing ids are never reused); at most ``FORGOTTEN`` entries are kept
+    #     (NOTE [bounded state] in ``registry``), the oldest going first.
+    #
+    #     The same lateness rules a hang-up by descriptor (``guard.shut_down``,
+    #     for a connection whose unread replies fill its queue, so that libzmq
+    #     refuses the empty message that would close it): the descriptor read
+    #     at a start that is processed late may already be another
+    #     connection's. Only a connection libzmq took ``SNDHWM`` pieces for
+    #     was alive at its start, so only its descriptor is used, and only
+    #     while it is still that socket (its inode).
+    def notice(self, ident: bytes) -> bool:
+        """libzmq's empty message of ``ident``: True when it is a new connection's start
+        (else the end of a known or forgotten one, which is forgotten now)."""
+        if ident in self.forgotten:  # the end of one the daemon forgot already
+            del self.forgotten[ident]
+            return False
+        return self.forget(ident) is None
+
+    def opened(
+        self, ident: bytes, peer: Peer | None, fd: int | None, ino: int | None, now: float
+    ) -> Conn:
         """A new connection; ``HELLO`` waits in its outbox."""
-        conn = self.conns[ident] = Conn(peer, fd, now, since=now)
+        conn = self.conns[ident] = Conn(peer, fd, now, ino=ino, since=now)
         conn.outbox += HELLO
         return conn
 
-    def closed(self, ident: bytes) -> Conn | None:
-        """Forget a connection and what it held; its state, None when unknown."""
+    def forget(self, ident: bytes, *, noticed: bool = True) -> Conn | None:
+        """Forget a connection and what it held; its state, None when unknown.
+        ``noticed=False``: libzmq's notice of its end is still to come."""
         conn = self.conns.pop(ident, None)
         self.waiting.discard(ident)
         if conn is not None:
             self._charge(conn, 0)
+            if not noticed:
+                self.forgotten[ident] = None
+                while len(self.forgotten) > FORGOTTEN:
+                    del self.forgotten[next(iter(self.forgotten))]
         return conn
 
     def held(self, uid: int) -> int:

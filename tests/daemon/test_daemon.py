@@ -37,7 +37,7 @@ from shmloader._node.segment import (
     shm_path,
 )
 from shmloader._proto.waits import WaitHistogram
-from shmloader._transport.daemon_client import MAX_REQUEST, DaemonClient
+from shmloader._transport.daemon_client import MAX_REQUEST, PROTOCOL_VERSION, DaemonClient
 from shmloader.errors import ProtocolError, ShmCapacityError
 from tests.daemon.test_admin import run_cli
 
@@ -532,7 +532,7 @@ def test_malformed_control_messages_never_crash_it(daemons: Daemons) -> None:
     ctx = zmq.Context.instance()
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
-    dealer.setsockopt(zmq.RCVTIMEO, 15_000)  # a loaded machine: 3 s was missed once
+    dealer.setsockopt(zmq.RCVTIMEO, 3000)
     dealer.connect(f"ipc://{d.path}")
     try:
         cases = [
@@ -565,6 +565,36 @@ def test_malformed_control_messages_never_crash_it(daemons: Daemons) -> None:
     assert d.proc.poll() is None, d.output()
     assert d.request("hello")["ok"] is True
     assert "rejected a malformed request" in d.output()
+
+
+@pytest.mark.timeout(60)
+def test_dropping_a_connection_never_ends_another_of_the_same_process(daemons: Daemons) -> None:
+    # NOTE [notices of the end] in daemon/shmloaderd/zmtp.py: a garbage connection's
+    # descriptor number, read when the daemon got to its start, may be the next
+    # connection's by then; its hang-up must not end that one (it did in 1 of 3 tries)
+    d = daemons.start()
+    ctx = zmq.Context.instance()
+    unanswered = []
+    for attempt in range(20):
+        for blob in (b"\x00" * 64, os.urandom(4096), b"GET / HTTP/1.0\r\n\r\n"):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(d.path)
+                with contextlib.suppress(OSError):
+                    s.sendall(blob)
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVTIMEO, 2000)
+        dealer.connect(f"ipc://{d.path}")
+        try:
+            dealer.send(json.dumps({"v": PROTOCOL_VERSION, "op": "hello"}).encode())
+            try:
+                assert json.loads(dealer.recv())["ok"] is True
+            except zmq.Again:
+                unanswered.append(attempt)
+        finally:
+            dealer.close(linger=0)
+    assert unanswered == [], d.output()[-3000:]
+    assert d.proc.poll() is None, d.output()
 
 
 #: A reaper interval no SIGTERM test waits out: the loop must end within its slice.

@@ -198,7 +198,7 @@ def test_zmtp_wire_refuses_from_the_frame_header() -> None:
     """The parser alone: a frame past a bound is refused before its bytes arrive."""
     wire = zmtp.Wire(conn_bytes=4096, uid_bytes=6000)
     peer = Peer(1000, 1000, 1)
-    conn = wire.opened(b"a", peer, None, 0.0)
+    conn = wire.opened(b"a", peer, None, None, 0.0)
     greeting = b"\xff" + b"\0" * 8 + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" * 32
     wire.feed(conn, greeting + bytes([0x04, 6]) + b"\x05READY", 0.0)
     assert wire.next(conn, 0.0) is None and conn.stage == 2
@@ -206,7 +206,7 @@ def test_zmtp_wire_refuses_from_the_frame_header() -> None:
     assert wire.next(conn, 0.0) == [b"", b"{}"]
     wire.feed(conn, _frame(b"y" * 3000, True), 0.0)
     assert wire.next(conn, 0.0) is None and wire.held(1000) == 3000
-    other = wire.opened(b"b", peer, None, 0.0)
+    other = wire.opened(b"b", peer, None, None, 0.0)
     wire.feed(other, greeting + bytes([0x04, 6]) + b"\x05READY", 0.0)
     wire.next(other, 0.0)
     with pytest.raises(zmtp.Dropped, match="one uid may"):  # only its header has come
@@ -215,8 +215,8 @@ def test_zmtp_wire_refuses_from_the_frame_header() -> None:
     with pytest.raises(zmtp.Dropped, match="one connection may"):
         wire.feed(conn, struct.pack(">BQ", 0x03, 2000), 0.0)
         wire.next(conn, 0.0)
-    wire.closed(b"a")
-    wire.closed(b"b")
+    wire.forget(b"a")
+    wire.forget(b"b")
     assert wire.held_by_uid == {}
 
 

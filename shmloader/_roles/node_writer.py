@@ -216,6 +216,8 @@ class NodeWriter:
         if self.pool is None:
             return
         self.pump()
+        if self.xnode is not None and self.xnode.sending():
+            return  # NOTE [a slot in flight] (xnode): the send still reads its pool slot
         self.pool.sync()
 
     def end(self, it: int, draws: int) -> None:

@@ -232,6 +232,8 @@ class Producer:
         self._stopped = False
         self._thread: threading.Thread | None = None  # the producer
         self._current: _Run | None = None  # the run the producer works on (its thread only)
+        #: the error the producer thread died of, if one ended it (not a loop's: a bug)
+        self.death: BaseException | None = None
         forks.hide(self)  # a forked child drops the batches queued here (hidden_addresses)
 
     @property
@@ -300,6 +302,7 @@ class Producer:
         self.settle()
         if not self.in_step:  # in step the loop is where the user is: nothing to hand over
             hand(position())  # (nor to ask of a loader not opened yet: it may draw)
+        self._alive()
         run = self._run = _Run(inner, position)
         with self._jobs:
             if self._stopped:
@@ -358,6 +361,7 @@ class Producer:
                     if self._user_since is None:
                         self._user_since = time.monotonic()
                     self.owner()  # closed: the closed error, as any wait
+                    self._alive()
                     if run.finished:
                         raise ShmLoaderError(
                             "the loader's producer thread ended this iteration without a batch "
@@ -369,6 +373,14 @@ class Producer:
             with forks.no_fork():  # a fork sees it queued (hidden) or handed over, never between
                 item = run.queue.popleft()
         return item
+
+    def _alive(self) -> None:
+        """Raise if the producer thread died of an error that was no loop's."""
+        if self.death is not None:
+            raise ShmLoaderError(
+                f"this ShmLoader's producer thread died of {self.death!r} (logged with its "
+                "traceback); make a new ShmLoader"
+            ) from self.death
 
     # -- the producer --------------------------------------------------------
 
@@ -393,6 +405,9 @@ class Producer:
                         self._produce(run)
                 finally:
                     self._current = None
+        except BaseException as exc:  # not a loop's error (``_produce`` queues those): a bug
+            self.death = exc  # every wait of the user's for this producer raises it now
+            log.error("shmloader: the loader's producer thread died", exc_info=True)
         finally:
             try:
                 if self.closing is not None and not owner.taken:
@@ -474,6 +489,8 @@ class Producer:
             while True:
                 self.owner()  # closed or halted: the item dies with this frame
                 with run.ready:
+                    if run.halt.is_set():  # since the check: ``_halt`` cleared the queue
+                        raise Halted("this iteration was halted")
                     if self.in_step or len(run.queue) < self.depth or isinstance(item, _End):
                         run.queue.append(item)
                         run.ready.notify_all()

@@ -12,6 +12,7 @@ built this way: ``docs/internals/datapath.md``.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import queue
 import threading
@@ -34,6 +35,9 @@ from .channel import SLICE_S
 #: (NOTE [closing across nodes]); after it the message stays posted, and is taken when
 #: they close.
 CLOSE_WAIT_S = 2.0
+#: The timeout of every gloo wait of a link (NOTE [a link of its own]): longer than any
+#: pause of a training job.
+LINK_TIMEOUT = datetime.timedelta(days=7)
 
 T = TypeVar("T")
 
@@ -61,9 +65,8 @@ def loader_tag(token: str) -> int:
 
 # NOTE [the link owns gloo]
 #     A gloo call cannot be cancelled or polled: a send waits until its peer
-#     posts the matching receive, a receive until the message comes, and a
-#     wait with a timeout that expires closes the pair (every later message
-#     between the two ranks fails), so none has one. So no thread that must
+#     posts the matching receive, a receive until the message comes (or the
+#     group's timeout: NOTE [a link of its own]). So no thread that must
 #     answer to ``close()`` makes one. Each ``CrossNode`` has a link thread
 #     that makes every gloo call of the loader, in the order its jobs came:
 #
@@ -89,6 +92,24 @@ def loader_tag(token: str) -> int:
 #     thread.
 
 
+# NOTE [a link of its own]
+#     A gloo wait does end: at its group's timeout by default, and then
+#     gloo closes every pair of the group (every later message and
+#     collective on it fails: the user's own, where the group is the
+#     user's gloo group). A link's waits are as long as its users' pauses:
+#     a node leader ahead receives the next header while an in-step
+#     leader's user evaluates, a leader ahead sends while a node leader's
+#     user does, and a send left in flight at a break waits for the node
+#     leader's next iteration. So every wait of a link is given a timeout
+#     of its own, ``LINK_TIMEOUT`` (7 days; the group's default is not
+#     changed, torch's ``_set_pg_timeout`` does not reach a point-to-point
+#     wait of gloo, tried): only the loader's own timeout ends a wait
+#     (``Producer.patient``), and a peer that dies ends it at once (its
+#     sockets close). Pinned by ``test_a_pause_longer_than_the_timeout_
+#     fails_nothing`` over two nodes, whose group has a 5 s timeout and
+#     whose ranks pause 6 s.
+
+
 class Link:
     """One thread that runs the jobs it is handed, in order (NOTE [the link owns gloo])."""
 
@@ -112,7 +133,7 @@ class Link:
                     target=_run_jobs, args=(self._jobs,), name=self.name, daemon=True
                 )
                 self._thread.start()
-        self._jobs.put((job, done))
+            self._jobs.put((job, done))  # under the lock: never after finish()'s end
         return done
 
     def finish(self) -> None:
@@ -235,22 +256,30 @@ class CrossNode:
     # NOTE [a slot in flight]
     #     A send the producer stopped waiting for (its iteration was halted)
     #     still reads its payload, a view of a ring slot that the next
-    #     publish may acquire again (an unannounced slot is FREE). So the
-    #     leader fills no slot while a send is in flight (``sent``): a node
-    #     leader could otherwise receive a batch whose bytes changed under
-    #     the send. It costs nothing: the link sends one event at a time.
+    #     publish may acquire again (an unannounced slot is FREE), or a pool
+    #     slot that the pool would give back to the DataLoader workers (an
+    #     unannounced pool slot looks released). So while a send is in
+    #     flight the leader fills no slot (``sent``) and gives no pool slot
+    #     back (``sending``): a node leader still in that iteration would
+    #     otherwise receive a batch whose bytes changed under the send. It
+    #     costs nothing: the link sends one event at a time, and only a
+    #     halted send is ever left in flight.
     def sent(self) -> None:
         """Wait until the last send completed (NOTE [a slot in flight])."""
         if self._in_flight is not None:
             self._wait(self._in_flight)
             self._in_flight = None
 
+    def sending(self) -> bool:
+        """Whether a send nobody waited for to the end still runs (NOTE [a slot in flight])."""
+        return self._in_flight is not None and not self._in_flight.done()
+
     def _send(self, head: CrossHeader, meta: bytes, payload: np.ndarray | None) -> None:
         if self._said_closed:
             raise ShmLoaderError("this loader's cross-node link is closed")
         try:
             for work in self._post(head, meta, payload):
-                work.wait()
+                work.wait(LINK_TIMEOUT)  # NOTE [a link of its own]
         except (RuntimeError, dist.DistBackendError) as exc:
             raise self._failed(exc, f"node leader(s) {list(self.peers)}") from None
         self.bytes_sent += head.nbytes * len(self.peers)
@@ -292,13 +321,14 @@ class CrossNode:
             return
         self._said_closed = True
         for work in self._post(head, meta, None):
-            work.wait()
+            work.wait(LINK_TIMEOUT)
 
     # -- node leader ---------------------------------------------------------
 
     def _recv(self, tensor: torch.Tensor) -> None:
         try:
-            dist.recv(tensor, src=self.leader, group=self.group, tag=self.tag)
+            work = dist.irecv(tensor, src=self.leader, group=self.group, tag=self.tag)
+            work.wait(LINK_TIMEOUT)  # NOTE [a link of its own]
         except (RuntimeError, dist.DistBackendError) as exc:
             raise self._failed(exc, f"leader rank {self.leader}") from None
 

@@ -102,12 +102,12 @@ def loader_tag(token: str) -> int:
 #     user does, and a send left in flight at a break waits for the node
 #     leader's next iteration. So every wait of a link is given a timeout
 #     of its own, ``LINK_TIMEOUT`` (7 days; the group's default is not
-#     changed, torch's ``_set_pg_timeout`` does not reach a point-to-point
-#     wait of gloo, tried): only the loader's own timeout ends a wait
-#     (``Producer.patient``), and a peer that dies ends it at once (its
-#     sockets close). Pinned by ``test_a_pause_longer_than_the_timeout_
-#     fails_nothing`` over two nodes, whose group has a 5 s timeout and
-#     whose ranks pause 6 s.
+#     changed: torch's setting of a group's timeout after it was made does
+#     not reach a point-to-point wait of gloo, tried): only the loader's own
+#     timeout ends a wait (``Producer.patient``), and a peer that dies ends
+#     it at once (its sockets close). Pinned over two nodes by
+#     ``test_a_pause_longer_than_the_timeout_fails_nothing``, whose group has
+#     a 5 s timeout and whose ranks pause 6 s.
 
 
 class Link:
@@ -328,6 +328,7 @@ class CrossNode:
     def _recv(self, tensor: torch.Tensor) -> None:
         try:
             work = dist.irecv(tensor, src=self.leader, group=self.group, tag=self.tag)
+            assert work is not None  # None only on a rank outside the group
             work.wait(LINK_TIMEOUT)  # NOTE [a link of its own]
         except (RuntimeError, dist.DistBackendError) as exc:
             raise self._failed(exc, f"leader rank {self.leader}") from None

@@ -148,7 +148,7 @@ class ShmLoader:
         if self._role.name != "local":
             # a loader dropped unclosed, or at exit; only in this process, never in a
             # forked child at its exit (NOTE [creator-only cleanup] in segment)
-            weakref.finalize(self, self._closing, at_exit=True)
+            weakref.finalize(self, self._closing.dropped)
         up = dist.is_available() and dist.is_initialized()
         me, world = (dist.get_rank(), dist.get_world_size()) if up else (0, 1)
         reporter = self._built.reporter

@@ -66,6 +66,9 @@ LINK = "tests/multirank/test_link.py::"
 SWEEP = "tests/multirank/test_close_sweep.py::"
 PUBLISH = "tests/unit/test_publish.py::"
 DEVICE = "tests/device/test_device.py::"
+DAEMON = "tests/daemon/test_daemon.py::"
+PRODUCER = "tests/unit/test_producer.py::"
+PAUSE = f"{AHEAD}test_a_pause_longer_than_the_timeout_fails_nothing"
 
 #: The planted bugs, each with the multi-rank tests that exercise its line: the tests that
 #: caught it when it was first planted (warm), and one or two that run the same path without
@@ -420,6 +423,90 @@ BUGS = [
             f"{DEVICE}test_each_iterations_loop_counts_its_own_issued_batches",
         ),
         "a loop that was in select when the user left issues a copy after the stage settled",
+    ),
+    Bug(
+        "link-receive-times-out",
+        "shmloader/_transport/xnode.py",
+        "            assert work is not None  # None only on a rank outside the group\n"
+        "            work.wait(LINK_TIMEOUT)",
+        "            assert work is not None  # None only on a rank outside the group\n"
+        "            work.wait()  # planted: the group's timeout",
+        (f"{PAUSE}[leader-in-step-two-nodes]", f"{PAUSE}[leader-in-step-one-node]"),
+        "a node leader's receive through its users' pause times out and closes the group",
+    ),
+    Bug(
+        "link-send-times-out",
+        "shmloader/_transport/xnode.py",
+        "                work.wait(LINK_TIMEOUT)  # NOTE [a link of its own]\n"
+        "        except (RuntimeError, dist.DistBackendError) as exc:\n"
+        '            raise self._failed(exc, f"node leader(s)',
+        "                work.wait()  # planted: the group's timeout\n"
+        "        except (RuntimeError, dist.DistBackendError) as exc:\n"
+        '            raise self._failed(exc, f"node leader(s)',
+        (f"{PAUSE}[leader-ahead-two-nodes]", f"{PAUSE}[leader-ahead-one-node]"),
+        "a leader's send through its users' pause times out and closes the group",
+    ),
+    Bug(
+        "pool-slot-freed-in-flight",
+        "shmloader/_roles/node_writer.py",
+        "        if self.xnode is not None and self.xnode.sending():\n",
+        "        if False:  # planted\n",
+        (
+            f"{AHEAD}test_a_send_left_in_flight_keeps_its_pool_slot_from_the_workers",
+            f"{AHEAD}test_breaking_out_early_on_every_rank_is_quiet_and_exact[two-nodes]",
+        ),
+        "a pool slot a halted send still reads goes back to the workers",
+    ),
+    Bug(
+        "queued-into-a-left-iteration",
+        "shmloader/_roles/producer.py",
+        "                    if run.halt.is_set():  # since the check: ``_halt`` cleared "
+        "the queue\n",
+        "                    if False:  # planted\n",
+        (
+            f"{PRODUCER}test_a_batch_made_as_the_user_leaves_is_never_queued_into_the_left_iteration",
+            f"{PRODUCER}test_a_loops_own_error_is_raised_at_its_step_and_the_producer_lives_on",
+        ),
+        "a batch made as the user leaves is queued into the iteration left",
+    ),
+    Bug(
+        "producer-death-unseen",
+        "shmloader/_roles/producer.py",
+        "        if self.death is not None:\n",
+        "        if False:  # planted\n",
+        (f"{PRODUCER}test_a_producer_that_died_between_iterations_fails_the_next_one_at_once",),
+        "an iter() after the producer thread died waits for a batch without end",
+    ),
+    Bug(
+        "hang-up-ends-another",
+        "daemon/shmloaderd/server.py",
+        "        full = conn.pieces >= zmtp.SNDHWM  # NOTE [notices of the end] (zmtp)\n",
+        "        full = True  # planted\n",
+        (f"{DAEMON}test_dropping_a_connection_never_ends_another_of_the_same_process",),
+        "the hang-up of a connection libzmq is closing ends another one by its descriptor",
+        "`test_malformed_control_messages_never_crash_it` lost its reply to this bug in 1 "
+        "of 3 tries (a race, so it is not in this bug's list: the verdict compares sets).",
+    ),
+    Bug(
+        "a-late-end-stops-the-next-workers",
+        "shmloader/_workers/pool.py",
+        "        if iteration == self.iteration:\n",
+        "        if True:  # planted\n",
+        (
+            "tests/unit/test_pool.py::test_an_iterator_ended_late_stops_no_worker_of_a_later_iteration",
+        ),
+        "an iterator of an earlier iteration, ended late, stops the next iteration's workers",
+    ),
+    Bug(
+        "dropped-loader-says-no-goodbye",
+        "shmloader/_setup/closing.py",
+        "        self(at_exit=not threading.main_thread().is_alive())\n",
+        "        self(at_exit=True)  # planted\n",
+        (
+            "tests/multirank/test_iteration.py::"
+            "test_a_loader_dropped_mid_epoch_says_its_goodbyes_across_nodes",
+        ),
+        "a loader dropped unclosed says no goodbye: the leader's sends ahead wait forever",
     ),
     Bug(
         "unwatched-dir-made",

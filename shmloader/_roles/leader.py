@@ -120,11 +120,13 @@ class Leader:
             return None
         return self._items(cursor if skip else 0), self.feed
 
-    def _open(self, skip: int, *, at_iter: bool = False) -> tuple[Iterator[Any], int]:
-        """Reclaim the slots of dead workers and open the user's loader (``Source.open``)."""
+    def _open(self, skip: int, *, at_iter: bool = False) -> tuple[Iterator[Any], int, int]:
+        """Reclaim the slots of dead workers and open the user's loader (``Source.open``):
+        its batches, the draws its opening cost, and the pool's count of iterations then."""
         if self.pool is not None:
             self.pool.reclaim()  # slots of workers that died in an earlier iteration
-        return self.source.open(skip, at_iter=at_iter)
+        batches, pending = self.source.open(skip, at_iter=at_iter)
+        return batches, pending, self.pool.iteration if self.pool is not None else 0
 
     def set_epoch(self, epoch: int) -> None:
         if self.source.loader is not None:
@@ -157,12 +159,14 @@ class Leader:
     #     without workers runs its dataset in this process, on the caller's
     #     thread, where its draws land exactly as with sharing off.
     def _items(
-        self, skip: int, opened: tuple[Iterator[Any], int] | None = None
+        self, skip: int, opened: tuple[Iterator[Any], int, int] | None = None
     ) -> Iterator[tuple[Any, int] | _Ended]:
         """The loader's batches with the draws each cost (NOTE [draws ahead]), then
         ``_Ended``: on the user's thread in step, on the producer ahead."""
         ctx, source = self.ctx, self.source
-        batches, pending = self._open(skip) if opened is None else opened
+        if opened is None:
+            opened = self._open(skip)
+        batches, pending, opened_at = opened
         try:
             while True:
                 ctx.check_open()
@@ -185,7 +189,7 @@ class Leader:
                 yield box.pop(), draws
         except BaseException:  # left early: the loader's iterator ends with this frame
             if self.pool is not None:
-                self.pool.leaving()  # its workers stop waiting for slots
+                self.pool.leaving(opened_at)  # its workers stop waiting for slots
             raise
 
     def _loop(self, it: int, items: Iterator[tuple[Any, int] | _Ended]) -> Iterator[Any]:

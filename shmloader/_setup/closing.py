@@ -22,9 +22,9 @@ from .build import Built, close_quietly
 class Closing:
     """Every step of closing one ``ShmLoader``, in order, once, from any thread.
 
-    ``close()`` calls it, and so does the loader's finalizer (a loader dropped
-    unclosed, or at exit: ``at_exit``, which says no goodbye and does nothing
-    in a forked child). Whoever owns the resources frees them (NOTE [one
+    ``close()`` calls it, and so does the loader's finalizer (``dropped``: a
+    loader dropped unclosed, or at exit, ``at_exit``, which says no goodbye;
+    nothing in a forked child). Whoever owns the resources frees them (NOTE [one
     owner] in ``_roles.base``): the producer, once it left its iteration, or
     the caller, where no producer ever ran or ``close()`` took them from a
     producer that was away. It refers to what set-up made, never to the
@@ -45,6 +45,15 @@ class Closing:
         self.role, self.built = role, built
         self.goodbye = True
         self._freed = threading.Lock()  # held by whoever frees: it happens once
+
+    def dropped(self) -> None:
+        """The loader's finalizer: a loader dropped unclosed while the program runs says its
+        goodbyes as ``close()`` does (peers end their iteration, a node leader drains the
+        leader's sends); at exit (the main thread has ended, peers may be gone) it says
+        none. Nothing in a forked child."""
+        if os.getpid() != self.creator:
+            return
+        self(at_exit=not threading.main_thread().is_alive())
 
     def __call__(self, *, at_exit: bool = False) -> None:
         if at_exit and os.getpid() != self.creator:

@@ -166,6 +166,8 @@ class WorkerPool:
             )
             ring.on_drop(self.release.drop)  # a reader's BYE or loss ends its holds
         self._warned_size = False
+        #: iterations opened (``reclaim`` at each ``iter()``): whose end ``leaving`` is
+        self.iteration = 0
         self.last_write_ns = 0  # the accepted batch's write into its slot, in its worker
         self.last_placed = 0  # bytes of it that its collate made in place
         self._finalizer = weakref.finalize(
@@ -352,10 +354,13 @@ class WorkerPool:
         if rec.state == PoolState.FILLED and rec.ticket == ref.ticket:
             rec.state = PoolState.EMPTY
 
-    def leaving(self) -> None:
-        """This process ends its DataLoader iterator: its workers' waits for a slot end at
-        once (``LEAVING``), until the next ``iter()``'s ``reclaim``."""
-        self.words[LEAVING] = 1
+    def leaving(self, iteration: int) -> None:
+        """This process ends the DataLoader iterator it opened at ``iteration`` (``reclaim``'s
+        count when it did): its workers' waits for a slot end at once (``LEAVING``), until
+        the next ``iter()``'s ``reclaim``. An iterator of an earlier iteration, ended late
+        (an error's traceback kept its frame), says nothing to the workers of this one."""
+        if iteration == self.iteration:
+            self.words[LEAVING] = 1
 
     def reclaim(self) -> list[int]:
         """At ``iter()``: empty the slots whose worker died while WRITING or FILLED (the
@@ -366,6 +371,7 @@ class WorkerPool:
         returns to the pool here. Returns the indices reclaimed.
         """
         left, self.words[LEAVING] = bool(self.words[LEAVING]), 0
+        self.iteration += 1
         done = []
         for i in range(self.spec.total):
             rec = self._record(i)

@@ -8,6 +8,8 @@ an error is raised again at every later ``next()``; ``set_epoch`` after
 from __future__ import annotations
 
 import gc
+import threading
+import time
 
 import pytest
 import torch
@@ -59,6 +61,47 @@ def unnamed_loader(rank: int, world: int, *, workers: int, enabled: bool) -> dic
     gc.collect()
     dist.barrier()  # every rank finished its epoch and then closed: nothing hangs here
     return {"seen": seen}
+
+
+class Big(torch.utils.data.Dataset):
+    """Item ``i`` is 8 MiB of ``i``: no socket buffers it, so a send across nodes waits
+    for its receive."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((2 << 20,), float(i))
+
+
+def _shmloader_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("shmloader-")]
+
+
+def dropped_mid_epoch(rank: int, world: int) -> dict:
+    """``for batch in ShmLoader(...)`` over two nodes, left after 2 batches: the loader is
+    dropped with its iterator while the leader's loop has a send ahead that its node
+    leader, in step, has not taken; its finalizer closes it as ``close()`` would: goodbyes
+    said, so the node leader drains that send and every thread ends. Then a new loader on
+    the same group, a whole epoch."""
+    make = lambda: DataLoader(Big(), batch_size=1, num_workers=2)  # noqa: E731
+    seen = []
+    for batch in ShmLoader(make, dist.group.WORLD, config=_cfg(True, ahead=rank == 0)):
+        seen.append(float(batch[0, 0]))
+        if len(seen) == 2:
+            time.sleep(0.5)  # the leader's loop sends ahead meanwhile
+            break
+    del batch
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while _shmloader_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = _shmloader_threads()
+    dist.barrier()
+    again = [float(b[0, 0]) for b in ShmLoader(make, dist.group.WORLD, config=_cfg(True))]
+    gc.collect()
+    dist.barrier()
+    return {"seen": seen, "left": left, "again": again}
 
 
 def roles_of_unnamed(rank: int, world: int, *, workers: int) -> dict:
@@ -177,3 +220,13 @@ def test_set_epoch_after_close_is_refused(enabled):
     out = run_ranks(set_epoch_after_close, 2, kwargs={"enabled": enabled})
     for o in out:
         assert "closed" in o, o
+
+
+def test_a_loader_dropped_mid_epoch_says_its_goodbyes_across_nodes():
+    # its finalizer closes it as close() does (Closing.dropped): the leader's closing STOP
+    # and the node leader's drain end the sends its loop had ahead, and every thread ends
+    out = run_ranks(dropped_mid_epoch, 2, nodes=[0, 1])
+    for rank, o in enumerate(out):
+        assert o["seen"] == [0.0, 1.0], (rank, o)
+        assert o["left"] == [], (rank, o)
+        assert o["again"] == [float(i) for i in range(8)], (rank, o)

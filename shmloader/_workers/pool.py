@@ -407,6 +407,9 @@ class WorkerPool:
         if self._closed:
             return
         self._closed = True
+        # the workers of a loop not ended yet (NOTE [goodbyes first] in ``_roles.producer``)
+        # stop waiting for a slot now, rather than grow one once the names are gone
+        self.words[LEAVING] = 1
         _POOLS.pop(self.ring.token, None)
         try:
             for callback in self._on_close:

@@ -201,15 +201,17 @@ BUGS = [
         "            pass  # planted: no exclusion between forks\n",
         (
             f"{FORKS}test_forks_from_many_threads_at_once_give_every_child_the_batch_it_inherited"
-            "[8-10]",
+            "[8-25]",
             f"{FORKS}test_os_fork_returns_once_the_child_has_its_copy",
         ),
         "forks from several threads share one snapshot of the batch views",
         "Forks no longer exclude each other at the gate: racing forks overwrite each "
-        "other's state, as the process-wide snapshot did before. The 8-thread case catches "
-        "it every time; the 2-thread case (2 x 40 children) caught it warm and missed it "
-        "cold in the first run (a race: left out of this bug's list, as the verdict "
-        "compares the sets); one fork is no race, so the single-fork test passes.",
+        "other's state, as the process-wide snapshot did before. The 8-thread case caught "
+        "it every time with 8 x 10 children until one full run of the list missed it cold "
+        "(2026-12-07); with 8 x 25 it caught it in 4 of 4 cold runs by hand and in the runs "
+        "below. The 2-thread case (2 x 40 children) caught it warm and missed it cold in the "
+        "first run (a race: left out of this bug's list, as the verdict compares the sets); "
+        "one fork is no race, so the single-fork test passes.",
     ),
     Bug(
         "fork-during-a-mapping",
@@ -336,8 +338,10 @@ BUGS = [
     Bug(
         "leftover-payload-left",
         "shmloader/_transport/xnode.py",
-        "                self._skip()\n\n        self.link.submit(drop)",
-        "                pass  # planted\n\n        self.link.submit(drop)",
+        "            if last is not None and last.kind == Kind.BATCH and last.it <= it:\n"
+        "                self._skip()\n",
+        "            if last is not None and last.kind == Kind.BATCH and last.it <= it:\n"
+        "                pass  # planted\n",
         (
             f"{LINK}test_a_halted_receive_leaves_at_a_check_and_takes_the_leftover_payload_as_it_comes",
         ),

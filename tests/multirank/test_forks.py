@@ -336,7 +336,7 @@ def _scenario(*args: object) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize(("threads", "per_thread"), [(2, 40), (8, 10)])
+@pytest.mark.parametrize(("threads", "per_thread"), [(2, 40), (8, 25)])
 def test_forks_from_many_threads_at_once_give_every_child_the_batch_it_inherited(
     threads, per_thread
 ) -> None:

@@ -451,6 +451,17 @@ BUGS = [
         "a leader's send through its users' pause times out and closes the group",
     ),
     Bug(
+        "silent-peer-waited-for-ever",
+        "shmloader/_transport/xnode.py",
+        "            if deadline is None or time.monotonic() < deadline:\n",
+        "            if True:  # planted: no bound on a silent peer\n",
+        (
+            f"{AHEAD}test_a_live_leader_silent_past_the_timeout_is_lost_across_nodes",
+            f"{PAUSE}[leader-in-step-two-nodes]",
+        ),
+        "a node leader waits for a live but silent leader past the timeout the user waits in",
+    ),
+    Bug(
         "pool-slot-freed-in-flight",
         "shmloader/_roles/node_writer.py",
         "        if self.xnode is not None and self.xnode.sending():\n",

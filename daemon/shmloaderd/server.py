@@ -351,7 +351,8 @@ class Daemon:
             pass
         except zmq.ZMQError:
             return  # EHOSTUNREACH: already gone
-        # refused with fewer than SNDHWM pieces queued: libzmq is closing it already
+        # refused before libzmq ever took SNDHWM pieces for it: its queue cannot be full,
+        # libzmq is closing it already
         full = conn.pieces >= zmtp.SNDHWM  # NOTE [notices of the end] (zmtp)
         if full and conn.fd is not None and conn.ino is not None and conn.peer is not None:
             shut_down(conn.fd, conn.ino, self.path, conn.peer.pid, conn.peer.uid)

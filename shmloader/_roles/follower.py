@@ -135,9 +135,10 @@ class Follower:
         self.out.closed = True
 
     def closers(self) -> list[Callable[[], None]]:
-        # A loader dropped without close() (its finalizer) owns the user's held
-        # batches first, too: its socket goes without a BYE, and a writer that
-        # carries on without it may rewrite those slots (NOTE [held past close]).
+        # A loader closed at exit (its finalizer, once the main thread ended) owns
+        # the user's held batches first, too: its socket goes without a BYE, and a
+        # writer that carries on without it may rewrite those slots (NOTE [held past
+        # close]); one dropped while the program runs says BYE (``Closing.dropped``).
         # The socket closes through the _Releaser, so that a batch dying after the
         # close (even in the finalizer's order at exit) releases nothing.
         return [self.ring.own_views, self.out.close, self.ring.close]  # type: ignore[list-item]

@@ -173,7 +173,15 @@ def _make_role(
     xnode = None
     if len(topo.nodes) > 1 and topo.me in topo.node_leaders:
         tag = loader_tag(topo.fact(topo.leader).token)  # NOTE [running ahead] (producer)
-        xnode = CrossNode(pg, topo.leader, topo.node_leaders, tag, ctx.check_open)
+        xnode = CrossNode(
+            pg,
+            topo.leader,
+            topo.node_leaders,
+            tag,
+            ctx.check_open,
+            timeout=config.timeout or DEFAULT_TIMEOUT_S,
+            patient=ctx.patient,
+        )
     source = None
     role: Role
     if topo.is_writer:

@@ -49,8 +49,9 @@ class Closing:
     def dropped(self) -> None:
         """The loader's finalizer: a loader dropped unclosed while the program runs says its
         goodbyes as ``close()`` does (peers end their iteration, a node leader drains the
-        leader's sends); at exit (the main thread has ended, peers may be gone) it says
-        none. Nothing in a forked child."""
+        leader's sends), on the thread that dropped it and waiting as ``close()`` waits (a
+        few seconds at most where a peer does not answer); at exit (the main thread has
+        ended, peers may be gone) it says none. Nothing in a forked child."""
         if os.getpid() != self.creator:
             return
         self(at_exit=not threading.main_thread().is_alive())

@@ -16,6 +16,7 @@ import datetime
 import json
 import queue
 import threading
+import time
 import weakref
 import zlib
 from collections.abc import Callable
@@ -65,9 +66,9 @@ def loader_tag(token: str) -> int:
 
 # NOTE [the link owns gloo]
 #     A gloo call cannot be cancelled or polled: a send waits until its peer
-#     posts the matching receive, a receive until the message comes (or the
-#     group's timeout: NOTE [a link of its own]). So no thread that must
-#     answer to ``close()`` makes one. Each ``CrossNode`` has a link thread
+#     posts the matching receive, a receive until the message comes (or its
+#     own timeout: NOTE [a link of its own]). So no thread that must answer
+#     to ``close()`` makes one. Each ``CrossNode`` has a link thread
 #     that makes every gloo call of the loader, in the order its jobs came:
 #
 #         producer                        link thread ("shmloader-link")
@@ -103,9 +104,12 @@ def loader_tag(token: str) -> int:
 #     leader's next iteration. So every wait of a link is given a timeout
 #     of its own, ``LINK_TIMEOUT`` (7 days; the group's default is not
 #     changed: torch's setting of a group's timeout after it was made does
-#     not reach a point-to-point wait of gloo, tried): only the loader's own
-#     timeout ends a wait (``Producer.patient``), and a peer that dies ends
-#     it at once (its sockets close). Pinned over two nodes by
+#     not reach a point-to-point wait of gloo, tried). A peer that dies ends
+#     a wait at once (its sockets close); one alive but silent is bounded by
+#     the loader's own timeout, on the producer's side of the wait
+#     (``CrossNode._wait``): lost once the user too has waited that long
+#     (``Producer.patient``), as a peer on the node is; the gloo job goes on
+#     on the link. Pinned over two nodes by
 #     ``test_a_pause_longer_than_the_timeout_fails_nothing``, whose group has
 #     a 5 s timeout and whose ranks pause 6 s.
 
@@ -195,6 +199,9 @@ class CrossNode:
         node_leaders: tuple[int, ...],
         tag: int = 0,
         check: Callable[[], None] = lambda: None,
+        *,
+        timeout: float | None = None,
+        patient: Callable[[], bool] = lambda: False,
     ) -> None:
         self.group = group
         self.leader = leader
@@ -204,6 +211,9 @@ class CrossNode:
         self.peers = tuple(r for r in node_leaders if r != leader)
         #: raises to end a wait (the loader's owner: closed, or the iteration halted)
         self.check = check
+        #: how long a wait may last while the user waits too (``SHMLOADER_TIMEOUT``; None:
+        #: no bound), and whether the user is not waiting that long yet (``Producer.patient``)
+        self.timeout, self.patient = timeout, patient
         self.link = Link()
         self._pending: Future[Event] | None = None  # a header nobody waited for to the end
         self._in_flight: Future[None] | None = None  # a send nobody waited for to the end
@@ -216,13 +226,32 @@ class CrossNode:
         self._owed = 0  # payload bytes of the last header received, not received yet
         self._last: CrossHeader | None = None  # that header
 
-    def _wait(self, done: Future[T]) -> T:
+    def _wait(self, done: Future[T], who: str, doing: str) -> T:
+        """The job's result, waited for in slices with ``check`` between. A peer silent for
+        ``timeout`` while the user waits that long too is lost (the job goes on on the link:
+        NOTE [a link of its own])."""
+        timeout = self.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self.check()
             try:
                 return done.result(timeout=SLICE_S)
             except TimeoutError:
+                pass
+            if deadline is None or time.monotonic() < deadline:
                 continue
+            if self.patient():  # its user is not waiting that long: neither does the loop
+                deadline = time.monotonic() + timeout  # type: ignore[operator]
+                continue
+            raise PeerLostError(
+                None, who, f"no answer for {timeout:.0f} s (SHMLOADER_TIMEOUT) while {doing}"
+            )
+
+    def _to_peers(self) -> str:
+        return f"node leader(s) {list(self.peers)}"
+
+    def _from_leader(self) -> str:
+        return f"leader rank {self.leader}"
 
     def _failed(self, exc: Exception, who: str) -> PeerLostError:
         self.broken = True
@@ -250,7 +279,7 @@ class CrossNode:
         nbytes = 0 if payload is None else payload.nbytes
         head = CrossHeader(kind, it, nbytes, len(meta), draws, crc, *at)
         self._in_flight = self.link.submit(lambda: self._send(head, meta, payload))
-        self._wait(self._in_flight)
+        self._wait(self._in_flight, self._to_peers(), f"sending {kind.name} to them")
         self._in_flight = None
 
     # NOTE [a slot in flight]
@@ -267,7 +296,7 @@ class CrossNode:
     def sent(self) -> None:
         """Wait until the last send completed (NOTE [a slot in flight])."""
         if self._in_flight is not None:
-            self._wait(self._in_flight)
+            self._wait(self._in_flight, self._to_peers(), "sending them a batch")
             self._in_flight = None
 
     def sending(self) -> bool:
@@ -339,7 +368,7 @@ class CrossNode:
         not waited for to the end is this one."""
         if self._pending is None:
             self._pending = self.link.submit(self._receive_header)
-        event = self._wait(self._pending)
+        event = self._wait(self._pending, self._from_leader(), "waiting for its next batch")
         self._pending = None
         return event
 
@@ -360,7 +389,11 @@ class CrossNode:
 
     def receive_payload(self, dest: np.ndarray) -> None:
         """Receive the payload owed straight into ``dest`` (a ring slot's bytes)."""
-        self._wait(self.link.submit(lambda: self._receive_payload(dest)))
+        self._wait(
+            self.link.submit(lambda: self._receive_payload(dest)),
+            self._from_leader(),
+            "receiving a batch's payload",
+        )
 
     def _receive_payload(self, dest: np.ndarray) -> None:
         if dest.nbytes != self._owed:
@@ -371,7 +404,7 @@ class CrossNode:
     def skip_payload(self) -> None:
         """Receive the payload owed (if any) into nothing: a batch this node will not
         publish, or one a loop left half received (NOTE [closing across nodes])."""
-        self._wait(self.link.submit(self._skip))
+        self._wait(self.link.submit(self._skip), self._from_leader(), "receiving a payload")
 
     def _skip(self) -> None:
         if self._owed:

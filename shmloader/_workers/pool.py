@@ -21,6 +21,7 @@ import fcntl
 import functools
 import logging
 import os
+import threading
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -168,6 +169,7 @@ class WorkerPool:
         self._warned_size = False
         #: iterations opened (``reclaim`` at each ``iter()``): whose end ``leaving`` is
         self.iteration = 0
+        self._iteration_lock = threading.Lock()  # an old iterator ends on another thread
         self.last_write_ns = 0  # the accepted batch's write into its slot, in its worker
         self.last_placed = 0  # bytes of it that its collate made in place
         self._finalizer = weakref.finalize(
@@ -359,8 +361,9 @@ class WorkerPool:
         count when it did): its workers' waits for a slot end at once (``LEAVING``), until
         the next ``iter()``'s ``reclaim``. An iterator of an earlier iteration, ended late
         (an error's traceback kept its frame), says nothing to the workers of this one."""
-        if iteration == self.iteration:
-            self.words[LEAVING] = 1
+        with self._iteration_lock:  # not between ``reclaim``'s reset and its count
+            if iteration == self.iteration:
+                self.words[LEAVING] = 1
 
     def reclaim(self) -> list[int]:
         """At ``iter()``: empty the slots whose worker died while WRITING or FILLED (the
@@ -370,8 +373,9 @@ class WorkerPool:
         SlotRef was never sent, or died with the iterator) and its slot
         returns to the pool here. Returns the indices reclaimed.
         """
-        left, self.words[LEAVING] = bool(self.words[LEAVING]), 0
-        self.iteration += 1
+        with self._iteration_lock:
+            left, self.words[LEAVING] = bool(self.words[LEAVING]), 0
+            self.iteration += 1
         done = []
         for i in range(self.spec.total):
             rec = self._record(i)

@@ -348,6 +348,32 @@ def pause_longer_than_the_timeout(rank: int, world: int, *, workers: int, nodes:
     return {"seen": seen, "outcome": outcome, "total": int(total)}
 
 
+def silent_leader(rank: int, world: int) -> dict:
+    """Over two nodes, a 3 s timeout: the leader (in step, no workers) takes batch 0 and then
+    computes for 8 s without asking for more; the node leader asks for batch 1 at once. A
+    live peer silent for longer than the user waits is lost, across nodes as on one node."""
+    loader = ShmLoader(
+        lambda: DataLoader(Numbered(6), batch_size=1, num_workers=0),
+        dist.group.WORLD,
+        config=Config.from_env(enabled=True, timeout=3.0),
+    )
+    it = iter(loader)
+    out: dict = {"first": int(next(it)[0, 0])}
+    t0 = time.monotonic()
+    if rank == 0:
+        time.sleep(8.0)
+    else:
+        try:
+            next(it)
+            out["outcome"] = "a batch"
+        except ShmLoaderError as exc:
+            out["outcome"] = type(exc).__name__
+    out["waited"] = time.monotonic() - t0
+    del it
+    loader.close()
+    return out
+
+
 def slow_node_leader(rank: int, world: int) -> dict:
     """Node leader 2 takes 0.25 s per step; the others step as fast as they can. Each
     rank notes when it took each batch (one clock for every process of the machine)."""
@@ -536,6 +562,16 @@ def test_a_pause_longer_than_the_timeout_fails_nothing(workers, nodes):
     out = run_ranks(pause_longer_than_the_timeout, 2, kwargs=kwargs, nodes=nodes)
     for rank, o in enumerate(out):
         assert o == {"seen": list(range(6)), "outcome": "finished", "total": 2}, (rank, o)
+
+
+def test_a_live_leader_silent_past_the_timeout_is_lost_across_nodes():
+    # NOTE [a link of its own]: the link's gloo waits outlast any pause, so the loader's own
+    # timeout bounds a wait the user waits in too (CrossNode._wait), as on one node
+    out = run_ranks(silent_leader, 2, nodes=[0, 1])
+    node_leader = out[1]
+    assert out[0]["first"] == node_leader["first"] == 0, out
+    assert node_leader["outcome"] == "PeerLostError", out
+    assert node_leader["waited"] < 6.0, out  # the timeout (3 s), not the leader's 8 s
 
 
 class Drawing(Dataset):

@@ -186,7 +186,7 @@ def break_holding_a_header(rank: int, world: int) -> dict:
     """Over two nodes: the node leader's follower (rank 3, in step: it takes only what its
     user asks) takes batch 0 and pauses, so the node leader's loop, its user having taken
     batches 0 and 1, waits for that reader with the leader's header of batch 3 taken and its
-    payload not yet. The node leader's user then breaks, and iterates again 3 s later; the
+    payload not yet. The node leader's user then breaks, and iterates again 2 s later; the
     node leader's follower breaks after its pause. The leader and its follower go through the
     epoch. Then every rank a second epoch, whole; each rank says when (wall clock) it got
     each batch of the first epoch, and when it broke and began again."""
@@ -208,7 +208,7 @@ def break_holding_a_header(rank: int, world: int) -> dict:
             break
     del batch
     if rank == 2:
-        time.sleep(3.0)  # nothing of this node receives meanwhile but what the break left
+        time.sleep(2.0)  # nothing of this node receives meanwhile but what the break left
     loader.set_epoch(1)
     out["again"] = time.time()
     out["second"] = [int(b[0, 0]) for b in loader]
@@ -350,7 +350,7 @@ def pause_longer_than_the_timeout(rank: int, world: int, *, workers: int, nodes:
 
 def silent_leader(rank: int, world: int) -> dict:
     """Over two nodes, a 3 s timeout: the leader (in step, no workers) takes batch 0 and then
-    computes for 8 s without asking for more; the node leader asks for batch 1 at once. A
+    computes for 6 s without asking for more; the node leader asks for batch 1 at once. A
     live peer silent for longer than the user waits is lost, across nodes as on one node."""
     loader = ShmLoader(
         lambda: DataLoader(Numbered(6), batch_size=1, num_workers=0),
@@ -361,7 +361,7 @@ def silent_leader(rank: int, world: int) -> dict:
     out: dict = {"first": int(next(it)[0, 0])}
     t0 = time.monotonic()
     if rank == 0:
-        time.sleep(8.0)
+        time.sleep(6.0)
     else:
         try:
             next(it)
@@ -479,7 +479,7 @@ def test_a_close_while_a_node_leader_owes_a_payload_leaves_no_send_waiting():
 
 def test_a_node_leader_that_breaks_holding_a_header_takes_its_payload_at_once():
     # the leader's send of batch 3 completes at the node leader's break, not at its next
-    # iteration: the leader (which announces a batch to its own node once sent) and its
+    # iteration (2 s later): the leader (which announces a batch to its own node once sent) and its
     # follower get batch 3 while the node leader is away (NOTE [running ahead] in
     # shmloader/_roles/producer.py)
     out = run_ranks(break_holding_a_header, 4, nodes=[0, 0, 1, 1])
@@ -571,7 +571,7 @@ def test_a_live_leader_silent_past_the_timeout_is_lost_across_nodes():
     node_leader = out[1]
     assert out[0]["first"] == node_leader["first"] == 0, out
     assert node_leader["outcome"] == "PeerLostError", out
-    assert node_leader["waited"] < 6.0, out  # the timeout (3 s), not the leader's 8 s
+    assert node_leader["waited"] < 5.0, out  # the timeout (3 s), not the leader's 6 s
 
 
 class Drawing(Dataset):

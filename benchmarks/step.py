@@ -43,7 +43,7 @@ loaders and measures contention, not the data path).
 Reported per way and rank: ``next()`` p50/p90 and the step's time above C
 (wall time of the whole step minus C: ``next``, drop, read, the sleep's
 overshoot and the all_reduce, which also waits for the slowest peer), plus
-the targets of issue 31 where measured. Writes ``step.json`` (every number
+its targets where measured. Writes ``step.json`` (every number
 and every rank's per-step records), ``step.md`` and ``step.png`` to
 ``--out`` (default a new temporary directory: a run never overwrites
 committed results), printed when it starts and again with every file.
@@ -94,8 +94,8 @@ STYLE = {
     "shmloader-huge": ("tab:purple", "P", "-"),
     "shmloader-in-step": ("tab:gray", "x", ":"),
 }
-TARGET_NEXT_MS = 1.0  # issue 31: shmloader's next() p50 on every rank
-TARGET_TWO_NODES = 1.1  # issue 31: SP group over two nodes vs the same group on one node
+TARGET_NEXT_MS = 1.0  # shmloader's next() p50 on every rank
+TARGET_TWO_NODES = 1.1  # SP group over two nodes vs the same group on one node
 
 
 # ------------------------------------------------------------------ in a rank
@@ -595,7 +595,7 @@ def markdown(result: dict[str, Any]) -> str:
         )
         lines.append(f"| {c['topology']} | {c['mib']:g} | {c['compute_ms']:g} | {how} |")
     if result["targets"]:
-        lines += ["", "## Targets (issue 31; worst rank's p50)", ""]
+        lines += ["", "## Targets (worst rank's p50)", ""]
         lines += ["| target | where | measured | verdict |", "| --- | --- | --- | --- |"]
         lines += [
             f"| {t['target']} | {t['where']} | {t['measured']} | {t['verdict']} |"

@@ -21,6 +21,7 @@ from shmloader import Config, ShmLoader
 from shmloader.errors import LeaderError, ShmLoaderError
 from tests.support.fake_device import FakeOps
 from tests.support.harness import capture_warnings, run_ranks
+from tests.support.ranks import Large
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -166,20 +167,6 @@ def closed_with_a_payload_owed(rank: int, world: int) -> dict:
     left = [t.name for t in _ahead_threads()]
     dist.barrier()  # no rank exits (which would break a wait of its peers) before all looked
     return {"seen": seen, "left": left, "counted": counted[0]}
-
-
-class Large(Dataset):
-    """Sample ``i`` is 8 MiB of ``i``: more than a loopback socket buffers, so the leader's
-    send of it completes only once the node leader receives its payload."""
-
-    def __init__(self, n: int = 8) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.full((2 << 20,), float(i))
 
 
 def break_holding_a_header(rank: int, world: int) -> dict:

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from shmloader import Config, ShmLoader
 from tests.support.harness import capture_warnings, run_ranks
+from tests.support.ranks import threads_left
 
 CYCLE_S = 0.04  # the compute of one step
 TRIALS = 6
@@ -41,18 +42,8 @@ class _Values(Dataset):
         return torch.full((1 << 17,), float(i))
 
 
-def _threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("shmloader-")]
-
-
 def _wait_gone(limit: float) -> list[str]:
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        left = [name for name in _threads() if name != "shmloader-unmap"]
-        if not left:
-            return []
-        time.sleep(0.02)
-    return left
+    return threads_left(limit, ignore=("shmloader-unmap",))
 
 
 def close_sweep(rank: int, world: int, *, workers: int) -> list[dict]:

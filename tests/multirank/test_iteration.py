@@ -8,7 +8,6 @@ an error is raised again at every later ``next()``; ``set_epoch`` after
 from __future__ import annotations
 
 import gc
-import threading
 import time
 
 import pytest
@@ -19,6 +18,7 @@ from torch.utils.data import DataLoader
 from shmloader import Config, ShmLoader
 from shmloader.errors import ShmLoaderError
 from tests.support.harness import run_ranks
+from tests.support.ranks import Large, threads_left
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -63,28 +63,13 @@ def unnamed_loader(rank: int, world: int, *, workers: int, enabled: bool) -> dic
     return {"seen": seen}
 
 
-class Big(torch.utils.data.Dataset):
-    """Item ``i`` is 8 MiB of ``i``: no socket buffers it, so a send across nodes waits
-    for its receive."""
-
-    def __len__(self) -> int:
-        return 8
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.full((2 << 20,), float(i))
-
-
-def _shmloader_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("shmloader-")]
-
-
 def dropped_mid_epoch(rank: int, world: int) -> dict:
     """``for batch in ShmLoader(...)`` over two nodes, left after 2 batches: the loader is
     dropped with its iterator while the leader's loop has a send ahead that its node
     leader, in step, has not taken; its finalizer closes it as ``close()`` would: goodbyes
     said, so the node leader drains that send and every thread ends. Then a new loader on
     the same group, a whole epoch."""
-    make = lambda: DataLoader(Big(), batch_size=1, num_workers=2)  # noqa: E731
+    make = lambda: DataLoader(Large(), batch_size=1, num_workers=2)  # noqa: E731
     seen = []
     for batch in ShmLoader(make, dist.group.WORLD, config=_cfg(True, ahead=rank == 0)):
         seen.append(float(batch[0, 0]))
@@ -93,10 +78,7 @@ def dropped_mid_epoch(rank: int, world: int) -> dict:
             break
     del batch
     gc.collect()
-    deadline = time.monotonic() + 10
-    while _shmloader_threads() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    left = _shmloader_threads()
+    left = threads_left(10)
     dist.barrier()
     again = [float(b[0, 0]) for b in ShmLoader(make, dist.group.WORLD, config=_cfg(True))]
     gc.collect()

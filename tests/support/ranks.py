@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -21,6 +23,20 @@ Pair = collections.namedtuple("Pair", "left right")
 class Meta:
     sample_ids: list
     source: str
+
+
+class Large(Dataset):
+    """Sample ``i`` is 8 MiB of ``i``: more than a loopback socket buffers, so the leader's
+    send of it completes only once the node leader receives its payload."""
+
+    def __init__(self, n: int = 8) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((2 << 20,), float(i))
 
 
 class Synthetic(Dataset):
@@ -335,3 +351,20 @@ def huge_ring(rank: int, world: int, *, num_workers: int) -> dict:
         del batch
     loader.close()
     return out
+
+
+def shmloader_threads(ignore: tuple[str, ...] = ()) -> list[str]:
+    """Names of this process's live shmloader threads, but ``ignore``'s."""
+    return [
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith("shmloader-") and t.name not in ignore
+    ]
+
+
+def threads_left(limit: float, ignore: tuple[str, ...] = ()) -> list[str]:
+    """``shmloader_threads`` once none is left, or after ``limit`` seconds."""
+    deadline = time.monotonic() + limit
+    while (left := shmloader_threads(ignore)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return left

@@ -100,7 +100,7 @@ def test_quick_step_benchmark_writes_json_markdown_and_plot(tmp_path):
     assert md.startswith("# shmloader step benchmark")
     table = [line for line in md.splitlines() if line.startswith(("| 1node-sp2 | 4 |", "| 2nodes"))]
     assert len([t for t in table if t.count("|") == 15]) == len(rows)  # 14 columns
-    assert "## Targets (issue 31" in md
+    assert "## Targets (worst rank" in md
     data = (out / "step.png").read_bytes()
     assert data.startswith(PNG_MAGIC) and len(data) > 1000
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import pytest
 
@@ -26,7 +28,7 @@ def _stopped(producer: Producer) -> None:
     assert not producer._thread.is_alive()
 
 
-def _iterate(producer: Producer, items: list[int]):
+def _iterate(producer: Producer, items: Iterable[Any]) -> Iterator[Any]:
     return producer.run(
         iter(items),
         position=lambda: Position(0, 0, False, None, None),
@@ -68,13 +70,7 @@ def test_a_loops_own_error_is_raised_at_its_step_and_the_producer_lives_on():
         raise ValueError("sample 1 is broken")
 
     producer = Producer(Owner(5.0), 1)
-    it = producer.run(
-        fails(),
-        position=lambda: Position(0, 0, False, None, None),
-        hand=lambda _position: None,
-        request=None,
-        waited=lambda _t0: None,
-    )
+    it = _iterate(producer, fails())
     assert next(it) == 1
     with pytest.raises(ValueError, match="sample 1 is broken"):
         next(it)
@@ -107,13 +103,7 @@ def test_a_batch_made_as_the_user_leaves_is_never_queued_into_the_left_iteration
         yield 1
 
     producer = Producer(owner, 2)
-    it = producer.run(
-        batches(),
-        position=lambda: Position(0, 0, False, None, None),
-        hand=lambda _position: None,
-        request=None,
-        waited=lambda _t0: None,
-    )
+    it = _iterate(producer, batches())
     assert next(it) == 0
     taken.set()
     run = producer._run

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -252,41 +253,59 @@ def test_workers_ask_the_daemon_before_they_grow_a_slot(daemons):
 
     budget = 20 << 20
     d = daemons.start("--budget", str(budget))
-    client = d.client()
-    token = new_token()
-    client.register(description(token))
-    data = [torch.full((1 << 20,), float(i)) for i in range(12)]  # 4 MiB samples
-    loader = DataLoader(data, batch_size=2, num_workers=3, multiprocessing_context="fork")
-    ring = RingWriter(token, frozenset(), {"test": True}, self_rank=0, daemon=client)
-    pool = WorkerPool(
-        ring, num_workers=3, prefetch_factor=2, ring_slots=2, timeout=30.0,
-        allow_pickle=False, daemon=client,
-    )  # fmt: skip
-    assert install(loader, pool)
-    peak, stop = [0], threading.Event()
 
-    def sample() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], _job_bytes(token))
-            time.sleep(0.002)
+    def attempt() -> tuple[ShmCapacityError, int]:
+        client = d.client()
+        token = new_token()
+        client.register(description(token))
+        data = [torch.full((1 << 20,), float(i)) for i in range(12)]  # 4 MiB samples
+        loader = DataLoader(data, batch_size=2, num_workers=3, multiprocessing_context="fork")
+        ring = RingWriter(token, frozenset(), {"test": True}, self_rank=0, daemon=client)
+        peak, stop = [0], threading.Event()
 
-    watcher = threading.Thread(target=sample)
-    watcher.start()
-    try:
-        it = iter(loader)
-        with pytest.raises(ShmCapacityError) as info:
-            for seq, ref in enumerate(it):
-                if isinstance(ref, WorkerFailure):
-                    raise ref.exception()
-                # published and never released: each batch grows another slot
-                ring.hold_for_readers(pool.accept(ref), seq, ref.nbytes, 0)
-        time.sleep(0.3)  # what the other workers do meanwhile counts too
-        del it
-    finally:
-        stop.set()
-        watcher.join()
-        ring.close()
-        pool.close()
-        client.close()
-    assert "shmloaderd" in str(info.value) and "--budget" in str(info.value), info.value
-    assert peak[0] <= budget, f"/dev/shm held {peak[0] / 2**20:.1f} MiB of a 20 MiB budget"
+        def sample() -> None:
+            while not stop.is_set():
+                peak[0] = max(peak[0], _job_bytes(token))
+                time.sleep(0.002)
+
+        watcher = threading.Thread(target=sample)
+        watcher.start()
+        pool = None
+        try:
+            pool = WorkerPool(
+                ring, num_workers=3, prefetch_factor=2, ring_slots=2, timeout=30.0,
+                allow_pickle=False, daemon=client,
+            )  # fmt: skip
+            assert install(loader, pool)
+            it = iter(loader)
+            with pytest.raises(ShmCapacityError) as info:
+                for seq, ref in enumerate(it):
+                    if isinstance(ref, WorkerFailure):
+                        raise ref.exception()
+                    # published and never released: each batch grows another slot
+                    ring.hold_for_readers(pool.accept(ref), seq, ref.nbytes, 0)
+            time.sleep(0.3)  # what the other workers do meanwhile counts too
+            del it
+        finally:
+            stop.set()
+            watcher.join()
+            ring.close()
+            if pool is not None:
+                pool.close()
+            client.close()
+        return info.value, peak[0]
+
+    # The node budget counts every job the daemon finds in /dev/shm: a refusal that names
+    # another ring (another test's job, running beside this one) says nothing of ours
+    for tries_left in (2, 1, 0):
+        try:
+            error, peak = attempt()
+        except ShmCapacityError as refused:  # at the pool's construction: ours, or not
+            error, peak = refused, 0
+            if not tries_left or len(set(re.findall(r"ring ([0-9a-f]{16})", str(error)))) <= 1:
+                raise
+            continue
+        if not tries_left or len(set(re.findall(r"ring ([0-9a-f]{16})", str(error)))) <= 1:
+            break
+    assert "shmloaderd" in str(error) and "--budget" in str(error), error
+    assert peak <= budget, f"/dev/shm held {peak / 2**20:.1f} MiB of a 20 MiB budget"

@@ -68,6 +68,9 @@ PUBLISH = "tests/unit/test_publish.py::"
 DEVICE = "tests/device/test_device.py::"
 DAEMON = "tests/daemon/test_daemon.py::"
 PRODUCER = "tests/unit/test_producer.py::"
+FORK_STANDING = (
+    f"{FORKS}test_a_batch_of_a_standing_mapping_crosses_a_fork_and_leaves_no_write_behind",
+)
 PAUSE = f"{AHEAD}test_a_pause_longer_than_the_timeout_fails_nothing"
 
 #: The planted bugs, each with the multi-rank tests that exercise its line: the tests that
@@ -406,8 +409,8 @@ BUGS = [
     Bug(
         "drop-unmapped-in-place",
         "shmloader/_node/unmap.py",
-        '        if os.getpid() != self.pid or getattr(_here, "unmaps", False):\n',
-        "        if True:  # planted: unmapped where the lease dies\n",
+        '        if not getattr(_here, "unmaps", False) and self._queue(job):\n',
+        "        if False:  # planted: unmapped where the lease dies\n",
         (
             f"{UNMAP}test_a_dropped_view_is_unmapped_and_released_on_the_unmap_thread",
             f"{DROPS}test_batches_dropped_ahead_are_unmapped_by_the_unmap_thread_on_every_role"
@@ -530,6 +533,59 @@ BUGS = [
         "            pass  # planted: no check before the control segment\n",
         (f"{TENANTS}test_a_ring_in_a_directory_the_daemon_does_not_watch_is_refused",),
         "a node-mode job makes its control segment in a directory the daemon never reaps",
+    ),
+    Bug(
+        "standing-write-left-behind",
+        "shmloader/_node/standing.py",
+        "        if LIBC_MADVISE(start, n, MADV_DONTNEED) != 0:\n",
+        "        if False:  # planted: the batch's written pages stay\n",
+        (
+            f"{UNMAP}test_a_dropped_view_is_unmapped_and_released_on_the_unmap_thread[standing]",
+            *FORK_STANDING,
+        ),
+        "a slot's next batch shows, through its standing mapping, what the user wrote before",
+    ),
+    Bug(
+        "standing-released-before-the-drop",
+        "shmloader/_node/standing.py",
+        "            return\n        try:\n            clean = not self.closed",
+        "            return\n        done()  # planted: released first\n"
+        "        done = lambda: None  # noqa: E731\n"
+        "        try:\n            clean = not self.closed",
+        (f"{UNMAP}test_a_dropped_view_is_unmapped_and_released_on_the_unmap_thread[standing]",),
+        "a batch's slot is released before the pages its user wrote are dropped",
+    ),
+    Bug(
+        "standing-not-lent-to-a-fork",
+        "shmloader/_node/forks.py",
+        "            if _not_forked(addr) and not _lend(addr, length, fork):\n",
+        "            if _not_forked(addr) and False:  # planted: never lent\n",
+        FORK_STANDING,
+        "a batch held in a standing mapping is not inherited by a forked child: it faults",
+    ),
+    Bug(
+        "standing-lent-for-good",
+        "shmloader/_node/forks.py",
+        "            LIBC_MADVISE(addr, length, MADV_DONTFORK)\n",
+        "            pass  # planted: lent to every later fork\n",
+        FORK_STANDING,
+        "a range of a standing mapping lent to one fork is inherited by every later one",
+    ),
+    Bug(
+        "standing-range-left-unreserved",
+        "shmloader/_node/forks.py",
+        "    lent = sorted(_current.lent) if _current is not None else []\n",
+        "    lent: list = []  # planted: the whole range at once, over the lent part\n",
+        FORK_STANDING,
+        "a child holds nothing over the rest of a standing mapping it did not get",
+    ),
+    Bug(
+        "standing-held-past-close-not-owned",
+        "shmloader/_node/ring.py",
+        "                        touch_range(ctypes.addressof(holder), ctypes.sizeof(holder))\n",
+        "                        pass  # planted: a lease is not made the reader's own\n",
+        (f"{UNMAP}test_a_reader_closing_owns_only_what_the_user_still_holds[standing]",),
+        "a batch held past its reader's close shows the slot's later bytes",
     ),
 ]
 

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 LIBC_MMAP: Callable[..., int] | None = ringdir.LIBC.mmap
 LIBC_MUNMAP: Callable[..., int] | None = ringdir.LIBC.munmap
+LIBC_MADVISE: Callable[..., int] | None = ringdir.LIBC.madvise
+MADV_DONTFORK = getattr(mmap, "MADV_DONTFORK", 10)
+MADV_DOFORK = getattr(mmap, "MADV_DOFORK", 11)
 MAP_FIXED_NOREPLACE = 0x100000
 MAP_FIXED = 0x10
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
@@ -97,13 +100,22 @@ def _reserve_in_child() -> None:
     if not NOT_FORKED or LIBC_MMAP is None:
         return
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED_NOREPLACE
+    lent = sorted(_current.lent) if _current is not None else []
     for addr, (ref, length) in list(NOT_FORKED.items()):
         mm = ref()
         if mm is None or mm.closed:
             continue
         # NOREPLACE: never over anything the child has (an old kernel treats it
-        # as a hint; a range placed elsewhere is then simply not needed).
-        LIBC_MMAP(addr, length, 0, flags, -1, 0)
+        # as a hint; a range placed elsewhere is then simply not needed). Around
+        # the ranges of a standing mapping lent to this fork (``_lend``).
+        at = addr
+        for start, n in lent:
+            if addr <= start < addr + length:
+                if start > at:
+                    LIBC_MMAP(at, start - at, 0, flags, -1, 0)
+                at = start + n
+        if at < addr + length:
+            LIBC_MMAP(at, addr + length - at, 0, flags, -1, 0)
 
 
 os.register_at_fork(after_in_child=_reserve_in_child)
@@ -125,7 +137,12 @@ os.register_at_fork(after_in_child=_reserve_in_child)
 #       ``pool`` does for kept collate outputs; in pieces of ``PIECE`` bytes
 #       where the whole copy cannot be had, under an address-space limit):
 #       the child reads the batch as the parent had it at the fork, its
-#       writes stay its own, and it holds no page of the slot afterwards;
+#       writes stay its own, and it holds no page of the slot afterwards
+#       (a batch in its slot's standing mapping, which no child gets, is
+#       lent to this fork alone: ``MADV_DOFORK`` on its range in the
+#       parent's handler, ``MADV_DONTFORK`` again before the gate opens,
+#       the rest of the standing mapping reserved around it in the child;
+#       NOTE [a standing mapping] in ``standing``);
 #     - a view that only a loop running ahead of the user holds (its queue:
 #       ``hide``) is made inaccessible in the child without a copy: no user
 #       code of the child can reach it, and copying it would cost the fork
@@ -214,13 +231,25 @@ def no_fork() -> Iterator[None]:
         _GATE.leave()
 
 
-def copy_at_fork(mm: mmap.mmap) -> None:
-    """Give a forked child its own copy of ``mm`` (a batch's private view).
+def copy_at_fork(holder: object, addr: int | None = None, length: int | None = None) -> None:
+    """Give a forked child its own copy of a batch's private view.
 
-    Call inside ``no_fork``, in the block that made ``mm``.
+    ``holder``: the view's own mapping, or (with ``addr`` and ``length``) the
+    lease of its range in a standing mapping (NOTE [a standing mapping] in
+    ``standing``), which is lent to each fork (``MADV_DOFORK``) while it lives.
+    Call inside ``no_fork``, in the block that made the view.
     """
-    addr = address(mm)
-    COPY_AT_FORK[addr] = (weakref.ref(mm, lambda _: COPY_AT_FORK.pop(addr, None)), len(mm))
+    if addr is None or length is None:
+        assert isinstance(holder, mmap.mmap)
+        addr, length = address(holder), len(holder)
+    at = addr
+
+    def gone(ref: weakref.ref) -> None:  # only its own entry: a standing range is reused
+        entry = COPY_AT_FORK.get(at)
+        if entry is not None and entry[0] is ref:
+            del COPY_AT_FORK[at]
+
+    COPY_AT_FORK[addr] = (weakref.ref(holder, gone), length)
 
 
 def retire(mm: mmap.mmap) -> None:
@@ -235,12 +264,19 @@ def retire(mm: mmap.mmap) -> None:
         dont_fork(mm)
 
 
-def registered(mm: mmap.mmap) -> bool:
-    """Whether ``mm`` is a live private view a child would copy (call inside ``no_fork``)."""
-    if mm.closed:
-        return False
-    entry = COPY_AT_FORK.get(address(mm))
-    return entry is not None and entry[0]() is mm
+def registered(holder: object) -> bool:
+    """Whether ``holder`` (a view's mapping or lease) is a live view a child would copy.
+
+    Call inside ``no_fork``.
+    """
+    if isinstance(holder, mmap.mmap):
+        if holder.closed:
+            return False
+        addr = address(holder)
+    else:
+        addr = ctypes.addressof(holder)  # type: ignore[arg-type]
+    entry = COPY_AT_FORK.get(addr)
+    return entry is not None and entry[0]() is holder
 
 
 class Hidden(Protocol):
@@ -272,6 +308,7 @@ class _Fork:
         self.copy: list[tuple[mmap.mmap, int, int]] = []  # alive until the child copied
         self.drop: list[tuple[mmap.mmap, int, int]] = []  # alive until the fork is done
         self.pipe: tuple[int, int] | None = None  # the child answers on it
+        self.lent: list[tuple[int, int]] = []  # ranges of standing mappings the child gets
 
 
 #: The fork in progress: set and read only while the forking thread holds ``_GATE``.
@@ -285,13 +322,16 @@ def _before_fork() -> None:
     try:
         hidden = _hidden_addresses()
         for addr, (ref, length) in list(COPY_AT_FORK.items()):
-            mm = ref()
-            if mm is None or mm.closed:
+            mm = ref()  # a view's mapping, or its lease of a standing mapping
+            if mm is None or getattr(mm, "closed", False):
                 continue
             if any(addr <= a < addr + length for a in hidden):
                 fork.drop.append((mm, addr, length))
-            else:
-                fork.copy.append((mm, addr, length))
+                continue
+            length = -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
+            if _not_forked(addr) and not _lend(addr, length, fork):
+                continue  # the child cannot have it (logged): it is reserved there
+            fork.copy.append((mm, addr, length))
         if fork.copy:
             with contextlib.suppress(OSError):
                 fork.pipe = os.pipe()
@@ -299,6 +339,24 @@ def _before_fork() -> None:
         log.exception("shmloader: the fork handler failed to sort the batch views")
         fork.drop.clear()
     _current = fork
+
+
+def _not_forked(addr: int) -> bool:
+    """Whether ``addr`` lies in a live mapping a child does not get (a standing mapping)."""
+    for start, (ref, length) in list(NOT_FORKED.items()):  # a callback may pop meanwhile
+        if start <= addr < start + length:
+            mm = ref()
+            return mm is not None and not mm.closed
+    return False
+
+
+def _lend(addr: int, length: int, fork: _Fork) -> bool:
+    """Let this fork's child inherit ``[addr, addr + length)`` of a standing mapping."""
+    if LIBC_MADVISE is None or LIBC_MADVISE(addr, length, MADV_DOFORK) != 0:
+        log.warning("shmloader: a held batch could not be lent to a forked child (%d B)", length)
+        return False
+    fork.lent.append((addr, length))
+    return True
 
 
 def _hidden_addresses() -> list[int]:
@@ -382,6 +440,10 @@ def _after_fork_parent() -> None:
     if fork is None:
         return
     fork.drop.clear()  # the child has them, or denied them: the parent's may go
+    for addr, length in fork.lent:  # before the gate opens: only this fork's child had them
+        if LIBC_MADVISE is not None:
+            LIBC_MADVISE(addr, length, MADV_DONTFORK)
+    fork.lent.clear()
     try:
         if fork.pipe is not None:
             # the child's end is then the only one: EOF when it is gone. Closed while the

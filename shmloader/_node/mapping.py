@@ -136,18 +136,17 @@ def touch(mm: mmap.mmap) -> None:
         write per page does the same in bytecode, which yields the GIL
         between pages.
     """
-    if (
-        LIBC_MADVISE is not None
-        and len(mm) > 0
-        and LIBC_MADVISE(forks.address(mm), len(mm), MADV_POPULATE_WRITE) == 0
-    ):
+    if len(mm) > 0:
+        touch_range(forks.address(mm), len(mm))
+
+
+def touch_range(addr: int, length: int) -> None:
+    """``touch`` of the pages of ``[addr, addr + length)`` (a batch's range of a mapping)."""
+    if LIBC_MADVISE is not None and LIBC_MADVISE(addr, length, MADV_POPULATE_WRITE) == 0:
         return
-    view = memoryview(mm)
-    try:
-        for off in range(0, len(mm), mmap.PAGESIZE):
-            view[off] = view[off]  # a write fault that keeps the header (and data) intact
-    finally:
-        view.release()
+    view = (ctypes.c_uint8 * length).from_address(addr)
+    for off in range(0, length, mmap.PAGESIZE):
+        view[off] = view[off]  # a write fault that keeps the header (and data) intact
 
 
 #: ``madvise`` advice that maps every page of a range in for reading (Linux 5.14+).
@@ -163,5 +162,11 @@ def populate(mm: mmap.mmap) -> None:
     read-only, until written. Best effort: before Linux 5.14 the user's reads
     fault them in, as without it.
     """
-    if LIBC_MADVISE is not None and len(mm) > 0:
-        LIBC_MADVISE(forks.address(mm), len(mm), MADV_POPULATE_READ)
+    if len(mm) > 0:
+        populate_range(forks.address(mm), len(mm))
+
+
+def populate_range(addr: int, length: int) -> None:
+    """``populate`` of the pages of ``[addr, addr + length)``."""
+    if LIBC_MADVISE is not None and length > 0:
+        LIBC_MADVISE(addr, length, MADV_POPULATE_READ)

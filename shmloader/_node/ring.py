@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import enum
 import functools
 import json
@@ -32,7 +33,7 @@ import numpy as np
 
 from ..errors import ProtocolError, ShmCapacityError
 from . import cleanup, forks, ringdir, unmap
-from .mapping import touch
+from .mapping import touch, touch_range
 from .release import ReaderWords
 from .segment import (
     HEADER_SIZE,
@@ -628,10 +629,10 @@ class RingReader:
         view = private_view(
             segment, nbytes, on_release, unmapped, prefault=self.prefault, later=self.later
         )
-        mm = unmap.mapping_of(view)
-        if mm is not None:
+        holder = unmap.holder_of(view)
+        if holder is not None:
             self._mappings = [r for r in self._mappings if r() is not None]
-            self._mappings.append(weakref.ref(mm))
+            self._mappings.append(weakref.ref(holder))
         return view
 
     def own_views(self) -> int:
@@ -644,7 +645,8 @@ class RingReader:
             rewriting it. A reader that closes gives up its holds (BYE), and
             the writer may go on without it (other ranks, another epoch), so
             before it says BYE it makes each page of every batch the user
-            still holds its own copy (a write fault per page, ``touch``):
+            still holds its own copy (a write fault per page, ``touch``; of
+            the batch's range where it is lent from a standing mapping):
             held batches keep their bytes for as long as the user keeps them,
             at the cost of one copy of what is held. The releases of those
             batches are dropped quietly from then on.
@@ -652,12 +654,16 @@ class RingReader:
         unmap.settle()  # what the user dropped is unmapped (and released) first
         owned = 0
         for ref in self._mappings:
-            mm = ref()
-            if mm is None:
+            holder = ref()
+            if holder is None:
                 continue
             with forks.no_fork():  # a mapping the unmap thread retired is no batch held
-                if forks.registered(mm):
-                    touch(mm)  # on a MAP_PRIVATE mapping each write fault copies the page
+                if forks.registered(holder):
+                    # on a MAP_PRIVATE mapping each write fault copies the page
+                    if isinstance(holder, mmap.mmap):
+                        touch(holder)
+                    else:  # a lease of a standing mapping (NOTE [a standing mapping])
+                        touch_range(ctypes.addressof(holder), ctypes.sizeof(holder))
                     owned += 1
         self._mappings = []
         return owned

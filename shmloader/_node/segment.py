@@ -26,6 +26,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..errors import ConfigError, ProtocolError, ShmCapacityError
 from . import cleanup, forks, ringdir
@@ -299,6 +300,10 @@ def _shm_statvfs() -> os.statvfs_result | None:
         return None
 
 
+class _Droppable(Protocol):
+    def drop(self) -> None: ...
+
+
 class Segment:
     """A POSIX shm segment we created (``create``) or validated (``attach``).
 
@@ -314,6 +319,8 @@ class Segment:
         self.owner = os.getpid()  # NOTE [creator-only cleanup]
         self.directory = ring_dir()
         self.pages = ringdir.describe(self.directory)  # NOTE [huge-page ring]
+        #: the slot's standing mapping, dropped by ``close`` (NOTE [a standing mapping])
+        self.standing: _Droppable | None = None
         _OPEN.add(self)  # closed in a forked child: NOTE [no inherited descriptors]
 
     @property
@@ -460,6 +467,19 @@ class Segment:
         forks.let_go()  # views held for children that are gone since
         return mm
 
+    def map_standing(self) -> mmap.mmap:
+        """The whole payload, copy-on-write, never inherited by a forked child.
+
+        A slot's standing mapping (NOTE [a standing mapping] in ``standing``):
+        its batches are views of it in turn. Call inside ``forks.no_fork``.
+        """
+        if self.fd < 0:
+            raise ProtocolError(f"segment {self.name} is closed; its slot was retired")
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        mm = map_fd(self.fd, self.capacity, mmap.MAP_PRIVATE, prot, HEADER_SIZE, pages=self.pages)
+        forks.dont_fork(mm)
+        return mm
+
     def map_readonly(self) -> mmap.mmap:
         """The whole segment, read-only and MAP_SHARED: what a CUDA consumer registers.
 
@@ -485,6 +505,9 @@ class Segment:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self.standing is not None:
+            self.standing.drop()
+            self.standing = None
 
     def __repr__(self) -> str:
         return f"Segment({self.name!r}, {self.header.kind_name}, {self.capacity} bytes)"

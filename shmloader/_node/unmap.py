@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -18,6 +19,7 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 
@@ -37,6 +39,9 @@ log = logging.getLogger(__name__)
 #     one that takes from it, unmaps it (``mmap.close``) and drops it, which
 #     runs the mapping's finalizers: the slot's release still follows the
 #     unmap (NOTE [slot lifetime] in ``views``), only later and elsewhere.
+#     A batch lent from its slot's standing mapping is not unmapped: the
+#     thread drops the pages its user wrote and then releases it (NOTE [a
+#     standing mapping] in ``standing``).
 #     Before the unmap the mapping is retired for forks under ``no_fork``
 #     (``forks.retire``: never copied into a child, never inherited), and the
 #     unmap itself runs outside that lock, so neither a fork nor the loop
@@ -55,46 +60,56 @@ log = logging.getLogger(__name__)
 class _Unmapper:
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self.queue: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+        self.queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
         self.idle = threading.Condition()
         self.handed = 0  # mappings put on the queue
         self.done = 0  # mappings the thread is through with
 
-    def hand_over(self, mm: mmap.mmap) -> None:
-        """The lease's finalizer: queue ``mm``, starting the thread if it is not running.
+    def hand_over(self, job: Callable[[], None], here: bool) -> None:
+        """The lease's finalizer: queue ``job``, starting the thread if it is not running.
 
-        Takes no lock of ``forks`` (it may run inside a fork handler, from a
-        garbage collection); ``idle`` is re-entrant.
+        Where it is not queued (this thread unmaps its own, or no thread can
+        start) ``job`` runs here if ``here``, else it is dropped: a job that
+        holds a mapping unmaps it by dying. Never in a forked child. Takes no
+        lock of ``forks`` (it may run inside a fork handler, from a garbage
+        collection); ``idle`` is re-entrant.
         """
-        if os.getpid() != self.pid or getattr(_here, "unmaps", False):
-            return  # the finalizer's reference is the last: unmapped here, as before
+        if os.getpid() != self.pid:
+            return
+        if not getattr(_here, "unmaps", False) and self._queue(job):
+            return
+        if here:
+            job()
+
+    def _queue(self, job: Callable[[], None]) -> bool:
         with self.idle:
             if self.thread is None:
                 thread = threading.Thread(target=self._run, name="shmloader-unmap", daemon=True)
                 try:
                     thread.start()
-                except RuntimeError:  # no thread (interpreter exit, a limit): unmapped here
-                    return
+                except RuntimeError:  # no thread (interpreter exit, a limit)
+                    return False
                 self.thread = thread
             self.handed += 1
-            self.queue.put(mm)
+            self.queue.put(job)
+        return True
 
     def _run(self) -> None:
         while True:
             try:
-                mm = self.queue.get(timeout=IDLE_S)
+                job = self.queue.get(timeout=IDLE_S)
             except queue.Empty:
-                with self.idle:  # hand_over puts under this lock: nothing is left behind
+                with self.idle:  # _queue puts under this lock: nothing is left behind
                     if self.queue.empty():
                         self.thread = None
                         return
                 continue
             try:
-                _unmap(mm)
+                job()
             except Exception:  # a finalizer's error must not end the thread
                 log.exception("shmloader: unmapping a dropped batch failed")
-            del mm  # the mapping's finalizers (the slot's release) run here
+            del job  # a mapping's finalizers (the slot's release) run here
             with self.idle:
                 self.done += 1
                 self.idle.notify_all()
@@ -156,8 +171,36 @@ def lease(mm: mmap.mmap, at: int, nbytes: int) -> np.ndarray:
     """
     lent = (ctypes.c_uint8 * max(nbytes, 1)).from_address(forks.address(mm) + at)
     lent.mapping = weakref.ref(mm)  # type: ignore[attr-defined]
-    weakref.finalize(lent, _unmapper.hand_over, mm).atexit = False
+    job = functools.partial(_unmap, mm)
+    weakref.finalize(lent, _unmapper.hand_over, job, False).atexit = False
     return np.frombuffer(lent, dtype=np.uint8, count=nbytes)  # type: ignore[call-overload]
+
+
+def lend(
+    mm: mmap.mmap, nbytes: int, recycle: Callable[[], None]
+) -> tuple[np.ndarray, ctypes.Array]:
+    """A uint8 array of the first ``nbytes`` of ``mm`` (a standing mapping), and its lease.
+
+    When the last array or tensor made from it is gone, ``recycle`` runs on
+    the unmap thread (where it cannot, where the lease died): NOTE [a
+    standing mapping] in ``standing``. ``mm`` stays mapped meanwhile.
+    """
+    lent = (ctypes.c_uint8 * max(nbytes, 1)).from_address(forks.address(mm))
+    lent.mapping = weakref.ref(mm)  # type: ignore[attr-defined]
+    lent.standing = True  # type: ignore[attr-defined]
+    weakref.finalize(lent, _unmapper.hand_over, recycle, True).atexit = False
+    view = np.frombuffer(lent, dtype=np.uint8, count=nbytes)  # type: ignore[call-overload]
+    return view, lent
+
+
+def holder_of(view: np.ndarray) -> object | None:
+    """What a batch's view rests on: its lease where that is in a standing mapping, else
+    its own mapping (``mapping_of``)."""
+    base = view.base
+    for lent in (base, getattr(base, "obj", None)):
+        if getattr(lent, "standing", False):
+            return lent
+    return mapping_of(view)
 
 
 def mapping_of(view: np.ndarray) -> mmap.mmap | None:

@@ -7,7 +7,8 @@ word stored once the pages are gone; the address registry of every live view
 (``view_source``: which slot an address lies in) and the read-only shared mapping a
 CUDA consumer registers (``map_shared_readonly``: NOTE [device reads]). The writer's
 own views and every reader's (``ring.RingReader``) are made here. It touches only the
-segments it is given, and imports only ``mapping``, ``segment`` and ``unmap``.
+segments it is given, and imports only ``forks``, ``mapping``, ``segment``, ``standing``
+and ``unmap``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import unmap
+from . import forks, standing, unmap
 from .mapping import populate
 from .segment import HEADER_SIZE, Segment
 
@@ -38,7 +39,9 @@ def _in_creator(creator: int, fn: Callable[[], None]) -> None:
 #     of that batch is garbage), so a batch never changes under a reader that
 #     still holds any part of it (where a loop runs ahead, the mapping dies
 #     on the unmap thread, after its unmap: NOTE [unmapped off the step] in
-#     ``unmap``). The writer therefore never rewrites a HELD
+#     ``unmap``; where the batch is lent from the slot's standing mapping,
+#     after the pages its user wrote are dropped from it: NOTE [a standing
+#     mapping] in ``standing``). The writer therefore never rewrites a HELD
 #     slot: it takes a FREE one or grows the ring by one slot. Growth is
 #     bounded by the window rule in ``node_writer`` (a writer runs at most
 #     ``slots`` batches ahead of its slowest reader) plus what readers
@@ -68,6 +71,12 @@ def private_view(
     ``release``) runs then too, but only once the pages are unmapped: never
     at interpreter exit, when the mapping is still there.
     """
+    entry = (segment, nbytes)
+    release = functools.partial(_in_creator, os.getpid(), on_release)
+    if later and nbytes >= unmap.LEASE_MIN_BYTES:
+        view = _standing_view(segment, nbytes, entry, release, unmapped, prefault)
+        if view is not None:
+            return view
     mm, at = segment.map_view(nbytes)  # in a huge-page ring from the header on: whole pages
     if prefault:
         populate(mm)
@@ -76,13 +85,42 @@ def private_view(
     else:
         view = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=at)
     address = view.__array_interface__["data"][0]
-    entry = (segment, nbytes)
     _VIEWS[address] = entry
-    release = functools.partial(_in_creator, os.getpid(), on_release)
     weakref.finalize(mm, _view_died, address, entry, release)
     if unmapped is not None:
         # CPython's mmap runs munmap before it calls its weak references back
         weakref.finalize(mm, _in_creator, os.getpid(), unmapped).atexit = False
+    return view
+
+
+def _standing_view(
+    segment: Segment,
+    nbytes: int,
+    entry: tuple[Segment, int],
+    release: Callable[[], None],
+    unmapped: Callable[[], None] | None,
+    prefault: bool,
+) -> np.ndarray | None:
+    """A batch's view lent from the slot's standing mapping; None where it has none.
+
+    Released as any view, after its recycle dropped what the batch wrote
+    (NOTE [a standing mapping] in ``standing``).
+    """
+    with forks.no_fork():  # a child gets the view registered: NOTE [batches cross a fork]
+        stand = standing.take(segment, nbytes, prefault=prefault)
+        if stand is None:
+            return None
+        address = stand.base
+
+        def done() -> None:
+            _view_died(address, entry, release)
+            if unmapped is not None:
+                unmapped()  # recycle runs it only in the creator
+
+        view, lent = unmap.lend(stand.mm, nbytes, functools.partial(stand.recycle, nbytes, done))
+        _VIEWS[address] = entry
+        forks.copy_at_fork(lent, address, nbytes)
+    forks.let_go()  # views held for children that are gone since
     return view
 
 

@@ -336,15 +336,17 @@ def _scenario(*args: object) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize(("threads", "per_thread"), [(2, 40), (8, 25)])
+@pytest.mark.parametrize(("threads", "per_thread", "later"), [(2, 40, 0), (8, 25, 0), (8, 25, 1)])
 def test_forks_from_many_threads_at_once_give_every_child_the_batch_it_inherited(
-    threads, per_thread
+    threads, per_thread, later
 ) -> None:
     """NOTE [batches cross a fork] (forks): threads fork at the same time while another
     maps new views; every child reads the view it inherited as the parent held it,
     after the parent dropped it and the slot was rewritten, and no fork waits for
-    another fork's child (the scenario waits 10 s at most for a child's copy)."""
-    out = _scenario("racing", threads, per_thread, 1 << 20)
+    another fork's child (the scenario waits 10 s at most for a child's copy).
+    ``later``: leased views, lent from the slot's standing mapping while it is free
+    (NOTE [a standing mapping])."""
+    out = _scenario("racing", threads, per_thread, 1 << 20, later)
     n = threads * per_thread
     assert out["children"] == n
     assert out["read_other"] == 0, f"{out['read_other']} of {n} children read the rewritten slot"
@@ -363,25 +365,46 @@ def test_os_fork_returns_once_the_child_has_its_copy() -> None:
         assert not out["held_for_child"] and out["warnings"] == [], out
 
 
-def test_a_child_under_an_address_space_limit_copies_its_batch_in_pieces() -> None:
+@pytest.mark.parametrize("later", [0, 1])
+def test_a_child_under_an_address_space_limit_copies_its_batch_in_pieces(later) -> None:
     """Room for 16 MiB more, a 64 MiB batch: the copy is made 2 MiB at a time; the
     child reads its batch after the parent released the slot and it was rewritten."""
-    out = _scenario("limited", 64 << 20, 16 << 20)
+    out = _scenario("limited", 64 << 20, 16 << 20, later)
     assert out["signalled"] == 0, "the child died of a signal reading its batch"
     assert out["read_batch"] == 1, out
     assert not out["held_for_child"], "the copy failed: the slot stayed held for the child"
     assert out["warnings"] == [], out["warnings"]
 
 
-def test_a_child_that_cannot_copy_reads_its_batch_from_a_slot_held_until_it_exits() -> None:
+@pytest.mark.parametrize("later", [0, 1])
+def test_a_child_that_cannot_copy_reads_its_batch_from_a_slot_held_until_it_exits(later) -> None:
     """No room for even a piece: the child reads the view it inherited, never a fault;
-    the parent keeps the slot from reuse until the child is gone, and says so once."""
-    out = _scenario("limited", 64 << 20, 1_000_000)
+    the parent keeps the slot from reuse until the child is gone, and says so once.
+    ``later``: the batch is lent from its slot's standing mapping."""
+    out = _scenario("limited", 64 << 20, 1_000_000, later)
     assert out["signalled"] == 0, "the child died of a signal reading its batch"
     assert out["read_batch"] == 1, out
     assert out["held_for_child"], "the slot was released while the child still maps it"
     assert out["released_after"], "the slot stayed held after the child was gone"
     assert len(out["warnings"]) == 1 and "could not copy" in out["warnings"][0], out
+
+
+def test_a_batch_of_a_standing_mapping_crosses_a_fork_and_leaves_no_write_behind() -> None:
+    """NOTE [a standing mapping] (standing): a held batch lent from its slot's standing
+    mapping, written into, reaches a forked child as the parent had it, and the child
+    maps no slot at all (not the rest of the standing mapping either, nor does a later
+    fork); once the batch is dropped, the slot's next batch through the same mapping
+    shows none of the write."""
+    out = _scenario("standing", 4 << 20)
+    assert out["read_batch"] == 2 and out["signalled"] == 0, out
+    assert out["child_read"], "the child did not read the batch it held at the fork"
+    assert out["child_slots"] == [], f"the child maps slots: {out['child_slots']}"
+    # the rest of the standing mapping is held in the child, inaccessible (forks.NOT_FORKED)
+    assert out["child_past"] == "---p", f"past the batch in the child: {out['child_past']!r}"
+    assert out["later_child_slots"] == [], "a later fork inherited the range lent to an earlier"
+    assert out["released"], "the dropped batch was not released"
+    assert out["same_mapping"], "the next batch was not lent from the standing mapping"
+    assert out["next_batch"], "the next batch shows the previous batch's write"
 
 
 def _mapping_kind(maps: str, addr: int) -> str:

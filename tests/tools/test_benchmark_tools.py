@@ -66,4 +66,6 @@ def test_pagetables_times_each_step_of_a_view_in_each_directory(tmp_path) -> Non
     assert set(done) | skipped == {"/dev/shm", "huge-page tmpfs"} and "/dev/shm" in done
     for row in done.values():
         assert all(len(row[step]) == 2 for step in ("mmap", "populate", "munmap")), row
+    # a standing mapping's recycle: where the ring keeps one (4 KiB pages)
+    assert len(done["/dev/shm"]["recycle"]) == 2 and len(done["/dev/shm"]["recycle 1/64"]) == 2
     assert "| /dev/shm | 4 KiB |" in (tmp_path / "pagetables.md").read_text()

@@ -3,13 +3,14 @@ the unmap thread, after its unmap, never on the thread that dropped it."""
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 
 import pytest
 import torch
 
-from shmloader._node import unmap
+from shmloader._node import standing, unmap
 from shmloader._node.ring import RingReader, RingWriter, new_token
 from shmloader._node.views import private_view
 
@@ -37,14 +38,28 @@ def _mapped(addr: int) -> bool:
     return False
 
 
-def _dropped(slot, *, later: bool, nbytes: int = NBYTES) -> list[tuple[str, str, bool]]:
-    """Map a view, read it through a tensor, drop it on this thread; what ran where."""
-    events: list[tuple[str, str, bool]] = []
+@pytest.fixture(params=["own", "standing"])
+def way(request, monkeypatch) -> str:
+    """A view of its own per batch, or a slot's standing mapping (NOTE [a standing mapping])."""
+    if request.param == "own":
+        monkeypatch.setattr(standing, "_enabled", False)
+    return request.param
+
+
+def _dropped(slot, *, later: bool, nbytes: int = NBYTES) -> list[tuple[str, str, str]]:
+    """Map a view, write into it and read it through a tensor, drop it on this thread; what
+    ran where, and what the view's address held then: ``unmapped`` (no slot), ``clean`` (the
+    slot's bytes again, the write dropped) or ``dirty`` (the batch's write still there)."""
+    events: list[tuple[str, str, str]] = []
     done = threading.Event()
     addr = 0
 
     def seen(what: str) -> None:
-        events.append((what, threading.current_thread().name, _mapped(addr)))
+        if not _mapped(addr):
+            state = "unmapped"
+        else:
+            state = "clean" if ctypes.c_uint8.from_address(addr + 8).value == 5 else "dirty"
+        events.append((what, threading.current_thread().name, state))
         if len(events) == 2:
             done.set()
 
@@ -55,28 +70,32 @@ def _dropped(slot, *, later: bool, nbytes: int = NBYTES) -> list[tuple[str, str,
     t = torch.from_numpy(view)[1:]  # a tensor of the batch holds it, as a user's does
     del view
     assert int(t[7]) == 5 and _mapped(addr)
+    t[7] = 77  # the user's own write: a private page
+    assert slot.payload[8] == 5
     del t
     assert done.wait(10), f"the dropped view was not unmapped and released: {events}"
     return events
 
 
-def test_a_dropped_view_is_unmapped_and_released_on_the_unmap_thread(slot) -> None:
+def test_a_dropped_view_is_unmapped_and_released_on_the_unmap_thread(slot, way) -> None:
+    """After its unmap, or (a standing mapping) after the batch's writes were dropped."""
+    after = "unmapped" if way == "own" else "clean"
     for _ in range(3):
         events = _dropped(slot, later=True)
         # both after the unmap (the address holds no slot any more), both on its thread
         assert sorted(events) == [
-            ("released", "shmloader-unmap", False),
-            ("unmapped", "shmloader-unmap", False),
+            ("released", "shmloader-unmap", after),
+            ("unmapped", "shmloader-unmap", after),
         ], events
 
 
 def test_without_later_the_dropping_thread_unmaps_as_before(slot) -> None:
     here = threading.current_thread().name
     events = _dropped(slot, later=False)
-    assert sorted(events) == [("released", here, False), ("unmapped", here, False)], events
+    assert sorted(events) == [("released", here, "unmapped"), ("unmapped", here, "unmapped")]
 
 
-def test_settle_returns_once_every_dropped_view_is_released(slot) -> None:
+def test_settle_returns_once_every_dropped_view_is_released(slot, way) -> None:
     released: list[int] = []
     views = [
         private_view(slot.segment, NBYTES, lambda i=i: released.append(i), later=True)
@@ -87,7 +106,7 @@ def test_settle_returns_once_every_dropped_view_is_released(slot) -> None:
     assert sorted(released) == list(range(5))
 
 
-def test_the_unmap_thread_ends_when_idle_and_starts_again(slot) -> None:
+def test_the_unmap_thread_ends_when_idle_and_starts_again(slot, way) -> None:
     def running() -> bool:
         return any(t.name == "shmloader-unmap" for t in threading.enumerate())
 
@@ -100,7 +119,7 @@ def test_the_unmap_thread_ends_when_idle_and_starts_again(slot) -> None:
     assert {e[1] for e in events} == {"shmloader-unmap"}
 
 
-def test_a_reader_closing_owns_only_what_the_user_still_holds(slot) -> None:
+def test_a_reader_closing_owns_only_what_the_user_still_holds(slot, way) -> None:
     """NOTE [held past close] (ring): views dropped but not yet unmapped are no batch held."""
     reader = RingReader(slot.segment.name.split("-")[1])
     reader.later = True
@@ -115,7 +134,7 @@ def test_a_reader_closing_owns_only_what_the_user_still_holds(slot) -> None:
     reader.close()
 
 
-def test_a_small_view_and_a_loop_threads_drop_are_unmapped_where_they_die(slot) -> None:
+def test_a_small_view_and_a_loop_threads_drop_are_unmapped_where_they_die(slot, way) -> None:
     """Under ``LEASE_MIN_BYTES`` the unmap is cheaper than the hand-over; on a thread that
     unmaps its own (a loop's, ``unmap_here``) a release must not wait for another thread."""
     here = threading.current_thread().name

@@ -100,16 +100,16 @@ def _reserve_in_child() -> None:
     if not NOT_FORKED or LIBC_MMAP is None:
         return
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED_NOREPLACE
-    lent = sorted(_current.lent) if _current is not None else []
+    inherited = sorted(_current.inherited) if _current is not None else []
     for addr, (ref, length) in list(NOT_FORKED.items()):
         mm = ref()
         if mm is None or mm.closed:
             continue
         # NOREPLACE: never over anything the child has (an old kernel treats it
         # as a hint; a range placed elsewhere is then simply not needed). Around
-        # the ranges of a standing mapping lent to this fork (``_lend``).
+        # the ranges of a standing mapping this fork's child inherits (``_pass_down``).
         at = addr
-        for start, n in lent:
+        for start, n in inherited:
             if addr <= start < addr + length:
                 if start > at:
                     LIBC_MMAP(at, start - at, 0, flags, -1, 0)
@@ -139,7 +139,7 @@ os.register_at_fork(after_in_child=_reserve_in_child)
 #       the child reads the batch as the parent had it at the fork, its
 #       writes stay its own, and it holds no page of the slot afterwards
 #       (a batch in its slot's standing mapping, which no child gets, is
-#       lent to this fork alone: ``MADV_DOFORK`` on its range in the
+#       passed down to this fork alone: ``MADV_DOFORK`` on its range in the
 #       parent's handler, ``MADV_DONTFORK`` again before the gate opens,
 #       the rest of the standing mapping reserved around it in the child;
 #       NOTE [a standing mapping] in ``standing``);
@@ -236,7 +236,7 @@ def copy_at_fork(holder: object, addr: int | None = None, length: int | None = N
 
     ``holder``: the view's own mapping, or (with ``addr`` and ``length``) the
     lease of its range in a standing mapping (NOTE [a standing mapping] in
-    ``standing``), which is lent to each fork (``MADV_DOFORK``) while it lives.
+    ``standing``), whose range each fork passes down (``MADV_DOFORK``) while it lives.
     Call inside ``no_fork``, in the block that made the view.
     """
     if addr is None or length is None:
@@ -308,7 +308,7 @@ class _Fork:
         self.copy: list[tuple[mmap.mmap, int, int]] = []  # alive until the child copied
         self.drop: list[tuple[mmap.mmap, int, int]] = []  # alive until the fork is done
         self.pipe: tuple[int, int] | None = None  # the child answers on it
-        self.lent: list[tuple[int, int]] = []  # ranges of standing mappings the child gets
+        self.inherited: list[tuple[int, int]] = []  # ranges of standing mappings the child gets
 
 
 #: The fork in progress: set and read only while the forking thread holds ``_GATE``.
@@ -329,7 +329,7 @@ def _before_fork() -> None:
                 fork.drop.append((mm, addr, length))
                 continue
             length = -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
-            if _not_forked(addr) and not _lend(addr, length, fork):
+            if _not_forked(addr) and not _pass_down(addr, length, fork):
                 continue  # the child cannot have it (logged): it is reserved there
             fork.copy.append((mm, addr, length))
         if fork.copy:
@@ -350,12 +350,12 @@ def _not_forked(addr: int) -> bool:
     return False
 
 
-def _lend(addr: int, length: int, fork: _Fork) -> bool:
+def _pass_down(addr: int, length: int, fork: _Fork) -> bool:
     """Let this fork's child inherit ``[addr, addr + length)`` of a standing mapping."""
     if LIBC_MADVISE is None or LIBC_MADVISE(addr, length, MADV_DOFORK) != 0:
-        log.warning("shmloader: a held batch could not be lent to a forked child (%d B)", length)
+        log.warning("shmloader: a held batch could not reach a forked child (%d B)", length)
         return False
-    fork.lent.append((addr, length))
+    fork.inherited.append((addr, length))
     return True
 
 
@@ -440,10 +440,10 @@ def _after_fork_parent() -> None:
     if fork is None:
         return
     fork.drop.clear()  # the child has them, or denied them: the parent's may go
-    for addr, length in fork.lent:  # before the gate opens: only this fork's child had them
+    for addr, length in fork.inherited:  # before the gate opens: only this fork's child had them
         if LIBC_MADVISE is not None:
             LIBC_MADVISE(addr, length, MADV_DONTFORK)
-    fork.lent.clear()
+    fork.inherited.clear()
     try:
         if fork.pipe is not None:
             # the child's end is then the only one: EOF when it is gone. Closed while the

@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 #     follows the recycle; a batch that still finds it BUSY maps its own
 #     view, as everywhere else). A forked child never gets a standing
 #     mapping (``MADV_DONTFORK``: its range is reserved in the child), only
-#     the ranges of batches its user code holds, lent to that fork alone
+#     the ranges of batches its user code holds, passed down to that fork alone
 #     and copied in the child like any view (NOTE [batches cross a fork] in
 #     ``forks``). Huge-page rings keep a view per batch: there both costs
 #     together are 0.2 ms.
@@ -77,10 +77,10 @@ class Standing:
         self.closed = False
         self.faulted = 0  # bytes from the start whose pages were faulted in once
 
-    def lend(self, nbytes: int, *, prefault: bool) -> None:
-        """Mark the mapping BUSY for a batch of ``nbytes`` (``take`` chose it)."""
+    def fault_in(self, nbytes: int) -> None:
+        """Map the pages of a batch of ``nbytes`` in, those no batch had before."""
         end = min(_round_up(nbytes), self.size)
-        if prefault and end > self.faulted:
+        if end > self.faulted:
             populate_range(self.base + self.faulted, end - self.faulted)
             self.faulted = end
 
@@ -141,7 +141,8 @@ def take(segment: Segment, nbytes: int, *, prefault: bool) -> Standing | None:
     if stand.busy:
         return None
     stand.busy = True
-    stand.lend(nbytes, prefault=prefault)
+    if prefault:
+        stand.fault_in(nbytes)
     return stand
 
 

@@ -176,7 +176,7 @@ def lease(mm: mmap.mmap, at: int, nbytes: int) -> np.ndarray:
     return np.frombuffer(lent, dtype=np.uint8, count=nbytes)  # type: ignore[call-overload]
 
 
-def lend(
+def lease_standing(
     mm: mmap.mmap, nbytes: int, recycle: Callable[[], None]
 ) -> tuple[np.ndarray, ctypes.Array]:
     """A uint8 array of the first ``nbytes`` of ``mm`` (a standing mapping), and its lease.

@@ -117,9 +117,10 @@ def _standing_view(
             if unmapped is not None:
                 unmapped()  # recycle runs it only in the creator
 
-        view, lent = unmap.lend(stand.mm, nbytes, functools.partial(stand.recycle, nbytes, done))
+        recycle = functools.partial(stand.recycle, nbytes, done)
+        view, lease = unmap.lease_standing(stand.mm, nbytes, recycle)
         _VIEWS[address] = entry
-        forks.copy_at_fork(lent, address, nbytes)
+        forks.copy_at_fork(lease, address, nbytes)
     forks.let_go()  # views held for children that are gone since
     return view
 

@@ -401,7 +401,9 @@ def test_a_batch_of_a_standing_mapping_crosses_a_fork_and_leaves_no_write_behind
     assert out["child_slots"] == [], f"the child maps slots: {out['child_slots']}"
     # the rest of the standing mapping is held in the child, inaccessible (forks.NOT_FORKED)
     assert out["child_past"] == "---p", f"past the batch in the child: {out['child_past']!r}"
-    assert out["later_child_slots"] == [], "a later fork inherited the range lent to an earlier"
+    assert out["later_child_slots"] == [], (
+        "a later fork inherited the range passed down to an earlier one"
+    )
     assert out["released"], "the dropped batch was not released"
     assert out["same_mapping"], "the next batch was not lent from the standing mapping"
     assert out["next_batch"], "the next batch shows the previous batch's write"

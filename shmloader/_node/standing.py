@@ -153,7 +153,7 @@ _enabled = True
 _PRESENT, _SWAPPED, _FILE = 1 << 63, 1 << 62, 1 << 61
 MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 _pagemap_fd: tuple[int, int] | None = None  # (pid, descriptor): a child opens its own
-_pagemap_lock = threading.Lock()
+_pagemap_lock = threading.RLock()  # a recycle run inline (a finalizer) may nest in it
 
 
 def _pagemap() -> int | None:

@@ -51,8 +51,8 @@ log = logging.getLogger(__name__)
 #     anonymous page, present or swapped); the range shows the slot's pages
 #     again, and only then is the slot released (NOTE [slot lifetime] in
 #     ``views``): a slot's next batch is never seen through a page written
-#     for the one before. That costs 2-3 ms per 256 MiB where the batch's
-#     own view cost 51 ms. Where pagemap cannot be read or a drop fails the
+#     for the one before. That costs 4-5 ms per 256 MiB where the batch's
+#     own view cost 30-51 ms. Where pagemap cannot be read or a drop fails the
 #     standing mapping is unmapped instead (the next batch maps a new one),
 #     and after a failure to read pagemap this process stops making them.
 #

@@ -169,11 +169,7 @@ def lease(mm: mmap.mmap, at: int, nbytes: int) -> np.ndarray:
     then the unmap thread unmaps and drops it (NOTE [unmapped off the step]).
     ``mapping_of`` finds ``mm`` again from the result.
     """
-    lent = (ctypes.c_uint8 * max(nbytes, 1)).from_address(forks.address(mm) + at)
-    lent.mapping = weakref.ref(mm)  # type: ignore[attr-defined]
-    job = functools.partial(_unmap, mm)
-    weakref.finalize(lent, _unmapper.hand_over, job, False).atexit = False
-    return np.frombuffer(lent, dtype=np.uint8, count=nbytes)  # type: ignore[call-overload]
+    return _lend(mm, at, nbytes, functools.partial(_unmap, mm), here=False)[0]
 
 
 def lease_standing(
@@ -185,10 +181,19 @@ def lease_standing(
     the unmap thread (where it cannot, where the lease died): NOTE [a
     standing mapping] in ``standing``. ``mm`` stays mapped meanwhile.
     """
-    lent = (ctypes.c_uint8 * max(nbytes, 1)).from_address(forks.address(mm))
-    lent.mapping = weakref.ref(mm)  # type: ignore[attr-defined]
+    view, lent = _lend(mm, 0, nbytes, recycle, here=True)
     lent.standing = True  # type: ignore[attr-defined]
-    weakref.finalize(lent, _unmapper.hand_over, recycle, True).atexit = False
+    return view, lent
+
+
+def _lend(
+    mm: mmap.mmap, at: int, nbytes: int, job: Callable[[], None], *, here: bool
+) -> tuple[np.ndarray, ctypes.Array]:
+    """A lease (a ``ctypes`` array over ``mm``'s bytes that owns nothing) whose death hands
+    ``job`` to the unmap thread, and a uint8 array resting on it."""
+    lent = (ctypes.c_uint8 * max(nbytes, 1)).from_address(forks.address(mm) + at)
+    lent.mapping = weakref.ref(mm)  # type: ignore[attr-defined]
+    weakref.finalize(lent, _unmapper.hand_over, job, here).atexit = False
     view = np.frombuffer(lent, dtype=np.uint8, count=nbytes)  # type: ignore[call-overload]
     return view, lent
 
